@@ -1,0 +1,3 @@
+from dspark_calib.cli import main
+
+main()

@@ -1,0 +1,441 @@
+"""The cost table and its parquet file format.
+
+Format history (SCHEMA_VERSION, "major.minor"):
+
+* 1.0 (dspark-calib 0.1.0): first format. One parquet file per table, long format:
+  every row is a fitted curve point (record "draft" or "verify") or a raw timed
+  sample (record "sample"); columns that do not apply to a row are null. Table
+  metadata is JSON under the parquet key-value metadata key ``dspark_calib``:
+  schema_version, tool_version, created_at (UTC, ISO 8601), content_hash and
+  fingerprint (see fingerprint.py). Page checksums are written and verified.
+
+Compatibility rules: a reader accepts every minor version of its major. An older
+minor is migrated on read by ``_MIGRATIONS`` (columns it lacked are filled with
+nulls); unknown fingerprint keys from a newer minor are kept under
+``fingerprint.extra``. A newer major is refused, naming both versions. A minor
+bump may only add optional columns or keys; anything else is a major bump.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dspark_calib import __version__
+from dspark_calib.errors import CalibError
+from dspark_calib.fingerprint import Fingerprint, merge_mismatches
+from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair, build_cost_tables, fit_curves
+from dspark_calib.samples import Sample
+
+SCHEMA_VERSION = "1.0"
+METADATA_KEY = b"dspark_calib"
+RECORD_SAMPLE = "sample"
+RECORD_KINDS = (DRAFT, VERIFY, RECORD_SAMPLE)
+
+# Column -> arrow type, in file order. The README documents each one.
+COLUMNS: dict[str, pa.DataType] = {
+    "record": pa.string(),  # "draft" | "verify" | "sample"
+    "context_len": pa.int64(),  # all rows
+    # fitted curve points (record draft/verify)
+    "size": pa.int64(),  # num_reqs (draft) or num_target_tokens (verify)
+    "cost_ms": pa.float64(),  # median: what vLLM uses
+    "n": pa.int64(),
+    "min_ms": pa.float64(),
+    "p25_ms": pa.float64(),
+    "p75_ms": pa.float64(),
+    "max_ms": pa.float64(),
+    "mad_ms": pa.float64(),
+    # raw samples (record sample): vLLM's StepTimingSample fields + replay index
+    "replay": pa.int64(),
+    "forward_ms": pa.float64(),
+    "drafter_ms": pa.float64(),
+    "num_target_tokens": pa.int64(),
+    "num_reqs": pa.int64(),
+    "full_cudagraph": pa.bool_(),
+}
+SCHEMA = pa.schema(list(COLUMNS.items()))
+CURVE_COLUMNS = ("size", "cost_ms", "n", "min_ms", "p25_ms", "p75_ms", "max_ms", "mad_ms")
+SAMPLE_COLUMNS = ("context_len", "replay", "forward_ms", "drafter_ms", "num_target_tokens", "num_reqs", "full_cudagraph")
+
+
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True, eq=False)
+class CostTable:
+    fingerprint: Fingerprint
+    curves: dict[int, CurvePair]  # context_len -> curve pair
+    samples: pd.DataFrame  # SAMPLE_COLUMNS; columnar so 100k samples load fast
+    created_at: str = field(default_factory=_utc_now)
+    tool_version: str = __version__
+    schema_version: str = SCHEMA_VERSION
+
+    @classmethod
+    def from_samples(cls, samples: Iterable[Sample], fingerprint: Fingerprint, **kw: Any) -> "CostTable":
+        samples = list(samples)
+        if not samples:
+            raise CalibError("no samples to fit")
+        curves = fit_curves(samples)
+        frame = pd.DataFrame({c: [getattr(s, c) for s in samples] for c in SAMPLE_COLUMNS})
+        fingerprint = fingerprint.replace(context_lens=tuple(sorted(curves)))
+        table = cls(fingerprint=fingerprint, curves=curves, samples=frame, **kw)
+        table.validate()
+        return table
+
+    # -- identity -----------------------------------------------------------------
+    @property
+    def content_hash(self) -> str:
+        """sha256 over the fingerprint and every curve's (size, cost): what vLLM would use."""
+        fp = self.fingerprint.to_dict()
+        fp.pop("extra", None)  # notes do not change what the table means
+        body = {
+            "fingerprint": fp,
+            "curves": {
+                str(ctx): {kind: pair.curve(kind).as_vllm() for kind in CURVE_KINDS}
+                for ctx, pair in sorted(self.curves.items())
+            },
+        }
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(canonical).hexdigest()
+
+    @property
+    def short_hash(self) -> str:
+        return self.content_hash[:12]
+
+    def default_filename(self) -> str:
+        fp = self.fingerprint
+
+        def slug(text: str) -> str:
+            return re.sub(r"[^A-Za-z0-9.]+", "-", os.path.basename(str(text).rstrip("/"))).strip("-").lower()
+
+        parts = [slug(fp.target_model), slug(fp.draft_model), f"tp{fp.tensor_parallel_size}", slug(fp.gpu_name), self.short_hash]
+        return "__".join(p for p in parts if p) + ".parquet"
+
+    # -- use ----------------------------------------------------------------------
+    def context_lens(self) -> list[int]:
+        return sorted(self.curves)
+
+    def nearest_context(self, context_len: int | None) -> int:
+        """The profiled context length closest to `context_len` (ties: the longer, the safer cost)."""
+        lens = self.context_lens()
+        if context_len is None:
+            return lens[-1] if 8192 not in lens else 8192
+        return min(lens, key=lambda c: (abs(c - context_len), -c))
+
+    def pair(self, context_len: int | None = None) -> CurvePair:
+        return self.curves[self.nearest_context(context_len)]
+
+    def dense_tables(self, context_len: int | None = None, *, max_num_reqs: int | None = None,
+                     max_num_batched_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """vLLM's dense tables for the engine this table was profiled on (or the given limits)."""
+        fp = self.fingerprint
+        draft, verify = self.pair(context_len).as_vllm()
+        return build_cost_tables(draft, verify, max_num_reqs or fp.max_num_seqs,
+                                 max_num_batched_tokens or fp.max_num_batched_tokens, fp.cudagraph_limit)
+
+    def iter_samples(self, context_len: int | None = None) -> list[Sample]:
+        frame = self.samples if context_len is None else self.samples[self.samples.context_len == context_len]
+        return [Sample(**row) for row in frame.to_dict("records")]
+
+    # -- checks -------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise CalibError on anything vLLM could not use or that makes no sense."""
+        if not self.curves:
+            raise CalibError("table has no curves")
+        if sorted(self.curves) != sorted(self.fingerprint.context_lens):
+            raise CalibError(f"curves cover context lengths {sorted(self.curves)} but the fingerprint says "
+                             f"{list(self.fingerprint.context_lens)}")
+        for ctx, pair in self.curves.items():
+            for kind in CURVE_KINDS:
+                curve = pair.curve(kind)
+                where = f"{kind} curve at context {ctx}"
+                if len(curve) == 0:
+                    raise CalibError(f"{where} is empty")
+                if (curve.size <= 0).any() or (np.diff(curve.size) <= 0).any():
+                    raise CalibError(f"{where}: sizes must be positive and strictly increasing")
+                costs = np.stack([curve.cost_ms, curve.min_ms, curve.p25_ms, curve.p75_ms, curve.max_ms])
+                if not np.isfinite(curve.cost_ms).all() or (costs[np.isfinite(costs)] < 0).any():
+                    raise CalibError(f"{where}: costs must be finite and >= 0")
+                if (curve.n < 1).any():
+                    raise CalibError(f"{where}: every point needs n >= 1")
+        s = self.samples
+        if len(s):
+            for col in ("forward_ms", "drafter_ms"):
+                vals = s[col].to_numpy(dtype=np.float64, na_value=np.nan)
+                if not np.isfinite(vals).all() or (vals < 0).any():
+                    raise CalibError(f"sample {col} must be finite and >= 0")
+            for col in ("num_target_tokens", "num_reqs", "context_len"):
+                if s[col].isna().any() or (s[col] <= 0).any():
+                    raise CalibError(f"sample {col} must be a positive integer")
+            if s["replay"].isna().any() or (s["replay"] < 0).any() or s["full_cudagraph"].isna().any():
+                raise CalibError("sample replay/full_cudagraph missing or negative")
+
+    # -- combining ----------------------------------------------------------------
+    def with_samples_refit(self, frame: pd.DataFrame, fingerprint: Fingerprint) -> "CostTable":
+        samples = [Sample(**row) for row in frame.to_dict("records")]
+        return CostTable.from_samples(samples, fingerprint)
+
+
+def merge_tables(tables: Sequence[CostTable]) -> CostTable:
+    """One table from several runs of the same engine: samples pooled, curves refitted.
+
+    Refused when any MERGE_KEYS key differs (naming it and both values) or a table
+    has no raw samples (its curves cannot be refitted honestly).
+    """
+    if not tables:
+        raise CalibError("nothing to merge")
+    first = tables[0]
+    for other in tables[1:]:
+        bad = merge_mismatches(first.fingerprint, other.fingerprint)
+        if bad:
+            m = bad[0]
+            raise CalibError(f"cannot merge tables profiled differently: {m.key} is {m.table_value!r} in "
+                             f"{first.short_hash} but {m.engine_value!r} in {other.short_hash}")
+    for t in tables:
+        if t.samples.empty:
+            raise CalibError(f"table {t.short_hash} has no raw samples to merge")
+    frames = []
+    offset = 0
+    for t in tables:  # keep replay indices distinct across runs
+        f = t.samples.copy()
+        f["replay"] = f["replay"] + offset
+        offset = int(f["replay"].max()) + 1
+        frames.append(f)
+    extra = dict(first.fingerprint.extra, merged_from=[t.short_hash for t in tables])
+    fp = first.fingerprint.replace(
+        replays=sum(t.fingerprint.replays for t in tables),
+        warmup_replays=max(t.fingerprint.warmup_replays for t in tables),
+        extra=extra,
+    )
+    return first.with_samples_refit(pd.concat(frames, ignore_index=True), fp)
+
+
+# -- the file -------------------------------------------------------------------------
+def to_arrow(table: CostTable) -> pa.Table:
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in COLUMNS}
+    n_total = 0
+
+    def add(n: int, values: dict[str, Any]) -> None:
+        nonlocal n_total
+        for name in COLUMNS:
+            v = values.get(name)
+            columns[name].append(np.asarray(v) if v is not None else None)
+        sizes.append(n)
+        n_total += n
+
+    sizes: list[int] = []
+    for ctx, pair in sorted(table.curves.items()):
+        for kind in CURVE_KINDS:
+            curve = pair.curve(kind)
+            n = len(curve)
+            add(n, {"record": np.full(n, kind, dtype=object), "context_len": np.full(n, ctx, dtype=np.int64),
+                    **{c: getattr(curve, c) for c in CURVE_COLUMNS}})
+    s = table.samples
+    add(len(s), {"record": np.full(len(s), RECORD_SAMPLE, dtype=object),
+                 **{c: s[c].to_numpy() for c in SAMPLE_COLUMNS}})
+    arrays = []
+    for name, typ in COLUMNS.items():
+        chunks = [pa.array(v, type=typ) if v is not None else pa.nulls(n, type=typ)
+                  for v, n in zip(columns[name], sizes)]
+        arrays.append(pa.concat_arrays(chunks) if chunks else pa.array([], type=typ))
+    meta = {
+        "schema_version": table.schema_version,
+        "tool_version": table.tool_version,
+        "created_at": table.created_at,
+        "content_hash": table.content_hash,
+        "fingerprint": table.fingerprint.to_dict(),
+    }
+    return pa.Table.from_arrays(arrays, schema=SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta).encode()}))
+
+
+def write_table(table: CostTable, path: str | os.PathLike) -> str:
+    """Write atomically; `path` may be a directory (the default file name goes inside).
+
+    Temp file in the destination directory, fsync, rename: readers (and a vLLM
+    starting from that directory) never see a half-written table.
+    """
+    table.validate()
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, table.default_filename())
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".dspark-calib-", suffix=".parquet.tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            pq.write_table(to_arrow(table), fh, compression="zstd", write_page_checksum=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+    return path
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _parse_version(text: Any, path: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)\.(\d+)", str(text))
+    if not m:
+        raise CalibError(f"bad schema_version {text!r}", path=path)
+    return int(m.group(1)), int(m.group(2))
+
+
+# (major, minor) -> function(arrow table, metadata) -> (arrow table, metadata), applied in order
+# to bring an older minor up to SCHEMA_VERSION. Missing columns are filled generically below.
+_MIGRATIONS: dict[tuple[int, int], Callable[[pa.Table, dict], tuple[pa.Table, dict]]] = {}
+
+
+def _migrate(arrow: pa.Table, meta: dict, version: tuple[int, int], path: str) -> tuple[pa.Table, dict]:
+    current = _parse_version(SCHEMA_VERSION, path)
+    if version[0] > current[0]:
+        raise CalibError(f"table schema {version[0]}.{version[1]} is newer than this dspark-calib reads "
+                         f"({SCHEMA_VERSION}); upgrade dspark-calib", path=path)
+    if version[0] < current[0]:
+        migrate = _MIGRATIONS.get(version)
+        if migrate is None:
+            raise CalibError(f"table schema {version[0]}.{version[1]} is too old to migrate to {SCHEMA_VERSION}", path=path)
+        arrow, meta = migrate(arrow, meta)
+    for name, typ in COLUMNS.items():  # an older minor lacked an optional column: nulls
+        if name not in arrow.column_names:
+            arrow = arrow.append_column(pa.field(name, typ), pa.nulls(arrow.num_rows, type=typ))
+    return arrow, meta
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Just the JSON metadata (cheap: reads the footer only)."""
+    path = os.fspath(path)
+    _check_path(path)
+    try:
+        schema = pq.read_schema(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
+        raise CalibError(f"not a readable parquet file ({_first_line(exc)})", path=path) from None
+    return _parse_meta(schema.metadata, path)
+
+
+def _check_path(path: str) -> None:
+    if not os.path.exists(path):
+        raise CalibError("no such file", path=path)
+    if os.path.isdir(path):
+        raise CalibError("is a directory, not a table file", path=path)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
+
+
+def _parse_meta(raw: dict | None, path: str) -> dict[str, Any]:
+    if not raw or METADATA_KEY not in raw:
+        raise CalibError("parquet file without dspark-calib metadata (not a cost table)", path=path)
+    try:
+        meta = json.loads(raw[METADATA_KEY].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CalibError(f"malformed metadata JSON ({_first_line(exc)})", path=path) from None
+    if not isinstance(meta, dict):
+        raise CalibError("malformed metadata: not a JSON object", path=path)
+    for key in ("schema_version", "fingerprint", "content_hash"):
+        if key not in meta:
+            raise CalibError(f"metadata lacks {key}", path=path)
+    return meta
+
+
+def read_table(path: str | os.PathLike, *, filesystem: Any = None) -> CostTable:
+    """Read and fully validate a table. Every problem is a CalibError naming the file."""
+    path = os.fspath(path)
+    if filesystem is None:
+        _check_path(path)
+    try:
+        pf = pq.ParquetFile(filesystem.open_input_file(path) if filesystem else path,
+                            page_checksum_verification=True)
+        raw_meta = pf.schema_arrow.metadata
+        meta = _parse_meta(raw_meta, path)
+        version = _parse_version(meta["schema_version"], path)
+        arrow = pf.read()
+    except CalibError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise CalibError(f"not a readable parquet file ({_first_line(exc)})", path=path) from None
+    arrow, meta = _migrate(arrow, meta, version, path)
+    try:
+        return _from_arrow(arrow, meta, path)
+    except CalibError as exc:
+        if exc.path:
+            raise
+        raise CalibError(str(exc), path=path) from None
+
+
+def _from_arrow(arrow: pa.Table, meta: dict, path: str) -> CostTable:
+    for name, typ in COLUMNS.items():
+        have = arrow.schema.field(name).type
+        if have != typ:
+            raise CalibError(f"column {name} has type {have}, expected {typ}")
+    fingerprint = Fingerprint.from_dict(meta["fingerprint"])
+    records = arrow.column("record").to_numpy(zero_copy_only=False)
+    bad = set(np.unique(records.astype(str))) - set(RECORD_KINDS)
+    if bad:
+        raise CalibError(f"unknown record kinds {sorted(bad)}")
+    ctx_all = arrow.column("context_len").to_numpy(zero_copy_only=False)
+    curves: dict[int, dict[str, Curve]] = {}
+    for kind in CURVE_KINDS:
+        mask = records == kind
+        if not mask.any():
+            continue
+        sub = arrow.filter(pa.array(mask))
+        cols = {c: sub.column(c).to_numpy(zero_copy_only=False) for c in CURVE_COLUMNS}
+        ctx = ctx_all[mask]
+        for c in ("size", "cost_ms", "n"):
+            if sub.column(c).null_count:
+                raise CalibError(f"{kind} curve has missing {c}")
+        for c in ("min_ms", "p25_ms", "p75_ms", "max_ms", "mad_ms"):  # optional spread: NaN when absent
+            cols[c] = np.asarray(cols[c], dtype=np.float64)
+        if sub.column("context_len").null_count:
+            raise CalibError(f"{kind} curve has missing context_len")
+        for c in np.unique(ctx):
+            sel = ctx == c
+            curves.setdefault(int(c), {})[kind] = Curve.from_columns({k: v[sel] for k, v in cols.items()})
+    pairs = {}
+    for ctx, kinds in curves.items():
+        for kind in CURVE_KINDS:
+            if kind not in kinds:
+                raise CalibError(f"{kind} curve at context {ctx} is empty")
+        pairs[ctx] = CurvePair(draft=kinds[DRAFT], verify=kinds[VERIFY])
+    smask = records == RECORD_SAMPLE
+    sample_arrow = arrow.filter(pa.array(smask)).select(list(SAMPLE_COLUMNS))
+    samples = sample_arrow.to_pandas()
+    table = CostTable(fingerprint=fingerprint, curves=pairs, samples=samples,
+                      created_at=str(meta.get("created_at", "")), tool_version=str(meta.get("tool_version", "")),
+                      schema_version=str(meta["schema_version"]))
+    table.validate()
+    if table.content_hash != meta["content_hash"]:
+        raise CalibError(f"content hash mismatch (metadata says {str(meta['content_hash'])[:12]}, curves give "
+                         f"{table.short_hash}): the file was altered or corrupted")
+    return table
