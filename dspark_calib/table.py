@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -33,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dspark_calib import __version__
+from dspark_calib.atomic import atomic_write
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import Fingerprint, merge_mismatches
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair, build_cost_tables, fit_curves
@@ -270,36 +270,8 @@ def write_table(table: CostTable, path: str | os.PathLike) -> str:
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, table.default_filename())
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".dspark-calib-", suffix=".parquet.tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            pq.write_table(to_arrow(table), fh, compression="zstd", write_page_checksum=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(directory)
-    return path
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    arrow = to_arrow(table)
+    return atomic_write(path, lambda fh: pq.write_table(arrow, fh, compression="zstd", write_page_checksum=True))
 
 
 def _parse_version(text: Any, path: str) -> tuple[int, int]:

@@ -1,0 +1,52 @@
+"""Atomic file writes: temp file in the destination directory, fsync, rename.
+
+Readers (an operator's `inspect`, a vLLM starting from a table directory, the
+profile driver polling a worker's capture) see the old file or the new one,
+never half of one; a writer killed mid-write leaves only a hidden temp file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, BinaryIO, Callable
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> str:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".dspark-calib-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+    return path
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> str:
+    return atomic_write(path, lambda fh: fh.write(json.dumps(obj).encode()))
+
+
+def _fsync_dir(directory: str) -> None:
+    # The rename itself is durable only once the directory entry is on disk.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,322 @@
+"""`dspark-calib profile` with the vLLM backend: the driver on the CLI side.
+
+Starts vLLM offline (LLM) with DSpark + adaptive verification on the V2 model
+runner and the plugin in capture mode. vLLM's own capture_model then replays our
+extended batches_to_profile under CUDA graphs; the plugin writes TP rank 0's
+tagged samples to a capture directory, which we fit into a table.
+"""
+
+from __future__ import annotations
+
+import gc
+import glob
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dspark_calib.errors import CalibError
+from dspark_calib.fingerprint import BACKEND_VLLM, Fingerprint, config_hash
+from dspark_calib.samples import Sample
+from dspark_calib.table import CostTable
+from dspark_calib.vllm.capture import ENV_CAPTURE, PROGRESS_FILE, Plan, samples_path, write_plan
+from dspark_calib.vllm.loader import ENV_TABLE
+
+DSPARK_ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel")
+INSTALL_HINT = "pip install 'dspark-calib[vllm]'"
+
+
+@dataclass
+class ProfileOptions:
+    model: str
+    draft: str
+    tp: int = 1
+    num_speculative_tokens: int | None = None  # default: the drafter's block_size
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    context_lens: tuple[int, ...] = (8192,)
+    replays: int = 20
+    warmup: int = 2
+    load_format: str = "dummy"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.85
+    distributed_executor_backend: str | None = None  # mp on one node, ray across nodes
+    max_model_len: int | None = None
+    quantization: str | None = None
+    seed: int = 0
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+def read_config(model: str, role: str) -> dict[str, Any]:
+    path = os.path.join(model, "config.json")
+    if not os.path.isdir(model):
+        raise CalibError(f"{role} must be a local model directory with a config.json", path=model)
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise CalibError(f"no config.json in this {role} directory", path=model) from None
+    except (OSError, ValueError) as exc:
+        raise CalibError(f"unreadable config.json ({exc})", path=path) from None
+
+
+def check_models(opts: ProfileOptions) -> tuple[dict, dict]:
+    target = read_config(opts.model, "target model")
+    draft = read_config(opts.draft, "draft model")
+    archs = draft.get("architectures") or []
+    if not any(a in DSPARK_ARCHITECTURES for a in archs):
+        raise CalibError(f"not a DSpark drafter: architectures {archs}, expected one of "
+                         f"{', '.join(DSPARK_ARCHITECTURES)}", path=opts.draft)
+    return target, draft
+
+
+def resolve_options(opts: ProfileOptions) -> ProfileOptions:
+    """Fill defaults that depend on the model configs; refuse impossible settings."""
+    target, draft = check_models(opts)
+    if opts.num_speculative_tokens is None:
+        opts.num_speculative_tokens = int(draft.get("block_size") or 7)
+    limit = int(target.get("max_position_embeddings") or 1 << 20)
+    longest = max(opts.context_lens)
+    # Dummy requests hold context_len tokens of KV plus their share of the batch.
+    need = longest + max(1, opts.max_num_batched_tokens // max(1, min(opts.max_num_seqs, opts.max_num_batched_tokens))) + 1
+    if opts.max_model_len is None:
+        opts.max_model_len = min(limit, max(32768, need))
+    if need > opts.max_model_len:
+        raise CalibError(f"--context-len {longest} needs max_model_len >= {need}, but it is {opts.max_model_len} "
+                         f"(model limit {limit})")
+    if opts.replays < 1 or opts.warmup < 0 or opts.tp < 1:
+        raise CalibError("need --replays >= 1, --warmup >= 0, --tp >= 1")
+    return opts
+
+
+def engine_kwargs(opts: ProfileOptions) -> dict[str, Any]:
+    """Keyword arguments for vllm.LLM / EngineArgs (the same names)."""
+    kw: dict[str, Any] = dict(
+        model=opts.model,
+        speculative_config={
+            "method": "dspark",
+            "model": opts.draft,
+            "num_speculative_tokens": opts.num_speculative_tokens,
+            "enable_adaptive_verification": True,
+        },
+        tensor_parallel_size=opts.tp,
+        load_format=opts.load_format,
+        dtype=opts.dtype,
+        kv_cache_dtype=opts.kv_cache_dtype,
+        max_num_seqs=opts.max_num_seqs,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        max_model_len=opts.max_model_len,
+        gpu_memory_utilization=opts.gpu_memory_utilization,
+        seed=opts.seed,
+        # dummy weights need only config.json; no tokenizer either
+        skip_tokenizer_init=True,
+    )
+    if opts.quantization:
+        kw["quantization"] = opts.quantization
+    if opts.distributed_executor_backend:
+        kw["distributed_executor_backend"] = opts.distributed_executor_backend
+    kw.update(opts.extra_engine_args)
+    return kw
+
+
+def engine_env(capture_dir: str, tp: int) -> dict[str, str]:
+    env = {
+        "VLLM_USE_V2_MODEL_RUNNER": "1",  # adaptive verification lives in the V2 runner
+        ENV_CAPTURE: capture_dir,
+    }
+    # One process for tp 1: worker errors (refusals, OOM) then reach us with their own message.
+    if tp == 1:
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is not None and "dspark_calib" not in plugins.split(","):
+        env["VLLM_PLUGINS"] = ",".join(p for p in (plugins, "dspark_calib") if p)
+    try:  # the V2 sampler imports flashinfer unless told not to
+        import flashinfer  # noqa: F401
+    except Exception:  # noqa: BLE001
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    return env
+
+
+def preflight(opts: ProfileOptions) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise CalibError(f"vllm is not installed: {INSTALL_HINT}") from None
+    from dspark_calib.vllm.shape import detect
+
+    shape = detect()
+    if not shape.supported:
+        raise CalibError(f"vLLM {shape.vllm_version} is not supported by this dspark-calib ({shape.reason}); "
+                         "supported: vLLM 0.28.0 to 0.33.0")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CalibError("no CUDA GPU visible: profiling needs the GPUs the engine will serve on")
+    if opts.distributed_executor_backend != "ray" and torch.cuda.device_count() < opts.tp:
+        raise CalibError(f"--tp {opts.tp} needs {opts.tp} GPUs, {torch.cuda.device_count()} visible "
+                         "(use --distributed-executor-backend ray across nodes)")
+
+
+def explain_failure(exc: BaseException, capture_dir: str) -> CalibError:
+    refusal = os.path.join(capture_dir, "refusal.txt")
+    if os.path.exists(refusal):
+        with open(refusal) as fh:
+            return CalibError(f"vLLM refused adaptive verification: {fh.read().strip()}")
+    text = f"{type(exc).__name__}: {exc}"
+    chain = exc
+    while chain is not None:  # vLLM wraps worker errors; the cause holds the real text
+        text += f" | {type(chain).__name__}: {chain}"
+        chain = chain.__cause__ or chain.__context__
+    low = text.lower()
+    if "adaptive verification" in low:
+        line = next((ln for ln in text.split(" | ") if "daptive verification" in ln), text)
+        return CalibError(f"vLLM refused adaptive verification: {line.split(': ', 1)[-1].splitlines()[0]}")
+    if "out of memory" in low or "outofmemory" in low or "no available memory for the cache" in low:
+        return CalibError("out of GPU memory while starting the engine: lower --max-num-seqs, "
+                          "--max-num-batched-tokens or --max-model-len, or raise/lower --gpu-memory-utilization")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CalibError(f"vLLM engine failed during start-up/profiling ({type(exc).__name__}: {first[:300]}); "
+                      "no table written (vLLM's log above has the details)")
+
+
+def _watch_progress(capture_dir: str, report: Callable[[dict], None], stop: threading.Event) -> None:
+    path = os.path.join(capture_dir, PROGRESS_FILE)
+    while not stop.wait(0.25):
+        try:
+            with open(path) as fh:
+                report(json.load(fh))
+        except (OSError, ValueError):
+            continue
+
+
+def _shutdown(llm: Any) -> None:
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    for obj in (core, engine):
+        fn = getattr(obj, "shutdown", None)
+        if callable(fn):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the table is already safe; shutdown noise is not the user's problem
+                pass
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], None],
+               report: Callable[[dict], None]) -> dict[str, Any]:
+    """Start vLLM once (profiling happens during start-up), return rank 0's capture."""
+    write_plan(capture_dir, Plan(context_lens=tuple(opts.context_lens), replays=opts.replays, warmup=opts.warmup))
+    saved = {k: os.environ.get(k) for k in (*engine_env(capture_dir, opts.tp), ENV_TABLE)}
+    os.environ.update(engine_env(capture_dir, opts.tp))
+    os.environ.pop(ENV_TABLE, None)  # profiling must measure, never load
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_progress, args=(capture_dir, report, stop), daemon=True)
+    llm = None
+    try:
+        phase("importing vLLM")
+        from vllm import LLM
+
+        from dspark_calib.vllm import plugin
+
+        plugin.register()  # in-process engine: make sure the hooks are in before LLM() (idempotent)
+        phase("starting engine: load, compile, capture CUDA graphs, profile")
+        watcher.start()
+        t0 = time.perf_counter()
+        try:
+            llm = LLM(**engine_kwargs(opts))
+        except BaseException as exc:  # noqa: BLE001 - any failure: explain in one line, write nothing
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise explain_failure(exc, capture_dir) from None
+        engine_start_s = time.perf_counter() - t0
+        path = samples_path(capture_dir, 0)
+        if not os.path.exists(path):
+            raise CalibError("the engine started but the dspark_calib vLLM plugin captured nothing: is dspark-calib "
+                             "installed in the Python environment vLLM runs in (VLLM_PLUGINS must allow dspark_calib)?")
+        with open(path) as fh:
+            capture = json.load(fh)
+        capture["engine_start_s"] = engine_start_s
+        return capture
+    finally:
+        stop.set()
+        phase("shutting the engine down")
+        if llm is not None:
+            _shutdown(llm)
+            del llm
+            gc.collect()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def fingerprint_from_capture(opts: ProfileOptions, capture: dict[str, Any]) -> Fingerprint:
+    engine, hw = capture["engine"], capture["hardware"]
+    tp = int(engine.get("tensor_parallel_size", opts.tp))
+    pp = int(engine.get("pipeline_parallel_size", 1))
+    return Fingerprint(
+        backend=BACKEND_VLLM,
+        gpu_name=hw.get("gpu_name", ""),
+        gpu_count=tp * pp,
+        gpu_compute_capability=hw.get("gpu_compute_capability", ""),
+        driver_version=hw.get("driver_version", ""),
+        cuda_version=hw.get("cuda_version", ""),
+        torch_version=hw.get("torch_version", ""),
+        vllm_version=engine["vllm_version"],
+        target_model=os.path.basename(os.path.normpath(opts.model)),
+        target_config_hash=engine.get("target_config_hash") or config_hash(opts.model),
+        draft_model=os.path.basename(os.path.normpath(opts.draft)),
+        draft_config_hash=engine.get("draft_config_hash") or config_hash(opts.draft),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        dtype=engine.get("dtype", opts.dtype),
+        kv_cache_dtype=engine.get("kv_cache_dtype", opts.kv_cache_dtype),
+        quantization=engine.get("quantization", opts.quantization),
+        num_speculative_tokens=int(engine["num_speculative_tokens"]),
+        max_num_seqs=int(engine["max_num_seqs"]),
+        max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
+        cudagraph_capture_sizes=tuple(engine["cudagraph_capture_sizes"]),
+        cudagraph_limit=int(capture["cudagraph_limit"]),
+        context_lens=tuple(opts.context_lens),
+        replays=opts.replays,
+        warmup_replays=opts.warmup,
+        max_model_len=opts.max_model_len,
+        extra={"load_format": opts.load_format, "profile_s": round(capture.get("profile_s", 0.0), 3),
+               "engine_start_s": round(capture.get("engine_start_s", 0.0), 3),
+               "profile_batches": capture.get("num_batches"), "hostname": os.uname().nodename},
+    )
+
+
+def table_from_capture(opts: ProfileOptions, capture: dict[str, Any]) -> CostTable:
+    samples = [Sample(**s) for s in capture["samples"]]
+    return CostTable.from_samples(samples, fingerprint_from_capture(opts, capture))
+
+
+def run_profile(opts: ProfileOptions, *, phase: Callable[[str], None] = lambda s: None,
+                report: Callable[[dict], None] = lambda d: None, keep_capture: str | None = None) -> CostTable:
+    """Profile on the GPUs and return the fitted table (the caller writes it)."""
+    opts = resolve_options(opts)
+    preflight(opts)
+    capture_dir = tempfile.mkdtemp(prefix="dspark-calib-capture-")
+    try:
+        capture = run_engine(opts, capture_dir, phase, report)
+        phase("fitting")
+        table = table_from_capture(opts, capture)
+        if keep_capture:
+            os.makedirs(keep_capture, exist_ok=True)
+            for f in glob.glob(os.path.join(capture_dir, "*.json")):
+                shutil.copy(f, keep_capture)
+        return table
+    finally:
+        shutil.rmtree(capture_dir, ignore_errors=True)

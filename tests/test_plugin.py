@@ -1,0 +1,326 @@
+"""The vLLM plugin against the real installed vLLM classes (no GPU needed).
+
+A manager is built with object.__new__ and the attributes the profiling path
+reads; the TP group is stubbed as a single rank.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+from vllm.v1.worker.gpu import model_runner
+from vllm.v1.worker.gpu.async_utils import StepTimingSample
+
+from dspark_calib.fingerprint import config_hash
+from dspark_calib.reference import table_from_startup_json
+from dspark_calib.table import write_table
+from dspark_calib.vllm import plugin, shape
+from dspark_calib.vllm.capture import Plan, samples_path, write_plan
+from dspark_calib.vllm.profile import ProfileOptions, table_from_capture
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = sorted(glob.glob(os.path.join(ROOT, "tests", "data", "*.json")))
+MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
+DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
+ENV_KEYS = ("DSPARK_CALIB_TABLE", "DSPARK_CALIB_CAPTURE", "DSPARK_CALIB_POLICY", "DSPARK_CALIB_CONTEXT_LEN",
+            "DSPARK_CALIB_ALLOW_REFERENCE", "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN")
+
+
+class SingleRank:
+    rank_in_group = 0
+    world_size = 1
+
+    def broadcast_object(self, obj, src=0):
+        return obj
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(av, "get_tp_group", lambda: SingleRank())
+    yield
+    plugin.unpatch(av.AdaptiveVerificationManager, model_runner.GPUModelRunner)
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return [json.load(open(p)) for p in FIXTURES]
+
+
+@pytest.fixture(scope="module")
+def reference_table():
+    return table_from_startup_json(FIXTURES, model=MODEL, draft=DRAFT, gpu_name="NVIDIA H200",
+                                   vllm_version="0.33.0", num_speculative_tokens=7)
+
+
+def fake_config(dtype="bfloat16", tp=1, model=MODEL, draft=DRAFT):
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(dtype=dtype, quantization=None, model=model),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        speculative_config=SimpleNamespace(model=draft),
+    )
+
+
+def make_manager(max_num_reqs=256, max_tokens=8192, steps=7, config=None):
+    m = object.__new__(av.AdaptiveVerificationManager)
+    m.req_states = SimpleNamespace(max_num_reqs=max_num_reqs, max_num_batched_tokens=max_tokens)
+    m.num_speculative_steps = steps
+    m._cudagraph_limit = 0
+    m.cost_tables = None
+    m._dspark_vllm_config = fake_config() if config is None else config
+    return m
+
+
+def fake_samples(batches, max_num_reqs=256, limit=512):
+    """One StepTimingSample per batch, as vLLM's collector would produce in batch order."""
+    out = []
+    for i, b in enumerate(batches):
+        n, ctx = b["num_tokens"], b["context_len"]
+        out.append(StepTimingSample(forward_ms=0.01 * n + ctx / 1000 + (i % 7) * 1e-3,
+                                    drafter_ms=1 + 0.002 * min(n, max_num_reqs) + (i % 3) * 1e-3,
+                                    num_target_tokens=n, num_reqs=min(n, max_num_reqs), full_cudagraph=n <= limit))
+    return out
+
+
+def register_with(monkeypatch, **env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(v))
+    plugin.register()
+
+
+# -- patching -------------------------------------------------------------------------
+def test_register_without_env_patches_nothing():
+    before = av.AdaptiveVerificationManager.batches_to_profile
+    plugin.register()
+    assert av.AdaptiveVerificationManager.batches_to_profile is before
+    assert not plugin.is_patched(av.AdaptiveVerificationManager)
+
+
+def test_register_is_idempotent(monkeypatch, tmp_path):
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=tmp_path)
+    first = (av.AdaptiveVerificationManager.batches_to_profile, av.AdaptiveVerificationManager.set_initial_cost_curves,
+             model_runner.GPUModelRunner.capture_model)
+    plugin.register()
+    plugin.register()
+    assert plugin.is_patched(av.AdaptiveVerificationManager)
+    assert (av.AdaptiveVerificationManager.batches_to_profile, av.AdaptiveVerificationManager.set_initial_cost_curves,
+            model_runner.GPUModelRunner.capture_model) == first
+    # one wrapper deep: the original behind it is vLLM's own function
+    inner = getattr(av.AdaptiveVerificationManager.batches_to_profile, plugin._MARK)
+    assert not hasattr(inner, plugin._MARK)
+
+
+def test_unknown_api_shape_leaves_vllm_untouched(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(shape, "detect", lambda: shape.ApiShape(None, "consume_step_timing exists", "0.99.0"))
+    monkeypatch.setattr(plugin.register, "_warned", False, raising=False)
+    before = av.AdaptiveVerificationManager.batches_to_profile
+    with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
+        register_with(monkeypatch, DSPARK_CALIB_TABLE=tmp_path)
+    assert av.AdaptiveVerificationManager.batches_to_profile is before
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.dspark_calib"]
+    assert len(lines) == 1 and "leaving vLLM untouched" in lines[0] and "0.99.0" in lines[0]
+
+
+def test_detect_real_vllm_is_supported():
+    assert shape.detect().supported
+
+
+def test_detect_refuses_streaming_shape():
+    class NewManager(av.AdaptiveVerificationManager):
+        def consume_step_timing(self, sample):  # vLLM main's shape
+            pass
+
+        def set_initial_cost_curves(self):  # noqa: D401 - no argument on main
+            pass
+
+    fake_av = SimpleNamespace(AdaptiveVerificationManager=NewManager, build_cost_tables_from_curves=lambda *a: None)
+    result = shape.detect(av=fake_av)
+    assert not result.supported and "consume_step_timing" in result.reason
+    del NewManager.consume_step_timing
+    result = shape.detect(av=fake_av)
+    assert not result.supported and "set_initial_cost_curves" in result.reason
+
+
+# -- load mode ------------------------------------------------------------------------
+def _write(table, directory, name=None):
+    return write_table(table, os.path.join(str(directory), name) if name else str(directory))
+
+
+def _run_profile_path(manager, capture_sizes, samples_for=None):
+    batches = list(manager.batches_to_profile(capture_sizes))
+    samples = fake_samples(batches) if samples_for is None else samples_for(batches)
+    manager.set_initial_cost_curves(samples)
+    return batches
+
+
+def vllm_tables_from_samples(table, context_len, capture_sizes):
+    """What stock vLLM builds when its start-up profile yields the table's own samples."""
+    m = make_manager()
+    m._cudagraph_limit = capture_sizes[-1]
+    ctx_samples = table.samples[table.samples.context_len == context_len]
+    av.AdaptiveVerificationManager.set_initial_cost_curves(m, [
+        StepTimingSample(r.forward_ms, r.drafter_ms, int(r.num_target_tokens), int(r.num_reqs), bool(r.full_cudagraph))
+        for r in ctx_samples.itertuples()])
+    return m.cost_tables
+
+
+def test_matching_table_replaces_profiling(monkeypatch, tmp_path, reference_table, recorded, caplog):
+    path = _write(reference_table, tmp_path)
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=path, DSPARK_CALIB_ALLOW_REFERENCE=1)
+    capture_sizes = recorded[0]["capture_sizes"]
+    m = make_manager()
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        batches = _run_profile_path(m, capture_sizes)
+    # exactly one warm-up run per size above the capture limit, nothing else
+    assert [b["num_tokens"] for b in batches] == [768, 1024, 2048, 4096, 8192]
+    assert m._cudagraph_limit == 512
+    want_draft, want_verify = vllm_tables_from_samples(reference_table, 8192, capture_sizes)
+    assert np.array_equal(m.cost_tables[0], want_draft) and np.array_equal(m.cost_tables[1], want_verify)
+    loaded = [r.getMessage() for r in caplog.records if "loaded cost table" in r.getMessage()]
+    assert len(loaded) == 1 and reference_table.short_hash in loaded[0] and path in loaded[0]
+
+
+@pytest.mark.parametrize("env_ctx,vllm_ctx,expect", [(None, "1024", 1024), (None, "16000", 16384), ("8000", "1024", 8192)])
+def test_context_len_picks_curve_set(monkeypatch, tmp_path, reference_table, recorded, env_ctx, vllm_ctx, expect):
+    path = _write(reference_table, tmp_path)
+    monkeypatch.setenv("VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN", vllm_ctx)
+    extra = {"DSPARK_CALIB_CONTEXT_LEN": env_ctx} if env_ctx else {}
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=path, DSPARK_CALIB_ALLOW_REFERENCE=1, **extra)
+    m = make_manager()
+    _run_profile_path(m, recorded[0]["capture_sizes"])
+    want = vllm_tables_from_samples(reference_table, expect, recorded[0]["capture_sizes"])
+    assert np.array_equal(m.cost_tables[1], want[1])
+
+
+def test_reference_table_needs_permission(monkeypatch, tmp_path, reference_table, recorded, caplog):
+    path = _write(reference_table, tmp_path)
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=path)
+    m = make_manager()
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        batches = _run_profile_path(m, recorded[0]["capture_sizes"])
+    assert len(batches) == 280  # profiled as stock vLLM does
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert "backend" in msg and "DSPARK_CALIB_ALLOW_REFERENCE" in msg and "policy fallback" in msg
+
+
+MISMATCHES = [
+    ("num_speculative_tokens", dict(steps=5), "5"),
+    ("max_num_seqs", dict(max_num_reqs=512), "512"),
+    ("max_num_batched_tokens", dict(max_tokens=16384), "16384"),
+    ("dtype", dict(config=fake_config(dtype="float16")), "float16"),
+    ("tensor_parallel_size", dict(config=fake_config(tp=2)), "2"),
+    ("draft_config_hash", dict(config=fake_config(draft=MODEL)), config_hash(MODEL)),
+    ("cudagraph_capture_sizes", dict(capture_sizes=[1, 2, 4, 8]), "[1, 2, 4, 8]"),
+]
+
+
+@pytest.mark.parametrize("key,engine,engine_value", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+@pytest.mark.parametrize("policy", ["fallback", "strict", "warn"])
+def test_policies_on_each_mismatch(monkeypatch, tmp_path, reference_table, recorded, caplog, key, engine,
+                                   engine_value, policy):
+    path = _write(reference_table, tmp_path)
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=path, DSPARK_CALIB_ALLOW_REFERENCE=1, DSPARK_CALIB_POLICY=policy)
+    engine = dict(engine)
+    capture_sizes = engine.pop("capture_sizes", recorded[0]["capture_sizes"])
+    m = make_manager(**engine)
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        if policy == "strict":
+            with pytest.raises(RuntimeError) as err:
+                _run_profile_path(m, capture_sizes)
+            assert key in str(err.value) and engine_value in str(err.value)
+            assert m.cost_tables is None
+            return
+        batches = _run_profile_path(m, capture_sizes)
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.dspark_calib"]
+    assert any(key in line and engine_value in line for line in lines), lines
+    if policy == "fallback":
+        assert len(lines) == 1 and "profiling at start-up as usual" in lines[0]
+        stock = list(av.AdaptiveVerificationManager.batches_to_profile.__wrapped__(make_manager(**engine), capture_sizes))
+        assert batches == stock
+    else:  # warn: loads anyway, one line per mismatch, then the load line
+        assert "loaded cost table" in lines[-1]
+        limit = capture_sizes[-1]
+        assert all(b["num_tokens"] > limit for b in batches)
+        draft, verify = reference_table.curves[8192].as_vllm()
+        want = av.build_cost_tables_from_curves(draft, verify, m.req_states.max_num_reqs,
+                                                m.req_states.max_num_batched_tokens, limit)
+        assert np.array_equal(m.cost_tables[1], want[1])
+
+
+def test_directory_picks_newest_fitting_table(monkeypatch, tmp_path, reference_table, recorded, caplog):
+    from dataclasses import replace
+
+    old = replace(reference_table, created_at="2026-01-01T00:00:00Z")
+    newer_wrong_gpu = replace(reference_table, created_at="2026-12-01T00:00:00Z",
+                              fingerprint=reference_table.fingerprint.replace(gpu_name="NVIDIA H100"))
+    newest = replace(reference_table, created_at="2026-11-01T00:00:00Z",
+                     fingerprint=reference_table.fingerprint.replace(extra={"run": "b"}, replays=6))
+    for t in (old, newer_wrong_gpu, newest):
+        _write(t, tmp_path)
+    (tmp_path / "junk.parquet").write_bytes(b"not a table")
+    monkeypatch.setattr("dspark_calib.vllm.engine_info.hardware", lambda: {"gpu_name": "NVIDIA H200"})
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=tmp_path, DSPARK_CALIB_ALLOW_REFERENCE=1)
+    m = make_manager()
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        _run_profile_path(m, recorded[0]["capture_sizes"])
+    lines = [r.getMessage() for r in caplog.records if "loaded cost table" in r.getMessage()]
+    assert len(lines) == 1 and newest.short_hash in lines[0]
+
+
+def test_missing_table_path(monkeypatch, tmp_path, recorded, caplog):
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=tmp_path / "nope")
+    m = make_manager()
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        batches = _run_profile_path(m, recorded[0]["capture_sizes"])
+    assert len(batches) == 280
+    assert any("no such file" in r.getMessage() for r in caplog.records)
+
+
+# -- capture mode ---------------------------------------------------------------------
+def test_capture_round_trips_samples(monkeypatch, tmp_path, recorded):
+    write_plan(str(tmp_path), Plan(context_lens=(1024, 8192), replays=3, warmup=1))
+    register_with(monkeypatch, DSPARK_CALIB_CAPTURE=tmp_path)
+    capture_sizes = recorded[0]["capture_sizes"]
+    m = make_manager()
+    batches = _run_profile_path(m, capture_sizes)
+    sizes = list(dict.fromkeys(b["num_tokens"] for b in recorded[0]["batches"]))
+    assert len(batches) == 2 * (1 + 3) * len(sizes)
+    assert {b["context_len"] for b in batches} == {1024, 8192}
+    capture = json.load(open(samples_path(str(tmp_path), 0)))
+    assert len(capture["samples"]) == 2 * 3 * len(sizes)  # warm-up replays dropped
+    assert capture["engine"]["max_num_seqs"] == 256 and capture["cudagraph_limit"] == 512
+    assert capture["engine"]["cudagraph_capture_sizes"] == capture_sizes
+    # samples come back tagged with the batch that produced them
+    all_samples = fake_samples(batches)
+    timed = [s for s, i in zip(all_samples, range(len(batches))) if (i // len(sizes)) % 4 != 0]
+    got = capture["samples"]
+    assert [g["forward_ms"] for g in got] == [s.forward_ms for s in timed]
+    assert sorted({g["replay"] for g in got}) == [0, 1, 2]
+    table = table_from_capture(ProfileOptions(model=MODEL, draft=DRAFT, context_lens=(1024, 8192), replays=3,
+                                              warmup=1, max_model_len=32768, num_speculative_tokens=7), capture)
+    assert table.context_lens() == [1024, 8192]
+    assert all(len(table.curves[c].verify) == len(sizes) for c in (1024, 8192))
+    assert int(table.curves[1024].verify.n[0]) == 3
+    # vLLM itself got curves (from the context nearest its own, 8192) and finished "starting"
+    assert m.cost_tables is not None
+    want = av.build_cost_tables_from_curves(*table.curves[8192].as_vllm(), 256, 8192, 512)
+    assert np.array_equal(m.cost_tables[1], want[1])
+
+
+def test_capture_refuses_unpaired_samples(monkeypatch, tmp_path, recorded):
+    write_plan(str(tmp_path), Plan(context_lens=(8192,), replays=1, warmup=0))
+    register_with(monkeypatch, DSPARK_CALIB_CAPTURE=tmp_path)
+    m = make_manager()
+    with pytest.raises(RuntimeError, match="cannot attribute"):
+        _run_profile_path(m, recorded[0]["capture_sizes"], samples_for=lambda b: fake_samples(b)[:-1])
+    assert not os.path.exists(samples_path(str(tmp_path), 0))
