@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
+import numpy as np
+
 from dspark_calib.errors import CalibError
 
 VLLM_SAMPLE_FIELDS = ("forward_ms", "drafter_ms", "num_target_tokens", "num_reqs", "full_cudagraph")
@@ -30,7 +32,8 @@ class Sample:
     def __post_init__(self) -> None:
         for name in ("forward_ms", "drafter_ms"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # numpy scalars count (float32 timings, int64 from a frame); bools do not.
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
                 raise CalibError(f"sample {name} must be a number, got {value!r}")
             if not math.isfinite(value) or value < 0:
                 raise CalibError(f"sample {name} must be finite and >= 0, got {value!r}")
@@ -45,7 +48,8 @@ class Sample:
         object.__setattr__(self, "replay", int(self.replay))
         if not isinstance(self.full_cudagraph, bool):
             # numpy.bool_ from pyarrow round-trips is fine; strings like "yes" are not.
-            if type(self.full_cudagraph).__name__ != "bool_":
+            # (isinstance, not the type's name: numpy 2 renamed it from "bool_" to "bool".)
+            if not isinstance(self.full_cudagraph, np.bool_):
                 raise CalibError(f"sample full_cudagraph must be a bool, got {self.full_cudagraph!r}")
             object.__setattr__(self, "full_cudagraph", bool(self.full_cudagraph))
 

@@ -1,0 +1,58 @@
+"""Shared fixtures: cost tables built from the real H200 start-up profiles in tests/data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark_calib.reference import table_from_startup_json
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_DIR = REPO / "tests" / "data"
+FIXTURE_JSONS = sorted(DATA_DIR.glob("*.json"))
+REFERENCE_KWARGS = dict(
+    model=str(REPO / "profiles" / "configs" / "qwen3-8b"),
+    draft=str(REPO / "profiles" / "configs" / "dspark-qwen3-8b-block7"),
+    gpu_name="NVIDIA H200",
+    vllm_version="0.33.0",
+    num_speculative_tokens=7,
+)
+
+
+def build_reference_table(paths=None, **overrides):
+    """A CostTable from recorded vLLM start-up profiles (all fixtures by default)."""
+    paths = FIXTURE_JSONS if paths is None else paths
+    return table_from_startup_json([str(p) for p in paths], **{**REFERENCE_KWARGS, **overrides})
+
+
+def load_fixture_json(path) -> dict:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+@pytest.fixture(scope="session")
+def fixture_jsons() -> list[Path]:
+    assert FIXTURE_JSONS, "tests/data/*.json fixtures are missing"
+    return FIXTURE_JSONS
+
+
+@pytest.fixture(scope="session")
+def reference_table():
+    """All three recorded context lengths (1024, 8192, 16384) in one table. Do not mutate."""
+    return build_reference_table()
+
+
+@pytest.fixture(scope="session")
+def reference_table_8192():
+    """Only the context-8192 recording (vLLM's default profile context). Do not mutate."""
+    return build_reference_table([DATA_DIR / "qwen3-8b_dspark-block7_ctx8192.json"])
+
+
+@pytest.fixture
+def table_file(tmp_path, reference_table):
+    """The all-contexts reference table written to a fresh parquet file."""
+    from dspark_calib.table import write_table
+
+    return Path(write_table(reference_table, tmp_path / "reference.parquet"))
