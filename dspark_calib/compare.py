@@ -1,0 +1,312 @@
+"""What `diff` computes: how two cost tables differ, and whether it matters.
+
+Three levels, from cause to effect: the fingerprint (what changed in the setup),
+the curves (how each cost moved, and whether the raw samples say the move is real),
+and the decisions (where vLLM would now pick a different draft budget).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from dspark_calib.fingerprint import changed_keys
+from dspark_calib.fit import CURVE_KINDS, DRAFT, Curve
+from dspark_calib.inspection import CONFIDENCE_GRID, DEFAULT_CONTEXT, NUM_REQS_GRID, DecisionMap, num_reqs_grid, \
+    table_decision_map
+from dspark_calib.table import CostTable
+
+ALPHA = 0.01  # significance level for "significant" changes
+MIN_SAMPLES_FOR_TEST = 3  # fewer and Mann-Whitney cannot say anything useful
+MEDIAN = "median"  # both curves profiled this size: compare their medians
+DENSE = "dense"  # only one did: compare what vLLM's dense tables price it at
+
+
+def _num(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+@dataclass(frozen=True)
+class FingerprintChange:
+    key: str
+    old: Any
+    new: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PointChange:
+    size: int
+    old_ms: float
+    new_ms: float
+    source: str  # MEDIAN or DENSE
+    old_n: int  # raw samples behind each side at this size (0: none)
+    new_n: int
+    p_value: float | None  # Mann-Whitney U two-sided; None when either side has < 3 samples
+
+    @property
+    def abs_change_ms(self) -> float:
+        return self.new_ms - self.old_ms
+
+    @property
+    def rel_change(self) -> float:
+        """(new - old) / old; +0.1 means 10% slower. inf when old is 0 and new is not."""
+        if self.old_ms == 0:
+            return 0.0 if self.new_ms == 0 else math.inf
+        return self.new_ms / self.old_ms - 1
+
+    @property
+    def significant(self) -> bool:
+        return self.p_value is not None and self.p_value < ALPHA
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(abs_change_ms=self.abs_change_ms, rel_change=_num(self.rel_change), significant=self.significant)
+        return d
+
+
+@dataclass(frozen=True)
+class CurveSummary:
+    points: int
+    median_abs_rel_change: float | None
+    max_abs_rel_change: float | None
+    max_change_size: int | None  # where the largest |relative change| is
+    significant: int  # points with p < ALPHA
+    significant_slower: int
+    significant_faster: int
+    untested: int  # points with no p-value (too few samples on a side)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _num(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class CurveDiff:
+    kind: str  # "draft" | "verify"
+    points: tuple[PointChange, ...]
+    summary: CurveSummary
+    uncovered_sizes: tuple[int, ...] = ()  # profiled sizes beyond the range both tables price
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "summary": self.summary.to_dict(), "uncovered_sizes": list(self.uncovered_sizes),
+                "points": [p.to_dict() for p in self.points]}
+
+
+@dataclass(frozen=True)
+class DecisionChange:
+    num_reqs: int
+    confidence: float
+    old: float | None  # draft budget per request; None where that table cannot price the batch
+    new: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, eq=False)
+class DecisionImpact:
+    old: DecisionMap
+    new: DecisionMap
+    changes: tuple[DecisionChange, ...]
+
+    @property
+    def cells(self) -> int:
+        return len(self.old.num_reqs) * len(self.old.confidence)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cells": self.cells, "changed": len(self.changes), "old": self.old.to_dict(),
+                "new": self.new.to_dict(), "changes": [c.to_dict() for c in self.changes]}
+
+
+@dataclass(eq=False)
+class DiffResult:
+    old_hash: str
+    new_hash: str
+    old_context: int
+    new_context: int
+    fingerprint_changes: list[FingerprintChange]
+    curves: dict[str, CurveDiff]
+    decisions: DecisionImpact
+    old_path: str | None = None
+    new_path: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "old": {"path": self.old_path, "content_hash": self.old_hash, "context_len": self.old_context},
+            "new": {"path": self.new_path, "content_hash": self.new_hash, "context_len": self.new_context},
+            "alpha": ALPHA,
+            "fingerprint_changes": [c.to_dict() for c in self.fingerprint_changes],
+            "curves": {k: c.to_dict() for k, c in self.curves.items()},
+            "decisions": self.decisions.to_dict(),
+            "notes": list(self.notes),
+        }
+
+
+def threshold_exceeded(result: DiffResult, pct: float) -> bool:
+    """True when a significant point moved by more than pct percent.
+
+    Only significant points count, so noise cannot fail a CI gate; a table without
+    raw samples therefore never exceeds (its points have no p-value).
+    """
+    return any(p.significant and abs(p.rel_change) * 100 > pct
+               for c in result.curves.values() for p in c.points)
+
+
+def choose_contexts(old: CostTable, new: CostTable, old_context: int | None = None,
+                    new_context: int | None = None) -> tuple[int, int]:
+    """Default: a context length both profiled (nearest to 8192), else each side's nearest to 8192."""
+    shared = sorted(set(old.context_lens()) & set(new.context_lens()))
+    if shared:
+        default = min(shared, key=lambda c: (abs(c - DEFAULT_CONTEXT), -c))
+    else:
+        default = DEFAULT_CONTEXT
+    o = old.nearest_context(default if old_context is None else old_context)
+    n = new.nearest_context(default if new_context is None else new_context)
+    return o, n
+
+
+def _raw_groups(table: CostTable, kind: str, context_len: int) -> dict[int, np.ndarray]:
+    """Raw samples per size, selected as vLLM's fit does (draft: graph replays only)."""
+    s = table.samples
+    if s is None or len(s) == 0:
+        return {}
+    s = s[s["context_len"] == context_len]
+    if kind == DRAFT:
+        s = s[s["full_cudagraph"].astype(bool)]
+        keys, values = s["num_reqs"].to_numpy(), s["drafter_ms"].to_numpy(dtype=np.float64)
+    else:
+        keys, values = s["num_target_tokens"].to_numpy(), s["forward_ms"].to_numpy(dtype=np.float64)
+    if len(keys) == 0:
+        return {}
+    order = np.argsort(keys, kind="stable")
+    keys, values = keys[order], values[order]
+    uniq, starts = np.unique(keys, return_index=True)
+    return {int(k): v for k, v in zip(uniq.tolist(), np.split(values, starts[1:]))}
+
+
+def p_values(pairs: Sequence[tuple[np.ndarray | None, np.ndarray | None]]) -> list[float | None]:
+    """Two-sided Mann-Whitney U p-value per (old, new) sample pair; None if a side has < 3.
+
+    Same numbers as one scipy call per pair, but batched: an 8192-point curve would
+    otherwise take ~2 ms x 8192 in scipy's per-call overhead. Rows are grouped by
+    (n_old, n_new, has ties) because scipy's method="auto" picks exact vs asymptotic
+    from the whole batch's ties, and a tie in one row must not change another's test.
+    """
+    out: list[float | None] = [None] * len(pairs)
+    groups: dict[tuple[int, int, bool], list[int]] = {}
+    for i, (a, b) in enumerate(pairs):
+        if a is None or b is None or len(a) < MIN_SAMPLES_FOR_TEST or len(b) < MIN_SAMPLES_FOR_TEST:
+            continue
+        ties = bool((np.diff(np.sort(np.concatenate((a, b)))) == 0).any())
+        groups.setdefault((len(a), len(b), ties), []).append(i)
+    if not groups:
+        return out
+    from scipy.stats import mannwhitneyu  # only diff needs scipy: keep it out of inspect's start-up
+
+    for idx in groups.values():
+        x = np.stack([pairs[i][0] for i in idx])
+        y = np.stack([pairs[i][1] for i in idx])
+        p = np.atleast_1d(mannwhitneyu(x, y, alternative="two-sided", axis=1).pvalue)
+        for i, v in zip(idx, p.tolist()):
+            out[i] = float(v)
+    return out
+
+
+def _summarise(points: Sequence[PointChange]) -> CurveSummary:
+    if not points:
+        return CurveSummary(0, None, None, None, 0, 0, 0, 0)
+    rel = np.array([abs(p.rel_change) for p in points])
+    i = int(np.argmax(rel))
+    sig = [p for p in points if p.significant]
+    return CurveSummary(
+        points=len(points),
+        median_abs_rel_change=float(np.median(rel)),
+        max_abs_rel_change=float(rel[i]),
+        max_change_size=points[i].size,
+        significant=len(sig),
+        significant_slower=sum(p.new_ms > p.old_ms for p in sig),
+        significant_faster=sum(p.new_ms < p.old_ms for p in sig),
+        untested=sum(p.p_value is None for p in points),
+    )
+
+
+def compare_curves(kind: str, old: Curve, new: Curve, old_dense: np.ndarray, new_dense: np.ndarray,
+                   old_raw: dict[int, np.ndarray], new_raw: dict[int, np.ndarray]) -> CurveDiff:
+    old_cost = dict(zip(old.size.tolist(), old.cost_ms.tolist()))
+    new_cost = dict(zip(new.size.tolist(), new.cost_ms.tolist()))
+    common_top = min(len(old_dense), len(new_dense)) - 1  # largest size both dense tables price
+    rows: list[tuple[int, float, float, str]] = []
+    uncovered = []
+    for size in sorted(set(old_cost) | set(new_cost)):
+        if size in old_cost and size in new_cost:
+            o, n, source = old_cost[size], new_cost[size], MEDIAN
+        elif size <= common_top:
+            # Profiled on one side only: compare what each engine would actually be charged.
+            o, n, source = float(old_dense[size]), float(new_dense[size]), DENSE
+        else:
+            uncovered.append(size)
+            continue
+        rows.append((size, o, n, source))
+    raw = [(old_raw.get(size), new_raw.get(size)) for size, *_ in rows]
+    points = [PointChange(size=size, old_ms=o, new_ms=n, source=source, old_n=0 if a is None else len(a),
+                          new_n=0 if b is None else len(b), p_value=p)
+              for (size, o, n, source), (a, b), p in zip(rows, raw, p_values(raw))]
+    return CurveDiff(kind, tuple(points), _summarise(points), tuple(uncovered))
+
+
+def compare_decisions(old: CostTable, new: CostTable, old_context: int, new_context: int,
+                      confidence: Sequence[float] = CONFIDENCE_GRID) -> DecisionImpact:
+    # One grid for both (union of each table's capped grid) so cells line up; a table
+    # that cannot price a row leaves it NaN and the cell counts as changed.
+    reqs = sorted(set(num_reqs_grid(old.fingerprint.max_num_seqs)) | set(num_reqs_grid(new.fingerprint.max_num_seqs)))
+    om = table_decision_map(old, old_context, reqs=reqs, confidence=confidence)
+    nm = table_decision_map(new, new_context, reqs=reqs, confidence=confidence)
+    changes = []
+    for i, r in enumerate(reqs):
+        for j, c in enumerate(om.confidence):
+            a, b = float(om.budget_per_req[i, j]), float(nm.budget_per_req[i, j])
+            if math.isnan(a) and math.isnan(b):
+                continue
+            if math.isnan(a) or math.isnan(b) or a != b:
+                changes.append(DecisionChange(r, c, None if math.isnan(a) else a, None if math.isnan(b) else b))
+    return DecisionImpact(om, nm, tuple(changes))
+
+
+def compare_tables(old: CostTable, new: CostTable, *, old_context: int | None = None,
+                   new_context: int | None = None, old_path: str | None = None,
+                   new_path: str | None = None) -> DiffResult:
+    oc, nc = choose_contexts(old, new, old_context, new_context)
+    notes = []
+    for side, want, got in (("old", old_context, oc), ("new", new_context, nc)):
+        if want is not None and want != got:
+            notes.append(f"{side} table has no curves at context {want}; using the nearest, {got}")
+    if oc != nc:
+        notes.append(f"comparing different context lengths: old {oc}, new {nc}")
+    old_dense = old.dense_tables(oc)  # each with its own cudagraph_limit and engine limits
+    new_dense = new.dense_tables(nc)
+    curves = {}
+    for i, kind in enumerate(CURVE_KINDS):
+        curves[kind] = compare_curves(kind, old.curves[oc].curve(kind), new.curves[nc].curve(kind),
+                                      old_dense[i], new_dense[i], _raw_groups(old, kind, oc),
+                                      _raw_groups(new, kind, nc))
+    return DiffResult(
+        old_hash=old.short_hash, new_hash=new.short_hash, old_context=oc, new_context=nc,
+        fingerprint_changes=[FingerprintChange(k, o, n) for k, o, n in changed_keys(old.fingerprint, new.fingerprint)],
+        curves=curves, decisions=compare_decisions(old, new, oc, nc),
+        old_path=old_path, new_path=new_path, notes=notes,
+    )
+
+
+__all__ = [
+    "ALPHA", "CurveDiff", "CurveSummary", "DecisionChange", "DecisionImpact", "DiffResult", "FingerprintChange",
+    "PointChange", "p_values", "choose_contexts", "compare_curves", "compare_decisions", "compare_tables", "threshold_exceeded",
+    "NUM_REQS_GRID",
+]

@@ -1,0 +1,204 @@
+"""What `inspect` finds in a table: warnings and the draft-budget decisions it implies.
+
+Analysis only (no printing): render.py draws it, the CLI's --json dumps ``to_dict()``.
+numpy-only, so `inspect` starts without scipy or matplotlib.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, decision_map
+from dspark_calib.table import CostTable
+
+# A median from fewer samples than this is one outlier away from a wrong cost.
+MIN_SAMPLES = 3
+# IQR / median above this: the GPU was not quiet, the median may not be typical.
+MAX_REL_SPREAD = 0.10
+DEFAULT_CONTEXT = 8192  # vLLM's default profiling context length
+NUM_REQS_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CONFIDENCE_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+FEW_SAMPLES = "few_samples"
+HIGH_SPREAD = "high_spread"
+FALLING_MEDIAN = "falling_median"
+SHORT_VERIFY = "short_verify"
+SHORT_DRAFT = "short_draft"
+
+
+@dataclass(frozen=True)
+class TableWarning:
+    code: str
+    message: str
+    context_len: int | None = None
+    curve: str | None = None  # "draft" | "verify"
+    size: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, eq=False)
+class DecisionMap:
+    """Draft budget per request vLLM would pick, for R requests at mean confidence c.
+
+    ``budget_per_req[i, j]`` is for ``num_reqs[i]`` and ``confidence[j]``; NaN where the
+    table cannot price the batch.
+    """
+
+    context_len: int
+    num_speculative_tokens: int
+    num_reqs: tuple[int, ...]
+    confidence: tuple[float, ...]
+    budget_per_req: np.ndarray
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "context_len": self.context_len,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "num_reqs": list(self.num_reqs),
+            "confidence": list(self.confidence),
+            "budget_per_req": [[_num(v) for v in row] for row in self.budget_per_req.tolist()],
+        }
+
+
+def _num(value: float) -> float | None:
+    """JSON has no NaN: unpriced cells become null."""
+    return None if value is None or not math.isfinite(value) else value
+
+
+def num_reqs_grid(max_num_seqs: int, grid: Sequence[int] = NUM_REQS_GRID) -> tuple[int, ...]:
+    """The grid capped at max_num_seqs, plus max_num_seqs itself so the top is always shown."""
+    out = [r for r in grid if r <= max_num_seqs]
+    if max_num_seqs not in out and max_num_seqs < max(grid):
+        out.append(max_num_seqs)
+    return tuple(out)
+
+
+def table_decision_map(
+    table: CostTable,
+    context_len: int | None = None,
+    *,
+    reqs: Sequence[int] | None = None,
+    confidence: Sequence[float] = CONFIDENCE_GRID,
+) -> DecisionMap:
+    ctx = table.nearest_context(DEFAULT_CONTEXT if context_len is None else context_len)
+    fp = table.fingerprint
+    reqs = num_reqs_grid(fp.max_num_seqs) if reqs is None else tuple(int(r) for r in reqs)
+    draft, verify = table.dense_tables(ctx)
+    grid = decision_map(draft, verify, reqs, confidence, fp.num_speculative_tokens)
+    return DecisionMap(ctx, fp.num_speculative_tokens, tuple(reqs), tuple(float(c) for c in confidence), grid)
+
+
+def curve_warnings(curve: Curve, kind: str, context_len: int) -> list[TableWarning]:
+    """Per-point warnings for one curve (vectorised: curves can have 8192 points)."""
+    out: list[TableWarning] = []
+    where = f"{kind} @ctx {context_len}"
+    for i in np.flatnonzero(curve.n < MIN_SAMPLES).tolist():
+        size, n = int(curve.size[i]), int(curve.n[i])
+        out.append(TableWarning(FEW_SAMPLES, f"{where}: size {size} has only {n} sample{'s' if n != 1 else ''} "
+                                f"(want >= {MIN_SAMPLES})", context_len, kind, size))
+    spread = curve.rel_spread
+    for i in np.flatnonzero(np.nan_to_num(spread) > MAX_REL_SPREAD).tolist():
+        size = int(curve.size[i])
+        out.append(TableWarning(HIGH_SPREAD, f"{where}: size {size} spread p25-p75 is {spread[i]:.0%} of its "
+                                f"median (> {MAX_REL_SPREAD:.0%}): noisy measurement", context_len, kind, size))
+    cost = curve.cost_ms
+    if len(cost) > 1:
+        run_max = np.maximum.accumulate(cost)
+        prev_max = np.concatenate(([-np.inf], run_max[:-1]))
+        # Index of the point that set the running max so far, to name it in the message.
+        setter = np.maximum.accumulate(np.where(cost >= prev_max, np.arange(len(cost)), 0))
+        for i in np.flatnonzero(cost < prev_max).tolist():
+            j = int(setter[i - 1])
+            size, earlier = int(curve.size[i]), int(curve.size[j])
+            drop = cost[i] / cost[j] - 1
+            out.append(TableWarning(
+                FALLING_MEDIAN,
+                f"{where}: size {size}'s median {cost[i]:.3f} ms is {-drop:.1%} below size {earlier}'s "
+                f"{cost[j]:.3f} ms; vLLM's running max charges it {cost[j]:.3f} ms",
+                context_len, kind, size))
+    return out
+
+
+def table_warnings(table: CostTable, context_lens: Sequence[int] | None = None) -> list[TableWarning]:
+    fp = table.fingerprint
+    out: list[TableWarning] = []
+    for ctx in (table.context_lens() if context_lens is None else context_lens):
+        pair = table.curves[ctx]
+        for kind in CURVE_KINDS:
+            out += curve_warnings(pair.curve(kind), kind, ctx)
+        # Past its last point vLLM extrapolates linearly: a guess, not a measurement.
+        last_v = int(pair.verify.size[-1])
+        if last_v < fp.max_num_batched_tokens:
+            out.append(TableWarning(SHORT_VERIFY, f"verify @ctx {ctx}: last size {last_v} < max_num_batched_tokens "
+                                    f"{fp.max_num_batched_tokens}; larger steps are extrapolated", ctx, VERIFY, last_v))
+        last_d = int(pair.draft.size[-1])
+        if last_d < fp.max_num_seqs:
+            out.append(TableWarning(SHORT_DRAFT, f"draft @ctx {ctx}: last size {last_d} < max_num_seqs "
+                                    f"{fp.max_num_seqs}; larger batches are extrapolated", ctx, DRAFT, last_d))
+    return out
+
+
+@dataclass(eq=False)
+class Inspection:
+    table: CostTable
+    context_lens: list[int]  # the ones shown
+    warnings: list[TableWarning]
+    decision: DecisionMap
+    path: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        t = self.table
+        limit = t.fingerprint.cudagraph_limit
+        curves: dict[str, Any] = {}
+        for ctx in self.context_lens:
+            pair = t.curves[ctx]
+            curves[str(ctx)] = {kind: curve_to_dict(pair.curve(kind), limit) for kind in CURVE_KINDS}
+        counts = t.samples["context_len"].value_counts() if len(t.samples) else {}
+        return {
+            "path": self.path,
+            "schema_version": t.schema_version,
+            "tool_version": t.tool_version,
+            "created_at": t.created_at,
+            "content_hash": t.content_hash,
+            "fingerprint": t.fingerprint.to_dict(),
+            "context_lens": list(self.context_lens),
+            "num_samples": {str(ctx): int(counts.get(ctx, 0)) for ctx in self.context_lens},
+            "curves": curves,
+            "warnings": [w.to_dict() for w in self.warnings],
+            "decision_map": self.decision.to_dict(),
+            "notes": list(self.notes),
+        }
+
+
+def curve_to_dict(curve: Curve, cudagraph_limit: int) -> dict[str, Any]:
+    cols = {name: getattr(curve, name).tolist() for name in
+            ("size", "cost_ms", "n", "min_ms", "p25_ms", "p75_ms", "max_ms", "mad_ms")}
+    points = [dict(zip(cols, row)) for row in zip(*cols.values())]
+    for p in points:
+        for k, v in p.items():
+            if isinstance(v, float):
+                p[k] = _num(v)
+        p["captured"] = bool(cudagraph_limit) and p["size"] <= cudagraph_limit
+    return {"cudagraph_limit": cudagraph_limit, "points": points}
+
+
+def inspect_table(table: CostTable, *, context_len: int | None = None, path: str | None = None) -> Inspection:
+    """Everything `inspect` shows. context_len picks one profiled context (the nearest); None: all."""
+    notes = []
+    if context_len is None:
+        shown = table.context_lens()
+    else:
+        ctx = table.nearest_context(context_len)
+        if ctx != context_len:
+            notes.append(f"no curves at context {context_len}; showing the nearest, {ctx}")
+        shown = [ctx]
+    decision = table_decision_map(table, context_len)
+    return Inspection(table=table, context_lens=shown, warnings=table_warnings(table, shown),
+                      decision=decision, path=path, notes=notes)

@@ -1,0 +1,111 @@
+"""inspect's analysis: each warning fires on the case it names and not otherwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dspark_calib.fit import decision_map
+from dspark_calib.inspection import (
+    FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, SHORT_DRAFT, SHORT_VERIFY, inspect_table, num_reqs_grid,
+)
+from dspark_calib.reference import table_from_startup_json
+from dspark_calib.samples import Sample
+from dspark_calib.table import CostTable
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"
+KW = dict(model=str(REPO / "profiles/configs/qwen3-8b"), draft=str(REPO / "profiles/configs/dspark-qwen3-8b-block7"),
+          gpu_name="NVIDIA H200", vllm_version="0.33.0", num_speculative_tokens=7)
+
+
+@pytest.fixture(scope="module")
+def real() -> CostTable:
+    return table_from_startup_json([str(DATA / f"qwen3-8b_dspark-block7_ctx{c}.json") for c in (1024, 8192)], **KW)
+
+
+def _synthetic(real: CostTable, verify: dict[int, list[float]], *, max_num_seqs=16, max_num_batched_tokens=64):
+    """Samples with the given forward_ms per size; drafter cost grows with requests, 5 replays."""
+    samples = []
+    for size, values in verify.items():
+        for r, v in enumerate(values):
+            samples.append(Sample(forward_ms=v, drafter_ms=1.0 + 0.01 * min(size, max_num_seqs),
+                                  num_target_tokens=size, num_reqs=min(size, max_num_seqs), full_cudagraph=True,
+                                  context_len=2048, replay=r))
+    fp = real.fingerprint.replace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  cudagraph_capture_sizes=(1, 2, 4, 8), cudagraph_limit=8)
+    return CostTable.from_samples(samples, fp)
+
+
+def test_each_warning_on_its_case(real):
+    t = _synthetic(real, {
+        1: [5.0, 5.0, 5.0, 5.0, 5.0],
+        2: [4.0, 4.0, 4.0, 4.0, 4.0],  # below size 1: vLLM's running max hides it
+        4: [5.0, 5.5, 6.0, 7.0, 8.0],  # IQR 1.5 / median 6 = 25%
+        8: [9.0, 9.1],  # two samples
+    })
+    insp = inspect_table(t)
+    got = {(w.code, w.curve, w.size) for w in insp.warnings}
+    assert got == {
+        (FALLING_MEDIAN, "verify", 2),
+        (HIGH_SPREAD, "verify", 4),
+        (FEW_SAMPLES, "verify", 8),
+        (FEW_SAMPLES, "draft", 8),  # the draft point at 8 requests has the same two samples
+        (SHORT_VERIFY, "verify", 8),  # 8 < max_num_batched_tokens 64
+        (SHORT_DRAFT, "draft", 8),  # 8 < max_num_seqs 16
+    }
+    dip = next(w for w in insp.warnings if w.code == FALLING_MEDIAN)
+    assert "size 1" in dip.message and "5.000" in dip.message and dip.context_len == 2048
+
+
+def test_a_clean_table_has_no_warnings(real):
+    t = _synthetic(real, {s: [float(s)] * 5 for s in (1, 2, 4, 8, 16, 32, 64)})
+    assert inspect_table(t).warnings == []
+
+
+def test_falling_median_names_the_running_max_not_the_previous_point(real):
+    t = _synthetic(real, {1: [5.0] * 5, 2: [9.0] * 5, 4: [7.0] * 5, 8: [8.0] * 5}, max_num_batched_tokens=8,
+                   max_num_seqs=8)
+    dips = [w for w in inspect_table(t).warnings if w.code == FALLING_MEDIAN and w.curve == "verify"]
+    assert [w.size for w in dips] == [4, 8]
+    assert all("size 2's" in w.message for w in dips)
+
+
+def test_real_fixture_dips_match_a_direct_scan(real):
+    insp = inspect_table(real)
+    for ctx in (1024, 8192):
+        c = real.curves[ctx].verify
+        expected = [int(c.size[i]) for i in range(1, len(c)) if c.cost_ms[i] < c.cost_ms[:i].max()]
+        got = [w.size for w in insp.warnings if w.code == FALLING_MEDIAN and w.context_len == ctx and w.curve == "verify"]
+        assert got == expected and expected  # the H200 recordings do dip past 256 tokens
+    assert not [w for w in insp.warnings if w.code in (SHORT_VERIFY, SHORT_DRAFT, FEW_SAMPLES)]
+
+
+def test_decision_map_and_context_choice(real):
+    insp = inspect_table(real)
+    assert insp.context_lens == [1024, 8192]
+    assert insp.decision.context_len == 8192  # vLLM's default profiling context
+    expected = decision_map(*real.dense_tables(8192), list(insp.decision.num_reqs), list(insp.decision.confidence), 7)
+    np.testing.assert_array_equal(insp.decision.budget_per_req, expected)
+    one = inspect_table(real, context_len=1500)
+    assert one.context_lens == [1024] and one.decision.context_len == 1024
+    assert one.notes and "1500" in one.notes[0]
+
+
+def test_grid_is_capped_at_max_num_seqs():
+    assert num_reqs_grid(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert num_reqs_grid(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert num_reqs_grid(1024) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def test_to_dict_is_plain_json(real):
+    d = json.loads(json.dumps(inspect_table(real).to_dict(), allow_nan=False))
+    assert d["content_hash"] == real.content_hash
+    pts = d["curves"]["8192"]["verify"]["points"]
+    assert [p["size"] for p in pts] == real.curves[8192].verify.size.tolist()
+    assert [p["captured"] for p in pts] == [s <= 512 for s in real.curves[8192].verify.size.tolist()]
+    assert d["num_samples"] == {"1024": 280, "8192": 280}
+    assert len(d["decision_map"]["budget_per_req"]) == len(d["decision_map"]["num_reqs"])

@@ -1,0 +1,207 @@
+"""The CLI end to end (typer's CliRunner, and subprocesses where the process itself matters)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dspark_calib import __version__
+from dspark_calib.cli import app
+from dspark_calib.reference import table_from_startup_json
+from dspark_calib.table import read_table, write_table
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"
+MODEL = str(REPO / "profiles/configs/qwen3-8b")
+DRAFT = str(REPO / "profiles/configs/dspark-qwen3-8b-block7")
+KW = dict(model=MODEL, draft=DRAFT, gpu_name="NVIDIA H200", vllm_version="0.33.0", num_speculative_tokens=7)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+runner = CliRunner()
+
+
+def _json(ctx: int) -> str:
+    return str(DATA / f"qwen3-8b_dspark-block7_ctx{ctx}.json")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("tables")
+    out = {}
+    for name, ctxs in (("c1024", [1024]), ("c16384", [16384]), ("c8192", [8192]), ("all", [1024, 8192, 16384])):
+        out[name] = write_table(table_from_startup_json([_json(c) for c in ctxs], **KW), d / f"{name}.parquet")
+    return out
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("dspark-calib: error: ")
+    for f in fragments:
+        assert f in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_version_and_help():
+    r = invoke("--version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"dspark-calib {__version__}"
+    for cmd in ([], ["inspect"], ["diff"], ["import-vllm"], ["merge"]):
+        r = invoke(*cmd, "--help")
+        assert r.exit_code == 0, (cmd, r.output)
+        assert "Usage" in r.stdout
+
+
+def test_inspect_human(files):
+    r = invoke("inspect", files["c1024"])
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    for text in ("fingerprint", "NVIDIA H200", "draft curve @ctx 1024", "verify curve @ctx 1024",
+                 "◀ capture limit", "warnings:", "size 432's median", "draft budget per request (of 7)"):
+        assert text in out, text
+
+
+def test_inspect_json(files):
+    r = invoke("inspect", files["all"], "--json", "--context-len", "9000")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    t = read_table(files["all"])
+    assert d["content_hash"] == t.content_hash
+    assert d["context_lens"] == [8192] and list(d["curves"]) == ["8192"]
+    assert d["decision_map"]["context_len"] == 8192
+    assert [p["size"] for p in d["curves"]["8192"]["draft"]["points"]] == t.curves[8192].draft.size.tolist()
+    assert {w["code"] for w in d["warnings"]} == {"falling_median"}
+    assert d["notes"] and d["plot"] is None
+
+
+def test_inspect_plot(files, tmp_path):
+    png = tmp_path / "sub" / "curves.png"
+    r = invoke("inspect", files["all"], "--plot", png)
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert os.listdir(png.parent) == ["curves.png"]  # no temp file left behind
+    assert f"plot written to {png}" in r.stdout
+
+
+def test_diff_identical_passes_any_threshold(files):
+    r = invoke("diff", files["c1024"], files["c1024"], "--threshold", "0")
+    assert r.exit_code == 0, r.output
+    assert "fingerprints identical" in r.stdout and "not exceeded" in r.stdout
+    assert "0 of 81" in r.stdout
+
+
+def test_diff_threshold_exit_codes(files):
+    r = invoke("diff", files["c1024"], files["c16384"], "--threshold", "5")
+    assert r.exit_code == 1, r.output
+    assert "EXCEEDED" in r.stdout and "context_lens" in r.stdout
+    r = invoke("diff", files["c1024"], files["c16384"], "--threshold", "100000")
+    assert r.exit_code == 0, r.output
+    r = invoke("diff", files["c1024"], files["c16384"])  # no threshold: report only
+    assert r.exit_code == 0, r.output
+
+
+def test_diff_json_and_plot(files, tmp_path):
+    png = tmp_path / "diff.png"
+    r = invoke("diff", files["c1024"], files["c16384"], "--json", "--threshold", "5", "--plot", png)
+    assert r.exit_code == 1
+    d = json.loads(r.stdout)
+    assert d["threshold"] == {"pct": 5.0, "exceeded": True}
+    assert d["old"]["context_len"] == 1024 and d["new"]["context_len"] == 16384
+    assert d["curves"]["verify"]["summary"]["significant_slower"] > 0
+    assert d["decisions"]["changed"] == len(d["decisions"]["changes"]) > 0
+    assert png.read_bytes()[:8] == PNG_MAGIC and d["plot"] == str(png)
+
+
+def test_diff_context_options(files):
+    r = invoke("diff", files["all"], files["c8192"], "--json", "--old-context", "1024", "--new-context", "8192")
+    d = json.loads(r.stdout)
+    assert (d["old"]["context_len"], d["new"]["context_len"]) == (1024, 8192)
+    r = invoke("diff", files["all"], files["c8192"], "--json")
+    d = json.loads(r.stdout)
+    # The shared context by default: the 8192 curves are the same recording, so nothing moves.
+    assert (d["old"]["context_len"], d["new"]["context_len"]) == (8192, 8192)
+    assert d["curves"]["verify"]["summary"]["max_abs_rel_change"] == 0
+
+
+def test_import_vllm(tmp_path):
+    r = invoke("import-vllm", _json(1024), _json(8192), "--model", MODEL, "--draft", DRAFT, "--gpu-name",
+               "NVIDIA H200", "--vllm-version", "0.33.0", "--num-speculative-tokens", "7", "--out", tmp_path / "new")
+    assert r.exit_code == 0, r.output
+    path = r.stdout.splitlines()[0]
+    assert Path(path).parent == tmp_path / "new" and path.endswith(".parquet")
+    t = read_table(path)
+    assert t.context_lens() == [1024, 8192]
+    assert t.content_hash == table_from_startup_json([_json(1024), _json(8192)], **KW).content_hash
+    assert "ctx 1024" in r.stdout and "ctx 8192" in r.stdout
+
+
+def test_import_vllm_bad_input(tmp_path):
+    missing = tmp_path / "nope.json"
+    r = invoke("import-vllm", missing, "--model", MODEL, "--draft", DRAFT, "--gpu-name", "x", "--vllm-version",
+               "0.33.0", "--num-speculative-tokens", "7", "--out", tmp_path)
+    assert_one_line_error(r, str(missing), "no such file")
+    r = invoke("import-vllm", _json(1024), "--model", tmp_path, "--draft", DRAFT, "--gpu-name", "x",
+               "--vllm-version", "0.33.0", "--num-speculative-tokens", "7", "--out", tmp_path)
+    assert_one_line_error(r, str(tmp_path), "config.json")
+
+
+def test_merge(files, tmp_path):
+    out = tmp_path / "merged.parquet"
+    r = invoke("merge", files["c1024"], files["c8192"], "--out", out)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[0] == str(out)
+    assert read_table(out).context_lens() == [1024, 8192]
+
+
+def test_merge_refuses_different_engines(files, tmp_path):
+    other = write_table(table_from_startup_json([_json(8192)], **{**KW, "gpu_name": "NVIDIA H100"}),
+                        tmp_path / "h100.parquet")
+    r = invoke("merge", files["c1024"], other, "--out", tmp_path / "m.parquet")
+    assert_one_line_error(r, "gpu_name")
+    assert not (tmp_path / "m.parquet").exists()
+
+
+def test_bad_tables_are_one_line_errors(tmp_path):
+    missing = tmp_path / "missing.parquet"
+    assert_one_line_error(invoke("inspect", missing), f"{missing}: no such file")
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"not parquet at all\n" * 10)
+    assert_one_line_error(invoke("inspect", junk), str(junk), "not a readable parquet file")
+    assert_one_line_error(invoke("diff", junk, missing), str(junk))
+
+
+def test_unwritable_plot_is_one_line_error(files, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_one_line_error(invoke("inspect", files["c1024"], "--plot", blocker / "p.png"), str(blocker))
+
+
+def _run(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, timeout=120, **kw)
+
+
+def test_cli_import_stays_light():
+    code = ("import sys, dspark_calib.cli\n"
+            "heavy = [m for m in ('torch', 'vllm', 'scipy', 'matplotlib', 'pandas', 'pyarrow') if m in sys.modules]\n"
+            "assert not heavy, heavy")
+    r = _run("-c", code)
+    assert r.returncode == 0, r.stderr
+
+
+def test_module_entry_point_and_error_without_traceback(tmp_path):
+    r = _run("-m", "dspark_calib", "--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"dspark-calib {__version__}"
+    r = _run("-m", "dspark_calib", "inspect", str(tmp_path / "absent.parquet"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"dspark-calib: error: {tmp_path / 'absent.parquet'}: no such file"
+    assert r.stdout == ""
