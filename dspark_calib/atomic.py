@@ -19,6 +19,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".dspark-calib-", suffix=".tmp", dir=directory)
     try:
+        # mkstemp makes the file 0600; a table must be readable like any file we write
+        # (a vLLM server may run as another user), so give it open()'s mode.
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
@@ -36,6 +39,19 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> str:
     return atomic_write(path, lambda fh: fh.write(json.dumps(obj).encode()))
+
+
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask would, process-wide)
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(directory: str) -> None:

@@ -73,6 +73,19 @@ def _utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def _content_hash(fingerprint: dict[str, Any], curves: dict[int, CurvePair]) -> str:
+    fp = {k: v for k, v in fingerprint.items() if k != "extra"}  # notes do not change what the table means
+    body = {
+        "fingerprint": fp,
+        "curves": {
+            str(ctx): {kind: pair.curve(kind).as_vllm() for kind in CURVE_KINDS}
+            for ctx, pair in sorted(curves.items())
+        },
+    }
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(canonical).hexdigest()
+
+
 @dataclass(frozen=True, eq=False)
 class CostTable:
     fingerprint: Fingerprint
@@ -98,17 +111,7 @@ class CostTable:
     @property
     def content_hash(self) -> str:
         """sha256 over the fingerprint and every curve's (size, cost): what vLLM would use."""
-        fp = self.fingerprint.to_dict()
-        fp.pop("extra", None)  # notes do not change what the table means
-        body = {
-            "fingerprint": fp,
-            "curves": {
-                str(ctx): {kind: pair.curve(kind).as_vllm() for kind in CURVE_KINDS}
-                for ctx, pair in sorted(self.curves.items())
-            },
-        }
-        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(canonical).hexdigest()
+        return _content_hash(self.fingerprint.to_dict(), self.curves)
 
     @property
     def short_hash(self) -> str:
@@ -407,7 +410,10 @@ def _from_arrow(arrow: pa.Table, meta: dict, path: str) -> CostTable:
                       created_at=str(meta.get("created_at", "")), tool_version=str(meta.get("tool_version", "")),
                       schema_version=str(meta["schema_version"]))
     table.validate()
-    if table.content_hash != meta["content_hash"]:
+    # Checked against the fingerprint as the file stores it: a newer minor's extra keys
+    # (moved under fingerprint.extra here) were part of the hash its writer computed.
+    found = _content_hash(meta["fingerprint"], pairs)
+    if found != meta["content_hash"]:
         raise CalibError(f"content hash mismatch (metadata says {str(meta['content_hash'])[:12]}, curves give "
-                         f"{table.short_hash}): the file was altered or corrupted")
+                         f"{found[:12]}): the file was altered or corrupted")
     return table

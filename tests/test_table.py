@@ -1,0 +1,451 @@
+"""The parquet table format: round trip, identity, versions, merging, atomic writes."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import DATA_DIR, build_reference_table
+from dspark_calib import __version__
+from dspark_calib.errors import CalibError
+from dspark_calib.fingerprint import MERGE_KEYS, Fingerprint
+from dspark_calib.fit import CURVE_KINDS, Curve, CurvePair
+from dspark_calib.table import (
+    COLUMNS,
+    CURVE_COLUMNS,
+    METADATA_KEY,
+    SCHEMA_VERSION,
+    CostTable,
+    merge_tables,
+    read_metadata,
+    read_table,
+    to_arrow,
+    write_table,
+)
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+# -- helpers ------------------------------------------------------------------------------
+def arrow_and_meta(table: CostTable) -> tuple[pa.Table, dict]:
+    arrow = to_arrow(table)
+    return arrow, json.loads(arrow.schema.metadata[METADATA_KEY])
+
+
+def write_raw(path, arrow: pa.Table, meta: dict | None) -> Path:
+    """A parquet file exactly as given: how another (older, newer, broken) writer would leave it."""
+    arrow = arrow.replace_schema_metadata(None if meta is None else {METADATA_KEY: json.dumps(meta).encode()})
+    pq.write_table(arrow, path)
+    return Path(path)
+
+
+def hash_as_written(fingerprint: dict, table: CostTable) -> str:
+    """content_hash as its docstring defines it: sha256 of canonical JSON of the fingerprint
+    (without the free-form notes) and every curve's (size, cost) pairs."""
+    fp = {k: v for k, v in fingerprint.items() if k != "extra"}
+    body = {"fingerprint": fp, "curves": {str(ctx): {kind: pair.curve(kind).as_vllm() for kind in CURVE_KINDS}
+                                          for ctx, pair in sorted(table.curves.items())}}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def with_curve(table: CostTable, ctx: int, kind: str, **columns) -> CostTable:
+    """The same table with some columns of one curve replaced."""
+    pair = table.curves[ctx]
+    curve = pair.curve(kind)
+    cols = {c: np.array(getattr(curve, c)) for c in CURVE_COLUMNS}
+    cols.update(columns)
+    new_pair = CurvePair(**{k: (Curve.from_columns(cols) if k == kind else pair.curve(k)) for k in CURVE_KINDS})
+    return dataclasses.replace(table, curves={**table.curves, ctx: new_pair})
+
+
+def assert_same_content(a: CostTable, b: CostTable) -> None:
+    assert a.fingerprint == b.fingerprint
+    assert a.content_hash == b.content_hash
+    assert sorted(a.curves) == sorted(b.curves)
+    for ctx in a.curves:
+        for kind in CURVE_KINDS:
+            ca, cb = a.curves[ctx].curve(kind), b.curves[ctx].curve(kind)
+            for c in CURVE_COLUMNS:
+                np.testing.assert_array_equal(getattr(ca, c), getattr(cb, c), err_msg=f"{ctx} {kind} {c}")
+    pd.testing.assert_frame_equal(a.samples.reset_index(drop=True), b.samples.reset_index(drop=True),
+                                  check_dtype=False)
+
+
+# -- round trip -----------------------------------------------------------------------------
+def test_plain_pandas_and_pyarrow_read_the_file(table_file, reference_table):
+    n_points = sum(len(p.curve(k)) for p in reference_table.curves.values() for k in CURVE_KINDS)
+    frame = pd.read_parquet(table_file)
+    assert list(frame.columns) == list(COLUMNS)
+    assert len(frame) == n_points + len(reference_table.samples)
+    assert frame.record.value_counts().to_dict() == {
+        "sample": 840, "verify": 3 * 56, "draft": 3 * 35}
+    draft8192 = frame[(frame.record == "draft") & (frame.context_len == 8192)]
+    assert draft8192["cost_ms"].tolist() == reference_table.curves[8192].draft.cost_ms.tolist()
+
+    arrow = pq.read_table(table_file)
+    assert arrow.schema.remove_metadata() == pa.schema(list(COLUMNS.items()))
+    meta = json.loads(arrow.schema.metadata[METADATA_KEY])
+    assert set(meta) >= {"schema_version", "tool_version", "created_at", "content_hash", "fingerprint"}
+    assert meta["schema_version"] == SCHEMA_VERSION == "1.0"
+    assert meta["tool_version"] == __version__
+    created = dt.datetime.fromisoformat(meta["created_at"].replace("Z", "+00:00"))
+    assert meta["created_at"].endswith("Z") and created.utcoffset() == dt.timedelta(0)
+    assert meta["content_hash"] == reference_table.content_hash
+    assert len(meta["content_hash"]) == 64 and int(meta["content_hash"], 16) >= 0
+    assert set(meta["fingerprint"]) == {f.name for f in dataclasses.fields(Fingerprint)}
+    assert meta["fingerprint"]["gpu_name"] == "NVIDIA H200"
+    assert meta["fingerprint"]["context_lens"] == [1024, 8192, 16384]
+    assert read_metadata(table_file) == meta
+
+
+def test_read_back_is_identical(table_file, reference_table):
+    back = read_table(table_file)
+    assert_same_content(back, reference_table)
+    assert (back.created_at, back.tool_version, back.schema_version) == (
+        reference_table.created_at, reference_table.tool_version, reference_table.schema_version)
+    for ctx in (1024, 8192, 16384):
+        for got, want in zip(back.dense_tables(ctx), reference_table.dense_tables(ctx)):
+            assert np.array_equal(got, want)
+    assert back.iter_samples(8192) == reference_table.iter_samples(8192)
+
+
+def test_content_hash_stable_across_write_and_read(tmp_path, reference_table):
+    first = read_table(write_table(reference_table, tmp_path / "a.parquet"))
+    second = read_table(write_table(first, tmp_path / "b.parquet"))
+    assert reference_table.content_hash == first.content_hash == second.content_hash
+    # Built again from the same recordings (a different created_at): same identity.
+    assert build_reference_table().content_hash == reference_table.content_hash
+
+
+def test_content_hash_changes_with_any_cost_or_engine_key(reference_table):
+    h = reference_table.content_hash
+    cost = np.array(reference_table.curves[8192].verify.cost_ms)
+    cost[10] = np.nextafter(cost[10], np.inf)  # one ulp
+    assert with_curve(reference_table, 8192, "verify", cost_ms=cost).content_hash != h
+    dcost = np.array(reference_table.curves[1024].draft.cost_ms)
+    dcost[0] += 0.5
+    assert with_curve(reference_table, 1024, "draft", cost_ms=dcost).content_hash != h
+    size = np.array(reference_table.curves[16384].verify.size)
+    size[-1] += 1
+    assert with_curve(reference_table, 16384, "verify", size=size).content_hash != h
+    for key, value in [("gpu_name", "NVIDIA A100"), ("vllm_version", "0.32.0"), ("max_num_seqs", 128)]:
+        changed = dataclasses.replace(reference_table, fingerprint=reference_table.fingerprint.replace(**{key: value}))
+        assert changed.content_hash != h, key
+    # Free-form notes do not change what the table means.
+    noted = reference_table.fingerprint.replace(extra={"host": "somewhere"})
+    assert dataclasses.replace(reference_table, fingerprint=noted).content_hash == h
+
+
+def test_default_filename_contains_the_hash(tmp_path, reference_table):
+    name = reference_table.default_filename()
+    assert reference_table.short_hash in name and name.endswith(".parquet")
+    assert name.startswith("qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__")
+    written = write_table(reference_table, tmp_path)  # a directory: default name inside
+    assert Path(written) == tmp_path / name
+    assert read_table(written).content_hash == reference_table.content_hash
+    other = dataclasses.replace(reference_table, fingerprint=reference_table.fingerprint.replace(vllm_version="0.32.0"))
+    assert other.default_filename() != name and other.short_hash in other.default_filename()
+
+
+def test_written_file_permissions_follow_umask(tmp_path, reference_table):
+    """Written like any other file (0666 & ~umask), not mkstemp's private 0600:
+    a vLLM server running as another user must be able to read the table."""
+    old = os.umask(0o022)
+    try:
+        path = write_table(reference_table, tmp_path / "t.parquet")
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o644
+
+
+# -- schema versions ---------------------------------------------------------------------------
+@pytest.mark.parametrize("version", ["2.0", "2.7", "10.0"])
+def test_newer_major_schema_refused_naming_both_versions(tmp_path, reference_table_8192, version):
+    arrow, meta = arrow_and_meta(reference_table_8192)
+    meta["schema_version"] = version
+    path = write_raw(tmp_path / "future.parquet", arrow, meta)
+    with pytest.raises(CalibError) as err:
+        read_table(path)
+    msg = str(err.value)
+    assert version in msg and SCHEMA_VERSION in msg and str(path) in msg
+
+
+@pytest.mark.parametrize("version", ["0.9", "1", "one", "1.0.0", ""])
+def test_unreadable_or_unmigratable_versions_refused(tmp_path, reference_table_8192, version):
+    arrow, meta = arrow_and_meta(reference_table_8192)
+    meta["schema_version"] = version
+    path = write_raw(tmp_path / "odd.parquet", arrow, meta)
+    with pytest.raises(CalibError, match=str(path)):
+        read_table(path)
+
+
+def test_file_lacking_an_optional_column_reads_with_nulls(tmp_path, reference_table_8192):
+    """A writer whose minor format had no mad_ms column: read, spread filled with NaN."""
+    arrow, meta = arrow_and_meta(reference_table_8192)
+    path = write_raw(tmp_path / "old.parquet", arrow.drop_columns(["mad_ms"]), meta)
+    back = read_table(path)
+    for kind in CURVE_KINDS:
+        curve = back.curves[8192].curve(kind)
+        assert np.isnan(curve.mad_ms).all()
+        want = reference_table_8192.curves[8192].curve(kind)
+        assert np.array_equal(curve.cost_ms, want.cost_ms) and np.array_equal(curve.p75_ms, want.p75_ms)
+    assert back.content_hash == reference_table_8192.content_hash
+    # And it can be written again in the current format.
+    again = read_table(write_table(back, tmp_path / "rewritten.parquet"))
+    assert np.isnan(again.curves[8192].draft.mad_ms).all()
+
+
+def test_newer_minor_with_extra_column_and_fingerprint_key_is_accepted(tmp_path, reference_table_8192):
+    """What a 1.x writer may add (optional columns, fingerprint keys) must not stop a 1.0 reader."""
+    arrow, meta = arrow_and_meta(reference_table_8192)
+    meta["schema_version"] = "1.3"
+    meta["fingerprint"]["nvlink_topology"] = "NV18"
+    meta["future_note"] = {"anything": [1, 2]}
+    meta["content_hash"] = hash_as_written(meta["fingerprint"], reference_table_8192)
+    arrow = arrow.append_column("power_limit_w", pa.array(np.full(arrow.num_rows, 700.0)))
+    path = write_raw(tmp_path / "newer.parquet", arrow, meta)
+    back = read_table(path)
+    assert back.schema_version == "1.3"
+    assert back.fingerprint.extra["nvlink_topology"] == "NV18"  # kept, not dropped
+    for kind in CURVE_KINDS:
+        assert back.curves[8192].curve(kind).as_vllm() == reference_table_8192.curves[8192].curve(kind).as_vllm()
+    # A rewrite by this reader keeps the new key and reads back.
+    again = read_table(write_table(back, tmp_path / "rewritten.parquet"))
+    assert again.fingerprint.extra["nvlink_topology"] == "NV18"
+
+
+def test_current_hash_definition_matches_docstring(reference_table):
+    assert hash_as_written(reference_table.fingerprint.to_dict(), reference_table) == reference_table.content_hash
+
+
+# -- merge -----------------------------------------------------------------------------------
+def split_runs(table: CostTable, first_replays=(0, 1, 2)) -> tuple[CostTable, CostTable]:
+    """Two 'runs' of the same engine: the recorded replays split in two."""
+    a = [s for s in table.iter_samples() if s.replay in first_replays]
+    b = [dataclasses.replace(s, replay=s.replay - len(first_replays)) for s in table.iter_samples()
+         if s.replay not in first_replays]
+    fp = table.fingerprint
+    return (CostTable.from_samples(a, fp.replace(replays=len(first_replays))),
+            CostTable.from_samples(b, fp.replace(replays=fp.replays - len(first_replays))))
+
+
+def test_merge_pools_samples_and_refits(tmp_path, reference_table_8192):
+    run_a, run_b = split_runs(reference_table_8192)
+    # Each run alone fits differently from the whole ...
+    assert run_a.content_hash != reference_table_8192.content_hash
+    # ... pooled (through files, as the CLI does) they give back exactly the full recording.
+    run_a = read_table(write_table(run_a, tmp_path / "a.parquet"))
+    run_b = read_table(write_table(run_b, tmp_path / "b.parquet"))
+    merged = merge_tables([run_a, run_b])
+    assert len(merged.samples) == len(run_a.samples) + len(run_b.samples) == 280
+    assert merged.fingerprint.replays == 5
+    assert merged.fingerprint.extra["merged_from"] == [run_a.short_hash, run_b.short_hash]
+    full = reference_table_8192.curves[8192]
+    for kind in CURVE_KINDS:
+        for c in CURVE_COLUMNS:
+            assert np.array_equal(getattr(merged.curves[8192].curve(kind), c), getattr(full.curve(kind), c)), (kind, c)
+    assert merged.content_hash == reference_table_8192.content_hash
+    # Replays stay distinct per batch size across the runs.
+    s = merged.samples
+    assert not s.duplicated(["context_len", "num_target_tokens", "replay"]).any()
+    assert read_table(write_table(merged, tmp_path / "m.parquet")).content_hash == merged.content_hash
+
+
+def test_merge_of_different_context_lengths_covers_both():
+    t1024 = build_reference_table([DATA_DIR / "qwen3-8b_dspark-block7_ctx1024.json"])
+    t16k = build_reference_table([DATA_DIR / "qwen3-8b_dspark-block7_ctx16384.json"])
+    merged = merge_tables([t1024, t16k])
+    assert merged.context_lens() == [1024, 16384]
+    assert merged.fingerprint.context_lens == (1024, 16384)
+    assert merged.curves[1024].as_vllm() == t1024.curves[1024].as_vllm()
+    assert merged.curves[16384].as_vllm() == t16k.curves[16384].as_vllm()
+
+
+@pytest.mark.parametrize("key,value", [
+    ("gpu_name", "NVIDIA A100-SXM4-80GB"),
+    ("vllm_version", "0.32.0"),
+    ("num_speculative_tokens", 5),
+    ("target_config_hash", "sha256:0000000000000000"),
+    ("tensor_parallel_size", 2),
+])
+def test_merge_refused_when_fingerprints_disagree(reference_table_8192, key, value):
+    assert key in MERGE_KEYS
+    run_a, run_b = split_runs(reference_table_8192)
+    run_b = dataclasses.replace(run_b, fingerprint=run_b.fingerprint.replace(**{key: value}))
+    with pytest.raises(CalibError) as err:
+        merge_tables([run_a, run_b])
+    msg = str(err.value)
+    assert key in msg and repr(getattr(run_a.fingerprint, key)) in msg and repr(value) in msg
+
+
+def test_merge_refused_without_raw_samples_or_tables(reference_table_8192):
+    bare = dataclasses.replace(reference_table_8192, samples=reference_table_8192.samples.iloc[0:0])
+    with pytest.raises(CalibError, match="no raw samples"):
+        merge_tables([reference_table_8192, bare])
+    with pytest.raises(CalibError, match="nothing to merge"):
+        merge_tables([])
+
+
+# -- atomic writes ---------------------------------------------------------------------------
+def test_failed_write_leaves_old_file_and_no_temp(tmp_path, reference_table_8192, reference_table, monkeypatch):
+    dest = Path(write_table(reference_table_8192, tmp_path / "t.parquet"))
+    real = pq.write_table
+
+    def half_then_fail(arrow, where, **kw):
+        real(arrow.slice(0, 10), where, **kw)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pq, "write_table", half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_table(reference_table, dest)
+    assert os.listdir(tmp_path) == ["t.parquet"]
+    assert read_table(dest).content_hash == reference_table_8192.content_hash
+
+
+CHILD = textwrap.dedent(r"""
+    import os, sys, time
+    import pyarrow.parquet as pq
+    from dspark_calib.table import read_table, write_table
+
+    mode, src, dest = sys.argv[1:4]
+    table = read_table(src)
+    if mode == "partial":  # stop (and get killed) with half the bytes in the temp file
+        real = pq.write_table
+        def half(arrow, fh, **kw):
+            import io
+            buf = io.BytesIO()
+            real(arrow, buf, **kw)
+            data = buf.getvalue()
+            fh.write(data[: len(data) // 2])
+            fh.flush()
+            os.fsync(fh.fileno())
+            print("mid-write", flush=True)
+            time.sleep(120)
+        pq.write_table = half
+    elif mode == "renaming":  # complete temp file, killed just before the rename
+        def stall(*a, **kw):
+            print("mid-write", flush=True)
+            time.sleep(120)
+        os.replace = stall
+    print("ready", flush=True)
+    while True:
+        write_table(table, dest)
+        if mode != "loop":
+            break
+    print("done", flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.fixture(scope="module")
+def big_tables(tmp_path_factory, reference_table_8192):
+    """Two large complete tables (old and new) with different content hashes, as files."""
+    base = reference_table_8192
+    rng = np.random.default_rng(1)
+    reps = 300  # ~84k sample rows, a few MB: writing takes a while
+    frame = pd.concat([base.samples] * reps, ignore_index=True)
+    frame["replay"] = np.repeat(np.arange(reps), len(base.samples)) * 5 + frame["replay"]
+    frame["forward_ms"] = frame["forward_ms"] * rng.uniform(0.9, 1.1, len(frame))
+    old = dataclasses.replace(base, samples=frame)
+    cost = np.array(base.curves[8192].verify.cost_ms) * 1.01
+    new = dataclasses.replace(with_curve(base, 8192, "verify", cost_ms=cost), samples=frame)
+    d = tmp_path_factory.mktemp("big")
+    return {
+        "old": (write_table(old, d / "old.parquet"), old.content_hash),
+        "new": (write_table(new, d / "new.parquet"), new.content_hash),
+        "rows": len(frame),
+    }
+
+
+def start_writer(mode: str, src: str, dest: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR.parent), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-c", CHILD, mode, src, str(dest)], stdout=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+
+
+def wait_for(proc: subprocess.Popen, marker: str) -> None:
+    while True:
+        line = proc.stdout.readline()
+        assert line, f"writer exited (rc={proc.poll()}) before printing {marker!r}"
+        if line.strip() == marker:
+            return
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+
+
+def check_destination(dest: Path, big_tables, allowed: set[str]) -> list[str]:
+    """dest is one complete table; leftovers are hidden temp files no table scan picks up."""
+    back = read_table(dest)
+    assert back.content_hash in allowed
+    assert len(back.samples) == big_tables["rows"]
+    assert len(pd.read_parquet(dest)) > big_tables["rows"]
+    leftovers = sorted(set(os.listdir(dest.parent)) - {dest.name})
+    for name in leftovers:
+        assert name.startswith(".") and not name.endswith(".parquet"), name
+    assert sorted(p.name for p in dest.parent.glob("*.parquet")) == [dest.name]
+    return leftovers
+
+
+@pytest.mark.parametrize("mode", ["partial", "renaming"])
+def test_writer_killed_mid_write_leaves_old_table(tmp_path, big_tables, mode):
+    old_path, old_hash = big_tables["old"]
+    new_path, _ = big_tables["new"]
+    dest = tmp_path / "table.parquet"
+    dest.write_bytes(Path(old_path).read_bytes())
+    proc = start_writer(mode, str(new_path), dest)
+    try:
+        wait_for(proc, "mid-write")
+    finally:
+        kill(proc)
+    leftovers = check_destination(dest, big_tables, {old_hash})
+    assert len(leftovers) == 1, "the killed writer should have left its temp file"
+    temp = dest.parent / leftovers[0]
+    if mode == "partial":
+        assert 0 < temp.stat().st_size < dest.stat().st_size
+        with pytest.raises(CalibError, match=str(temp)):
+            read_table(temp)
+
+
+def test_writer_killed_at_random_times_never_leaves_a_partial_table(tmp_path, big_tables):
+    old_path, old_hash = big_tables["old"]
+    new_path, new_hash = big_tables["new"]
+    rng = random.Random(20261130)
+    procs = []
+    for i in range(6):  # concurrent writers, each over its own destination
+        dest = tmp_path / f"w{i}" / "table.parquet"
+        dest.parent.mkdir()
+        dest.write_bytes(Path(old_path).read_bytes())
+        procs.append((start_writer("loop", str(new_path), dest), dest))
+    try:
+        for proc, _ in procs:
+            wait_for(proc, "ready")
+        for proc, dest in procs:
+            # Kill somewhere in the first few writes (writing this table takes a fraction of a second).
+            time.sleep(rng.uniform(0.0, 0.6))
+            kill(proc)
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                kill(proc)
+    for _, dest in procs:
+        check_destination(dest, big_tables, {old_hash, new_hash})
