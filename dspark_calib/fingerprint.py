@@ -54,13 +54,17 @@ class Fingerprint:
 
     def __post_init__(self) -> None:
         for name in ("cudagraph_capture_sizes", "context_lens"):
-            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+            object.__setattr__(self, name, _int_tuple(name, getattr(self, name)))
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            if f.type.endswith(" | None") and value is None:
+                continue
+            if f.type.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
                 raise CalibError(f"fingerprint {f.name} must be an integer, got {value!r}")
-            if f.type == "str" and not isinstance(value, str):
+            if f.type.startswith("str") and not isinstance(value, str):
                 raise CalibError(f"fingerprint {f.name} must be a string, got {value!r}")
+        if not isinstance(self.extra, dict):
+            raise CalibError(f"fingerprint extra must be a JSON object, got {self.extra!r}")
         if not self.context_lens:
             raise CalibError("fingerprint context_lens is empty")
         if list(self.cudagraph_capture_sizes) != sorted(set(self.cudagraph_capture_sizes)):
@@ -82,7 +86,10 @@ class Fingerprint:
         if missing:
             raise CalibError(f"fingerprint lacks {', '.join(missing)}")
         unknown = set(data) - known
-        extra = dict(data.get("extra") or {})
+        extra = data.get("extra")
+        if extra is not None and not isinstance(extra, dict):
+            raise CalibError(f"fingerprint extra must be a JSON object, got {extra!r}")
+        extra = dict(extra or {})
         # Keys from a newer minor format are kept, not dropped, so a rewrite loses nothing.
         extra.update({k: data[k] for k in unknown})
         return cls(**{k: data[k] for k in known if k in data and k != "extra"}, extra=extra)
@@ -91,6 +98,16 @@ class Fingerprint:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d.update(changes)
         return Fingerprint(**d)
+
+
+def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
+    """A list of integers (numpy ints too) as a tuple; anything else is a CalibError, not a TypeError."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise CalibError(f"fingerprint {name} must be a list of integers, got {value!r}")
+    items = tuple(value)
+    if any(isinstance(v, bool) or not hasattr(v, "__index__") for v in items):
+        raise CalibError(f"fingerprint {name} must be a list of integers, got {value!r}")
+    return tuple(int(v) for v in items)
 
 
 # Keys that describe one profiling run rather than the engine: they may differ

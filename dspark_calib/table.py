@@ -169,7 +169,8 @@ class CostTable:
                 if (curve.size <= 0).any() or (np.diff(curve.size) <= 0).any():
                     raise CalibError(f"{where}: sizes must be positive and strictly increasing")
                 costs = np.stack([curve.cost_ms, curve.min_ms, curve.p25_ms, curve.p75_ms, curve.max_ms])
-                if not np.isfinite(curve.cost_ms).all() or (costs[np.isfinite(costs)] < 0).any():
+                # Spread columns may be NaN (absent), never infinite or negative.
+                if not np.isfinite(curve.cost_ms).all() or np.isinf(costs).any() or (costs[np.isfinite(costs)] < 0).any():
                     raise CalibError(f"{where}: costs must be finite and >= 0")
                 if (curve.n < 1).any():
                     raise CalibError(f"{where}: every point needs n >= 1")
@@ -299,6 +300,16 @@ def _migrate(arrow: pa.Table, meta: dict, version: tuple[int, int], path: str) -
         if migrate is None:
             raise CalibError(f"table schema {version[0]}.{version[1]} is too old to migrate to {SCHEMA_VERSION}", path=path)
         arrow, meta = migrate(arrow, meta)
+    names = arrow.column_names
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise CalibError(f"duplicate columns {dupes}", path=path)
+    # Columns we do not know can only come from a newer minor; in a file claiming a version
+    # we know, they mean a damaged column name (and the real column would be lost as "absent").
+    unknown = [n for n in names if n not in COLUMNS]
+    if unknown and version[0] == current[0] and version[1] <= current[1]:
+        raise CalibError(f"unknown columns {unknown} in a schema {version[0]}.{version[1]} file "
+                         "(damaged or not written by dspark-calib)", path=path)
     for name, typ in COLUMNS.items():  # an older minor lacked an optional column: nulls
         if name not in arrow.column_names:
             arrow = arrow.append_column(pa.field(name, typ), pa.nulls(arrow.num_rows, type=typ))
