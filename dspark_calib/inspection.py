@@ -160,7 +160,6 @@ class Inspection:
         for ctx in self.context_lens:
             pair = t.curves[ctx]
             curves[str(ctx)] = {kind: curve_to_dict(pair.curve(kind), limit) for kind in CURVE_KINDS}
-        counts = t.samples["context_len"].value_counts() if len(t.samples) else {}
         return {
             "path": self.path,
             "schema_version": t.schema_version,
@@ -169,7 +168,7 @@ class Inspection:
             "content_hash": t.content_hash,
             "fingerprint": t.fingerprint.to_dict(),
             "context_lens": list(self.context_lens),
-            "num_samples": {str(ctx): int(counts.get(ctx, 0)) for ctx in self.context_lens},
+            "num_samples": {str(ctx): t.num_samples(ctx) for ctx in self.context_lens},
             "curves": curves,
             "warnings": [w.to_dict() for w in self.warnings],
             "decision_map": self.decision.to_dict(),

@@ -182,10 +182,9 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
         if w.size is not None and w.code in FLAG:
             flags[(w.context_len, w.curve)][w.size].append(FLAG[w.code])
     limit = table.fingerprint.cudagraph_limit
-    counts = table.samples["context_len"].value_counts() if len(table.samples) else {}
     for ctx in insp.context_lens:
         console.print()
-        console.print(Text(f"context {ctx}: {int(counts.get(ctx, 0))} raw samples", style="bold"))
+        console.print(Text(f"context {ctx}: {table.num_samples(ctx)} raw samples", style="bold"))
         pair = table.curves[ctx]
         for kind in CURVE_KINDS:
             console.print(curve_table(pair.curve(kind), kind, ctx, limit, flags[(ctx, kind)], all_points=all_points))
@@ -209,7 +208,7 @@ def render_summary(insp: Inspection, console: Console) -> None:
                   f"max_num_batched_tokens {fp.max_num_batched_tokens}, capture limit {fp.cudagraph_limit}")
     for ctx in insp.context_lens:
         pair = t.curves[ctx]
-        n = int((t.samples["context_len"] == ctx).sum()) if len(t.samples) else 0
+        n = t.num_samples(ctx)
         console.print(f"  ctx {ctx}: draft {len(pair.draft)} sizes ({int(pair.draft.size[0])}..{int(pair.draft.size[-1])}), "
                       f"verify {len(pair.verify)} sizes ({int(pair.verify.size[0])}..{int(pair.verify.size[-1])}), "
                       f"{n} samples")

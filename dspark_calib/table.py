@@ -24,10 +24,9 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -37,6 +36,9 @@ from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import Fingerprint, merge_mismatches
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair, build_cost_tables, fit_curves
 from dspark_calib.samples import Sample
+
+if TYPE_CHECKING:  # pandas is imported where samples are used: it is most of `inspect`'s start-up
+    import pandas as pd
 
 SCHEMA_VERSION = "1.0"
 METADATA_KEY = b"dspark_calib"
@@ -90,10 +92,33 @@ def _content_hash(fingerprint: dict[str, Any], curves: dict[int, CurvePair]) -> 
 class CostTable:
     fingerprint: Fingerprint
     curves: dict[int, CurvePair]  # context_len -> curve pair
-    samples: pd.DataFrame  # SAMPLE_COLUMNS; columnar so 100k samples load fast
+    samples: pd.DataFrame  # SAMPLE_COLUMNS; columnar so 100k samples load fast (see _LazySamples)
     created_at: str = field(default_factory=_utc_now)
     tool_version: str = __version__
     schema_version: str = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if isinstance(self.samples, _LazySamples):
+            # A table read from a file: `samples` is built on first access (__getattr__).
+            object.__setattr__(self, "_lazy_samples", self.samples)
+            object.__delattr__(self, "samples")
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only when normal lookup fails, i.e. `samples` of a read table before first use.
+        lazy = self.__dict__.get("_lazy_samples") if name == "samples" else None
+        if lazy is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        frame = lazy.frame()
+        object.__setattr__(self, "samples", frame)
+        return frame
+
+    def num_samples(self, context_len: int | None = None) -> int:
+        """Raw samples (at one context length), without building the DataFrame."""
+        if "samples" in self.__dict__:
+            ctx = self.samples["context_len"].to_numpy()
+        else:
+            ctx = self.__dict__["_lazy_samples"].columns["context_len"]
+        return len(ctx) if context_len is None else int((ctx == context_len).sum())
 
     @classmethod
     def from_samples(cls, samples: Iterable[Sample], fingerprint: Fingerprint, **kw: Any) -> "CostTable":
@@ -101,6 +126,8 @@ class CostTable:
         if not samples:
             raise CalibError("no samples to fit")
         curves = fit_curves(samples)
+        import pandas as pd
+
         frame = pd.DataFrame({c: [getattr(s, c) for s in samples] for c in SAMPLE_COLUMNS})
         fingerprint = fingerprint.replace(context_lens=tuple(sorted(curves)))
         table = cls(fingerprint=fingerprint, curves=curves, samples=frame, **kw)
@@ -174,22 +201,50 @@ class CostTable:
                     raise CalibError(f"{where}: costs must be finite and >= 0")
                 if (curve.n < 1).any():
                     raise CalibError(f"{where}: every point needs n >= 1")
-        s = self.samples
-        if len(s):
-            for col in ("forward_ms", "drafter_ms"):
-                vals = s[col].to_numpy(dtype=np.float64, na_value=np.nan)
-                if not np.isfinite(vals).all() or (vals < 0).any():
-                    raise CalibError(f"sample {col} must be finite and >= 0")
-            for col in ("num_target_tokens", "num_reqs", "context_len"):
-                if s[col].isna().any() or (s[col] <= 0).any():
-                    raise CalibError(f"sample {col} must be a positive integer")
-            if s["replay"].isna().any() or (s["replay"] < 0).any() or s["full_cudagraph"].isna().any():
-                raise CalibError("sample replay/full_cudagraph missing or negative")
+        if "samples" in self.__dict__:
+            s = self.samples
+            if len(s):
+                _check_samples({c: s[c].to_numpy(dtype=np.float64, na_value=np.nan) for c in SAMPLE_COLUMNS})
+        else:
+            _check_samples({c: v.astype(np.float64) for c, v in self.__dict__["_lazy_samples"].columns.items()})
 
     # -- combining ----------------------------------------------------------------
     def with_samples_refit(self, frame: pd.DataFrame, fingerprint: Fingerprint) -> "CostTable":
         samples = [Sample(**row) for row in frame.to_dict("records")]
         return CostTable.from_samples(samples, fingerprint)
+
+
+def _check_samples(cols: dict[str, np.ndarray]) -> None:
+    """Sample columns as float64, NaN where missing."""
+    if not len(cols["context_len"]):
+        return
+    for col in ("forward_ms", "drafter_ms"):
+        vals = cols[col]
+        if not np.isfinite(vals).all() or (vals < 0).any():
+            raise CalibError(f"sample {col} must be finite and >= 0")
+    for col in ("num_target_tokens", "num_reqs", "context_len"):
+        vals = cols[col]
+        if np.isnan(vals).any() or (vals <= 0).any():
+            raise CalibError(f"sample {col} must be a positive integer")
+    replay = cols["replay"]
+    if np.isnan(replay).any() or (replay < 0).any() or np.isnan(cols["full_cudagraph"]).any():
+        raise CalibError("sample replay/full_cudagraph missing or negative")
+
+
+class _LazySamples:
+    """A read table's raw samples as numpy columns; the DataFrame is made on first use.
+
+    `inspect` never touches raw samples, and importing pandas costs more than the
+    whole rest of a load (0.5-1 s on a small VM).
+    """
+
+    def __init__(self, columns: dict[str, np.ndarray]):
+        self.columns = columns
+
+    def frame(self) -> "pd.DataFrame":
+        import pandas as pd
+
+        return pd.DataFrame(self.columns, columns=list(SAMPLE_COLUMNS))
 
 
 def merge_tables(tables: Sequence[CostTable]) -> CostTable:
@@ -217,6 +272,8 @@ def merge_tables(tables: Sequence[CostTable]) -> CostTable:
         f["replay"] = f["replay"] + offset
         offset = int(f["replay"].max()) + 1
         frames.append(f)
+    import pandas as pd
+
     extra = dict(first.fingerprint.extra, merged_from=[t.short_hash for t in tables])
     fp = first.fingerprint.replace(
         replays=sum(t.fingerprint.replays for t in tables),
@@ -379,32 +436,100 @@ def read_table(path: str | os.PathLike, *, filesystem: Any = None) -> CostTable:
         raise CalibError(str(exc), path=path) from None
 
 
+_NUMPY_TYPES = {pa.int64(): np.int64, pa.float64(): np.float64}
+
+
+def _column(arrow: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(values, valid) of one column, decoded from its Arrow buffers.
+
+    Not ChunkedArray.to_numpy(): even a zero-copy conversion imports pandas, which
+    would triple `inspect`'s start-up. Values where valid is False are meaningless.
+    Types are checked against COLUMNS before this is called.
+    """
+    col = arrow.column(name)
+    typ = col.type
+    values, valid = [], []
+    for chunk in col.chunks:
+        n, off = len(chunk), chunk.offset
+        if n == 0:
+            continue
+        bufs = chunk.buffers()
+        if bufs[0] is None or chunk.null_count == 0:
+            valid.append(np.ones(n, dtype=bool))
+        else:
+            valid.append(np.unpackbits(np.frombuffer(bufs[0], np.uint8), bitorder="little")[off:off + n].view(bool))
+        if typ == pa.string():
+            values.append(np.array(chunk.to_pylist(), dtype=object))
+        elif bufs[1] is None:  # an all-null column added by a migration
+            values.append(np.zeros(n, dtype=bool if typ == pa.bool_() else _NUMPY_TYPES[typ]))
+        elif typ == pa.bool_():
+            values.append(np.unpackbits(np.frombuffer(bufs[1], np.uint8), bitorder="little")[off:off + n].view(bool))
+        else:
+            values.append(np.frombuffer(bufs[1], dtype=_NUMPY_TYPES[typ])[off:off + n])
+    if not values:
+        empty = np.array([], dtype=object if typ == pa.string() else bool if typ == pa.bool_() else _NUMPY_TYPES[typ])
+        return empty, np.array([], dtype=bool)
+    return np.concatenate(values), np.concatenate(valid)
+
+
+def _record_kinds(arrow: pa.Table) -> np.ndarray:
+    """The `record` column as indices into RECORD_KINDS (-1: null or unknown), from its buffers.
+
+    Vectorised byte comparison: a Python string per row costs more than the rest of a load.
+    """
+    codes = []
+    for chunk in arrow.column("record").chunks:
+        n, off = len(chunk), chunk.offset
+        if n == 0:
+            continue
+        bufs = chunk.buffers()
+        offsets = np.frombuffer(bufs[1], dtype=np.int32)[off:off + n + 1]
+        data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+        starts, lengths = offsets[:-1], np.diff(offsets)
+        code = np.full(n, -1, dtype=np.int8)
+        for i, kind in enumerate(RECORD_KINDS):
+            word = np.frombuffer(kind.encode(), dtype=np.uint8)
+            rows = np.flatnonzero(lengths == len(word))
+            if len(rows):
+                same = (data[starts[rows, None] + np.arange(len(word))] == word).all(axis=1)
+                code[rows[same]] = i
+        if bufs[0] is not None and chunk.null_count:
+            valid = np.unpackbits(np.frombuffer(bufs[0], np.uint8), bitorder="little")[off:off + n].view(bool)
+            code[~valid] = -1
+        codes.append(code)
+    return np.concatenate(codes) if codes else np.zeros(0, dtype=np.int8)
+
+
 def _from_arrow(arrow: pa.Table, meta: dict, path: str) -> CostTable:
     for name, typ in COLUMNS.items():
         have = arrow.schema.field(name).type
         if have != typ:
             raise CalibError(f"column {name} has type {have}, expected {typ}")
     fingerprint = Fingerprint.from_dict(meta["fingerprint"])
-    records = arrow.column("record").to_numpy(zero_copy_only=False)
-    bad = set(np.unique(records.astype(str))) - set(RECORD_KINDS)
-    if bad:
-        raise CalibError(f"unknown record kinds {sorted(bad)}")
-    ctx_all = arrow.column("context_len").to_numpy(zero_copy_only=False)
+    record_kind = _record_kinds(arrow)
+    if (record_kind < 0).any():
+        found = arrow.column("record").to_pylist()  # the error path may be slow
+        bad = sorted({str(found[i]) for i in np.flatnonzero(record_kind < 0)})
+        raise CalibError(f"unknown record kinds {bad}")
+    columns = {name: _column(arrow, name) for name in COLUMNS if name != "record"}
+    ctx_all, ctx_valid = columns["context_len"]
     curves: dict[int, dict[str, Curve]] = {}
     for kind in CURVE_KINDS:
-        mask = records == kind
+        mask = record_kind == RECORD_KINDS.index(kind)
         if not mask.any():
             continue
-        sub = arrow.filter(pa.array(mask))
-        cols = {c: sub.column(c).to_numpy(zero_copy_only=False) for c in CURVE_COLUMNS}
-        ctx = ctx_all[mask]
         for c in ("size", "cost_ms", "n"):
-            if sub.column(c).null_count:
+            if not columns[c][1][mask].all():
                 raise CalibError(f"{kind} curve has missing {c}")
-        for c in ("min_ms", "p25_ms", "p75_ms", "max_ms", "mad_ms"):  # optional spread: NaN when absent
-            cols[c] = np.asarray(cols[c], dtype=np.float64)
-        if sub.column("context_len").null_count:
+        cols = {}
+        for c in CURVE_COLUMNS:
+            vals, valid = columns[c]
+            vals, valid = vals[mask], valid[mask]
+            # optional spread (min..mad): NaN when absent
+            cols[c] = vals if valid.all() else np.where(valid, vals.astype(np.float64), np.nan)
+        if not ctx_valid[mask].all():
             raise CalibError(f"{kind} curve has missing context_len")
+        ctx = ctx_all[mask]
         for c in np.unique(ctx):
             sel = ctx == c
             curves.setdefault(int(c), {})[kind] = Curve.from_columns({k: v[sel] for k, v in cols.items()})
@@ -414,10 +539,14 @@ def _from_arrow(arrow: pa.Table, meta: dict, path: str) -> CostTable:
             if kind not in kinds:
                 raise CalibError(f"{kind} curve at context {ctx} is empty")
         pairs[ctx] = CurvePair(draft=kinds[DRAFT], verify=kinds[VERIFY])
-    smask = records == RECORD_SAMPLE
-    sample_arrow = arrow.filter(pa.array(smask)).select(list(SAMPLE_COLUMNS))
-    samples = sample_arrow.to_pandas()
-    table = CostTable(fingerprint=fingerprint, curves=pairs, samples=samples,
+    smask = record_kind == RECORD_KINDS.index(RECORD_SAMPLE)
+    sample_cols, valid = {}, {}
+    for c in SAMPLE_COLUMNS:
+        vals, ok = columns[c]
+        sample_cols[c], valid[c] = vals[smask], ok[smask]
+    if not all(v.all() for v in valid.values()):  # nulls must fail here: typed columns cannot show them
+        _check_samples({c: np.where(valid[c], v.astype(np.float64), np.nan) for c, v in sample_cols.items()})
+    table = CostTable(fingerprint=fingerprint, curves=pairs, samples=_LazySamples(sample_cols),
                       created_at=str(meta.get("created_at", "")), tool_version=str(meta.get("tool_version", "")),
                       schema_version=str(meta["schema_version"]))
     table.validate()
