@@ -423,6 +423,7 @@ def read_table(path: str | os.PathLike, *, filesystem: Any = None) -> CostTable:
         meta = _parse_meta(raw_meta, path)
         version = _parse_version(meta["schema_version"], path)
         arrow = pf.read()
+        _check_row_counts(pf.metadata, arrow, path)
     except CalibError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -498,6 +499,16 @@ def _record_kinds(arrow: pa.Table) -> np.ndarray:
             code[~valid] = -1
         codes.append(code)
     return np.concatenate(codes) if codes else np.zeros(0, dtype=np.int8)
+
+
+def _check_row_counts(md: pq.FileMetaData, arrow: pa.Table, path: str) -> None:
+    """Page checksums do not cover the footer: a damaged row count there makes pyarrow
+    read fewer rows without complaint. Every count the footer holds must agree."""
+    groups = [md.row_group(i) for i in range(md.num_row_groups)]
+    # Our columns are flat: each column chunk holds one value (or null) per row.
+    if not (arrow.num_rows == md.num_rows == sum(g.num_rows for g in groups)
+            and all(g.column(j).num_values == g.num_rows for g in groups for j in range(g.num_columns))):
+        raise CalibError("row counts in the parquet footer disagree (damaged file)", path=path)
 
 
 def _from_arrow(arrow: pa.Table, meta: dict, path: str) -> CostTable:

@@ -171,6 +171,36 @@ def test_bit_flip_sweep(scratch, good_bytes, small):
     assert outcomes["error"] > len(positions) // 2  # damage is overwhelmingly detected
 
 
+def _zigzag_varint(n: int) -> bytes:
+    z, out = n << 1, bytearray()
+    while True:
+        out.append((z & 0x7F) | (0x80 if z > 0x7F else 0))
+        z >>= 7
+        if not z:
+            return bytes(out)
+
+
+def test_row_count_damage_in_footer(scratch, good_bytes, small):
+    """Page checksums do not cover the footer's row counts: one flipped bit there once made
+    pyarrow read one sample fewer, silently. Flip every bit of every encoded row count."""
+    n_rows = pq.ParquetFile(pa.BufferReader(good_bytes)).metadata.num_rows
+    footer_start = len(good_bytes) - int.from_bytes(good_bytes[-8:-4], "little") - 8
+    encoded = _zigzag_varint(n_rows)
+    starts, i = [], good_bytes.find(encoded, footer_start)
+    while i != -1:
+        starts.append(i)
+        i = good_bytes.find(encoded, i + 1)
+    assert len(starts) >= 2  # the file's and the row group's count, at least
+    outcomes = []
+    for start in starts:
+        for pos in range(start, start + len(encoded)):
+            for bit in range(8):
+                damaged = bytearray(good_bytes)
+                damaged[pos] ^= 1 << bit
+                outcomes.append(read_or_error(scratch_file(scratch, bytes(damaged)), small))
+    assert "error" in outcomes
+
+
 @FUZZ
 @given(data=st.data())
 def test_bit_flips_random(scratch, good_bytes, small, data):
