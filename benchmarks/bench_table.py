@@ -8,7 +8,9 @@ gives). Goals: read_table < 50 ms (median of 20), `dspark-calib inspect` < 0.5 s
 
     .venv/bin/python benchmarks/bench_table.py [--name NAME]
 
-Writes benchmarks/results/table_bench_<NAME>.json (NAME: the host name by default).
+Writes benchmarks/results/table_bench_<NAME>.json (NAME: host name and CPU count by default).
+Timings on a shared machine are only as good as its load: the load average before
+and after is recorded with them.
 """
 
 from __future__ import annotations
@@ -110,11 +112,13 @@ def time_subprocess(cmd: list[str], repeat: int) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--name", default=re.sub(r"[^A-Za-z0-9.-]+", "-", socket.gethostname()).strip("-") or "host")
+    host = re.sub(r"[^A-Za-z0-9.-]+", "-", socket.gethostname()).strip("-") or "host"
+    ap.add_argument("--name", default=f"{host}-{os.cpu_count()}cpu")
     ap.add_argument("--loads", type=int, default=20)
     ap.add_argument("--inspects", type=int, default=5)
     args = ap.parse_args()
 
+    load_before = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="dspark-bench-"))
     try:
         t0 = time.perf_counter()
@@ -153,28 +157,33 @@ def main() -> int:
         "inspect_cli_s": {"median": med(inspects), "min": min(inspects), "max": max(inspects), "n": len(inspects),
                           "goal": INSPECT_GOAL_S, "met": med(inspects) < INSPECT_GOAL_S, "command": " ".join(
                               [os.path.basename(cli[0]), *cli[1:], "inspect", "TABLE"])},
-        "inspect_json_cli_s": {"median": med(inspects_json), "n": len(inspects_json)},
-        "python_startup_s": {"median": med(python_start), "n": len(python_start)},
-        "import_dspark_calib_table_s": {"median": med(import_table), "n": len(import_table)},
+        "inspect_json_cli_s": {"median": med(inspects_json), "min": min(inspects_json), "n": len(inspects_json)},
+        "python_startup_s": {"median": med(python_start), "min": min(python_start), "n": len(python_start)},
+        "import_dspark_calib_table_s": {"median": med(import_table), "min": min(import_table), "n": len(import_table)},
+        "load_average_1_5_15": {"before": [round(x, 2) for x in load_before],
+                                "after": [round(x, 2) for x in os.getloadavg()]},
     }
     out = HERE / "results" / f"table_bench_{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 
     m = result["machine"]
-    print(f"{m['cpu_model']} x{m['cpu_count']}, python {m['python']}, pyarrow {m['pyarrow']}")
+    print(f"{m['cpu_model']} x{m['cpu_count']}, python {m['python']}, pyarrow {m['pyarrow']}, "
+          f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
     print(f"table: {result['table']['verify_points']} verify points, {result['table']['samples']} samples, "
           f"{size_bytes / 1024:.0f} KiB")
     rows = [
-        ("read_table (median of %d)" % len(loads), med(loads), LOAD_GOAL_S),
-        ("dspark-calib inspect (median of %d)" % len(inspects), med(inspects), INSPECT_GOAL_S),
-        ("dspark-calib inspect --json", med(inspects_json), None),
-        ("  python -c pass", med(python_start), None),
-        ("  python -c 'import dspark_calib.table'", med(import_table), None),
+        ("read_table", loads, LOAD_GOAL_S),
+        ("dspark-calib inspect", inspects, INSPECT_GOAL_S),
+        ("dspark-calib inspect --json", inspects_json, None),
+        ("  python -c pass", python_start, None),
+        ("  python -c 'import dspark_calib.table'", import_table, None),
     ]
-    for name, value, goal in rows:
+    print(f"{'':<40} {'median':>9} {'min':>9}   (n)")
+    for name, values, goal in rows:
+        value = med(values)
         verdict = "" if goal is None else ("  ok" if value < goal else f"  MISSES goal {goal * 1000:.0f} ms")
-        print(f"{name:<42} {value * 1000:8.1f} ms{verdict}")
+        print(f"{name:<40} {value * 1000:6.1f} ms {min(values) * 1000:6.1f} ms  ({len(values)}){verdict}")
     print(f"wrote {out.relative_to(HERE.parent)}")
     return 0
 

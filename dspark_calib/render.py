@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from dspark_calib.fit import CURVE_KINDS, DRAFT, Curve
@@ -77,12 +76,64 @@ def _select_rows(sizes: np.ndarray, limit: int, max_rows: int, budget: int) -> l
     return sorted(keep)
 
 
+SECTION = object()  # a rule between rows of a grid
+
+
+def _show(console: Console, text: Text) -> None:
+    """Print a grid unwrapped: a wrapped row is unreadable; a terminal may soft-wrap it instead."""
+    console.print(text, no_wrap=True, crop=False, overflow="ignore")
+
+
+def grid(title: str | None, headers: Sequence[str], rows: Iterable[Any], *, left: Sequence[int] = (),
+         header_style: str = "bold") -> Text:
+    """A table as one styled Text: columns padded by hand.
+
+    rich.Table costs ~1 ms per row here (width measuring, per-cell rendering), which
+    for curve tables was most of `inspect`'s own time; this is ~50x cheaper.
+    rows: (cells, style or None) pairs, or SECTION for a horizontal rule. A cell is a
+    str (drawn in the row's style) or a Text (its own style wins).
+    `left`: indices of left-aligned columns (the rest align right, as numbers do).
+    """
+    rows = list(rows)
+    widths = [len(h) for h in headers]
+    for row in rows:
+        if row is not SECTION:
+            for i, cell in enumerate(row[0]):
+                widths[i] = max(widths[i], len(cell.plain if isinstance(cell, Text) else cell))
+    rule = "─" * (sum(widths) + 2 * (len(widths) - 1))
+    out = Text(no_wrap=True, overflow="ignore")
+
+    def add(cells: Sequence[Any], style: str) -> None:
+        if not any(isinstance(c, Text) for c in cells):  # the common case: one append per row
+            parts = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+            out.append("  ".join(parts).rstrip() + "\n", style=style)
+            return
+        for i, (cell, w) in enumerate(zip(cells, widths)):
+            text, cstyle = (cell.plain, str(cell.style) or style) if isinstance(cell, Text) else (cell, style)
+            pad = " " * (w - len(text))
+            out.append(("  " if i else "") + ("" if i in left else pad))
+            out.append(text, style=cstyle)
+            if i in left and i < len(widths) - 1:
+                out.append(pad)
+        out.append("\n")
+
+    if title:
+        out.append(title + "\n", style="italic")
+    if any(headers):
+        add(headers, header_style)
+        out.append(rule + "\n", style="dim")
+    for row in rows:
+        if row is SECTION:
+            out.append(rule + "\n", style="dim")
+        else:
+            add(row[0], row[1] or "")
+    out.rstrip()
+    return out
+
+
 # -- inspect -------------------------------------------------------------------------------
-def fingerprint_table(table: "CostTable", title: str = "fingerprint") -> Table:
+def fingerprint_table(table: "CostTable", title: str = "fingerprint") -> Text:
     fp = table.fingerprint
-    t = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2, 0, 0))
-    t.add_column(style="bold")
-    t.add_column()
     rows = [
         ("content hash", table.short_hash),
         ("backend", fp.backend),
@@ -105,25 +156,20 @@ def fingerprint_table(table: "CostTable", title: str = "fingerprint") -> Table:
     ]
     if fp.extra:
         rows.append(("extra", _short(fp.extra)))
-    for k, v in rows:
-        t.add_row(k, v)
-    return t
+    return grid(title, ("", ""), [((k, v), None) for k, v in rows], left=(0, 1))
 
 
 def curve_table(curve: Curve, kind: str, context_len: int, limit: int, flags: dict[int, list[str]],
-                *, all_points: bool = False) -> Table:
+                *, all_points: bool = False) -> Text:
     rows = list(range(len(curve))) if all_points else _select_rows(curve.size, limit, MAX_CURVE_ROWS, CURVE_SAMPLE_ROWS)
     title = f"{kind} curve @ctx {context_len} — cost by {SIZE_LABEL[kind]}"
     if len(rows) < len(curve):
         title += f" ({len(rows)} of {len(curve)} sizes; --all shows every one)"
-    t = Table(title=title, title_justify="left")
-    for name in ("size", "cost ms", "n", "p25–p75 ms", "IQR/med", "MAD ms"):
-        t.add_column(name, justify="right")
-    t.add_column("notes")
+    out: list[Any] = []
     prev = None
     for i in rows:
         if prev is not None and i > prev + 1:
-            t.add_row("⋮", "", "", "", f"({i - prev - 1} sizes)", "", "", style="dim")
+            out.append((("⋮", "", "", "", "", "", f"({i - prev - 1} sizes)"), "dim"))
         prev = i
         size = int(curve.size[i])
         spread = float(curve.rel_spread[i])
@@ -131,13 +177,13 @@ def curve_table(curve: Curve, kind: str, context_len: int, limit: int, flags: di
         if limit and size == limit:
             notes.append("◀ capture limit")
         style = "yellow" if flags.get(size) else None
-        t.add_row(str(size), _ms(curve.cost_ms[i]), str(int(curve.n[i])),
-                  f"{_ms(curve.p25_ms[i])}–{_ms(curve.p75_ms[i])}", _pct(spread, signed=False),
-                  _ms(curve.mad_ms[i]), " ".join(notes), style=style)
+        out.append(((str(size), _ms(curve.cost_ms[i]), str(int(curve.n[i])),
+                     f"{_ms(curve.p25_ms[i])}–{_ms(curve.p75_ms[i])}", _pct(spread, signed=False),
+                     _ms(curve.mad_ms[i]), " ".join(notes)), style))
         # Above the limit vLLM interpolates instead of padding to a graph: mark the boundary.
-        if limit and size <= limit and i + 1 < len(curve) and int(curve.size[i + 1]) > limit and (i + 1) in rows:
-            t.add_section()
-    return t
+        if limit and size <= limit and i + 1 < len(curve) and int(curve.size[i + 1]) > limit:
+            out.append(SECTION)
+    return grid(title, ("size", "cost ms", "n", "p25–p75 ms", "IQR/med", "MAD ms", "notes"), out, left=(6,))
 
 
 def warnings_view(warnings: Sequence[TableWarning]) -> list[Text]:
@@ -153,28 +199,26 @@ def warnings_view(warnings: Sequence[TableWarning]) -> list[Text]:
     return out
 
 
-def decision_table(dm: DecisionMap, title: str | None = None) -> Table:
+def _budget_cell(value: float, k: int) -> Text:
+    finite = math.isfinite(value)
+    style = "dim" if not finite or value == 0 else ("bold green" if value == k else "")
+    return Text(_budget(value), style=style)
+
+
+def decision_table(dm: DecisionMap, title: str | None = None) -> Text:
     k = dm.num_speculative_tokens
-    t = Table(title=title or (f"draft budget per request (of {k}) vLLM picks @ctx {dm.context_len}: "
-                              f"R requests decoding at mean confidence c"), title_justify="left")
-    t.add_column("R \\ c", justify="right", style="bold")
-    for c in dm.confidence:
-        t.add_column(f"{c:g}", justify="right")
-    for i, r in enumerate(dm.num_reqs):
-        cells = []
-        for v in dm.budget_per_req[i].tolist():
-            style = "dim" if (math.isfinite(v) and v == 0) or not math.isfinite(v) else (
-                "bold green" if v == k else "")
-            cells.append(Text(_budget(v), style=style))
-        t.add_row(str(r), *cells)
-    return t
+    title = title or (f"draft budget per request (of {k}) vLLM picks @ctx {dm.context_len}: "
+                      f"R requests decoding at mean confidence c")
+    rows = [((str(r), *(_budget_cell(v, k) for v in dm.budget_per_req[i].tolist())), None)
+            for i, r in enumerate(dm.num_reqs)]
+    return grid(title, ("R \\ c", *(f"{c:g}" for c in dm.confidence)), rows)
 
 
 def render_inspect(insp: Inspection, console: Console, *, all_points: bool = False) -> None:
     table = insp.table
     if insp.path:
         console.print(Text(insp.path, style="bold"))
-    console.print(fingerprint_table(table))
+    _show(console, fingerprint_table(table))
     for note in insp.notes:
         console.print(Text(f"note: {note}", style="cyan"))
     flags: dict[tuple[int, str], dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
@@ -187,7 +231,8 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
         console.print(Text(f"context {ctx}: {table.num_samples(ctx)} raw samples", style="bold"))
         pair = table.curves[ctx]
         for kind in CURVE_KINDS:
-            console.print(curve_table(pair.curve(kind), kind, ctx, limit, flags[(ctx, kind)], all_points=all_points))
+            console.print()
+            _show(console, curve_table(pair.curve(kind), kind, ctx, limit, flags[(ctx, kind)], all_points=all_points))
     console.print()
     if insp.warnings:
         console.print(Text(f"{len(insp.warnings)} warning{'s' if len(insp.warnings) != 1 else ''}:", style="bold yellow"))
@@ -196,7 +241,7 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
     else:
         console.print(Text("no warnings", style="green"))
     console.print()
-    console.print(decision_table(insp.decision))
+    _show(console, decision_table(insp.decision))
 
 
 def render_summary(insp: Inspection, console: Console) -> None:
@@ -219,26 +264,23 @@ def render_summary(insp: Inspection, console: Console) -> None:
 
 
 # -- diff ----------------------------------------------------------------------------------
-def _diff_points_table(cd: "CurveDiff", *, all_points: bool = False) -> Table:
+def _diff_points_table(cd: "CurveDiff", *, all_points: bool = False) -> Text:
     pts = list(cd.points)
     title = f"{cd.kind} curve: per-size change (new vs old)"
     if not all_points and len(pts) > MAX_DIFF_ROWS:
         top = sorted(range(len(pts)), key=lambda i: -abs(pts[i].rel_change))[:MAX_DIFF_ROWS]
         pts = [pts[i] for i in sorted(top)]
         title += f" — the {MAX_DIFF_ROWS} largest of {len(cd.points)}; --all shows every one"
-    t = Table(title=title, title_justify="left")
-    for name in ("size", "old ms", "new ms", "Δ ms", "Δ", "p", "n old/new"):
-        t.add_column(name, justify="right")
-    t.add_column("")
+    rows = []
     for p in pts:
         style = None
         if p.significant:
             style = "red" if p.new_ms > p.old_ms else "green"
         pv = "—" if p.p_value is None else (f"{p.p_value:.1e}" if p.p_value < 0.001 else f"{p.p_value:.3f}")
         mark = ("*" if p.significant else "") + (" dense" if p.source == "dense" else "")
-        t.add_row(str(p.size), _ms(p.old_ms), _ms(p.new_ms), f"{p.abs_change_ms:+.3f}", _pct(p.rel_change), pv,
-                  f"{p.old_n}/{p.new_n}", mark.strip(), style=style)
-    return t
+        rows.append(((str(p.size), _ms(p.old_ms), _ms(p.new_ms), f"{p.abs_change_ms:+.3f}", _pct(p.rel_change), pv,
+                      f"{p.old_n}/{p.new_n}", mark.strip()), style))
+    return grid(title, ("size", "old ms", "new ms", "Δ ms", "Δ", "p", "n old/new", ""), rows, left=(7,))
 
 
 def render_diff(result: "DiffResult", console: Console, *, threshold: float | None = None,
@@ -251,54 +293,46 @@ def render_diff(result: "DiffResult", console: Console, *, threshold: float | No
         console.print(Text(f"note: {note}", style="cyan"))
     console.print()
     if result.fingerprint_changes:
-        t = Table(title="fingerprint changes", title_justify="left")
-        t.add_column("key", style="bold")
-        t.add_column("old")
-        t.add_column("new")
-        for c in result.fingerprint_changes:
-            t.add_row(c.key, _short(c.old), _short(c.new))
-        console.print(t)
+        _show(console, grid("fingerprint changes", ("key", "old", "new"),
+                           [((c.key, _short(c.old), _short(c.new)), None) for c in result.fingerprint_changes],
+                           left=(0, 1, 2)))
     else:
         console.print(Text("fingerprints identical", style="green"))
     console.print()
-    s = Table(title=f"cost change per curve (significant: Mann-Whitney p < {ALPHA:g} on raw samples)",
-              title_justify="left")
-    for name in ("curve", "sizes", "median |Δ|", "max |Δ|", "at size", "significant", "slower", "faster", "untested"):
-        s.add_column(name, justify="right" if name != "curve" else "left")
+    summary = []
     for kind, cd in result.curves.items():
         m = cd.summary
-        s.add_row(kind, str(m.points), _pct(m.median_abs_rel_change, signed=False), _pct(m.max_abs_rel_change, signed=False),
-                  _short(m.max_change_size), str(m.significant), str(m.significant_slower), str(m.significant_faster),
-                  str(m.untested))
-    console.print(s)
+        summary.append(((kind, str(m.points), _pct(m.median_abs_rel_change, signed=False),
+                         _pct(m.max_abs_rel_change, signed=False), _short(m.max_change_size), str(m.significant),
+                         str(m.significant_slower), str(m.significant_faster), str(m.untested)), None))
+    _show(console, grid(f"cost change per curve (significant: Mann-Whitney p < {ALPHA:g} on raw samples)",
+                       ("curve", "sizes", "median |Δ|", "max |Δ|", "at size", "significant", "slower", "faster",
+                        "untested"), summary, left=(0,)))
     for cd in result.curves.values():
         if cd.uncovered_sizes:
             console.print(Text(f"note: {cd.kind} sizes {_short(list(cd.uncovered_sizes))} lie beyond what both "
                                f"tables price; not compared", style="cyan"))
     for cd in result.curves.values():
         console.print()
-        console.print(_diff_points_table(cd, all_points=all_points))
+        _show(console, _diff_points_table(cd, all_points=all_points))
     console.print()
     d = result.decisions
     console.print(Text(f"decision impact: {len(d.changes)} of {d.cells} (requests x confidence) cells get a different "
                        f"draft budget", style="bold" if d.changes else "green"))
     if d.changes:
         changed = {(c.num_reqs, c.confidence) for c in d.changes}
-        t = Table(title=f"draft budget per request, old → new (ctx {result.old_context} → {result.new_context})",
-                  title_justify="left")
-        t.add_column("R \\ c", justify="right", style="bold")
-        for c in d.old.confidence:
-            t.add_column(f"{c:g}", justify="right")
+        rows = []
         for i, r in enumerate(d.old.num_reqs):
-            cells = []
+            cells: list[Any] = [str(r)]
             for j, c in enumerate(d.old.confidence):
                 o, n = float(d.old.budget_per_req[i, j]), float(d.new.budget_per_req[i, j])
                 if (r, c) in changed:
                     cells.append(Text(f"{_budget(o)}→{_budget(n)}", style="bold magenta"))
                 else:
                     cells.append(Text(_budget(o), style="dim"))
-            t.add_row(str(r), *cells)
-        console.print(t)
+            rows.append((cells, None))
+        _show(console, grid(f"draft budget per request, old → new (ctx {result.old_context} → {result.new_context})",
+                           ("R \\ c", *(f"{c:g}" for c in d.old.confidence)), rows))
     if threshold is not None:
         console.print()
         over = [p for cd in result.curves.values() for p in cd.points
