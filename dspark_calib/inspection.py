@@ -98,29 +98,31 @@ def curve_warnings(curve: Curve, kind: str, context_len: int) -> list[TableWarni
     """Per-point warnings for one curve (vectorised: curves can have 8192 points)."""
     out: list[TableWarning] = []
     where = f"{kind} @ctx {context_len}"
+    # Python scalars: formatting numpy ones is ~10x slower, and a noisy 8192-point
+    # curve can have thousands of dips.
+    sizes, ns, cost = curve.size.tolist(), curve.n.tolist(), curve.cost_ms.tolist()
     for i in np.flatnonzero(curve.n < MIN_SAMPLES).tolist():
-        size, n = int(curve.size[i]), int(curve.n[i])
+        size, n = sizes[i], ns[i]
         out.append(TableWarning(FEW_SAMPLES, f"{where}: size {size} has only {n} sample{'s' if n != 1 else ''} "
                                 f"(want >= {MIN_SAMPLES})", context_len, kind, size))
     spread = curve.rel_spread
     for i in np.flatnonzero(np.nan_to_num(spread) > MAX_REL_SPREAD).tolist():
-        size = int(curve.size[i])
-        out.append(TableWarning(HIGH_SPREAD, f"{where}: size {size} spread p25-p75 is {spread[i]:.0%} of its "
-                                f"median (> {MAX_REL_SPREAD:.0%}): noisy measurement", context_len, kind, size))
-    cost = curve.cost_ms
+        size = sizes[i]
+        out.append(TableWarning(HIGH_SPREAD, f"{where}: size {size} spread p25-p75 is {float(spread[i]):.0%} of "
+                                f"its median (> {MAX_REL_SPREAD:.0%}): noisy measurement", context_len, kind, size))
     if len(cost) > 1:
-        run_max = np.maximum.accumulate(cost)
+        arr = curve.cost_ms
+        run_max = np.maximum.accumulate(arr)
         prev_max = np.concatenate(([-np.inf], run_max[:-1]))
         # Index of the point that set the running max so far, to name it in the message.
-        setter = np.maximum.accumulate(np.where(cost >= prev_max, np.arange(len(cost)), 0))
-        for i in np.flatnonzero(cost < prev_max).tolist():
-            j = int(setter[i - 1])
-            size, earlier = int(curve.size[i]), int(curve.size[j])
-            drop = cost[i] / cost[j] - 1
+        setter = np.maximum.accumulate(np.where(arr >= prev_max, np.arange(len(arr)), 0)).tolist()
+        for i in np.flatnonzero(arr < prev_max).tolist():
+            j = setter[i - 1]
+            size, earlier, c, top = sizes[i], sizes[j], cost[i], cost[j]
             out.append(TableWarning(
                 FALLING_MEDIAN,
-                f"{where}: size {size}'s median {cost[i]:.3f} ms is {-drop:.1%} below size {earlier}'s "
-                f"{cost[j]:.3f} ms; vLLM's running max charges it {cost[j]:.3f} ms",
+                f"{where}: size {size}'s median {c:.3f} ms is {1 - c / top:.1%} below size {earlier}'s "
+                f"{top:.3f} ms; vLLM's running max charges it {top:.3f} ms",
                 context_len, kind, size))
     return out
 
