@@ -131,7 +131,7 @@ def inspect_cmd(
     console = _console()
     render_inspect(insp, console, all_points=all_points)
     if plot_path:
-        console.print(f"plot written to {plot_path}")
+        console.print(f"plot written to {plot_path}", markup=False)
 
 
 @app.command("diff")
@@ -176,7 +176,7 @@ def diff_cmd(
         console = _console()
         render_diff(result, console, threshold=threshold, all_points=all_points)
         if plot_path:
-            console.print(f"plot written to {plot_path}")
+            console.print(f"plot written to {plot_path}", markup=False)
     if exceeded:
         raise typer.Exit(1)
 
@@ -240,6 +240,9 @@ def merge_cmd(
 #   imports torch/vllm inside the command body only: `import dspark_calib.cli` must stay
 #   free of them (tests/test_render_cli.py checks), or every inspect pays seconds.
 # =========================================================================================
+from dspark_calib.profile_cmd import profile  # noqa: E402 - light: imports vllm only when run
+
+app.command("profile")(handled(profile))
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ log="$OUT/$name.log"
 { date -u; nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader; \
   echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-} VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-default}"; } > "$log"
 cap=/tmp/capture-$name
-dspark-calib profile --model "$PWD/profiles/configs/qwen3-8b" --draft "$PWD/profiles/configs/dspark-qwen3-8b-block7" \
+python3 -m dspark_calib profile --model "$PWD/profiles/configs/qwen3-8b" --draft "$PWD/profiles/configs/dspark-qwen3-8b-block7" \
   --max-num-seqs 256 --max-num-batched-tokens 8192 --num-speculative-tokens 7 \
   --out "$OUT/$name.parquet" --keep-capture "$cap" "$@" >> "$log" 2>&1 || { echo "profile $name FAILED"; tail -60 "$log"; exit 1; }
 cp "$cap/samples-rank0.json" "$OUT/$name-samples-rank0.json"

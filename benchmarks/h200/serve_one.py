@@ -28,7 +28,8 @@ def collect(self):
     res["n_samples"] = len(samples)
 
 
-def set_cost_curves(self, draft, verify):
+def set_cost_curves(self, draft_curve, verify_curve):
+    draft, verify = draft_curve, verify_curve
     orig_set(self, draft, verify)
     res["profile_end"] = time.time()
     res["draft_curve"], res["verify_curve"] = [list(p) for p in draft], [list(p) for p in verify]
