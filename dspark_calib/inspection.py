@@ -121,8 +121,8 @@ def curve_warnings(curve: Curve, kind: str, context_len: int) -> list[TableWarni
             size, earlier, c, top = sizes[i], sizes[j], cost[i], cost[j]
             out.append(TableWarning(
                 FALLING_MEDIAN,
-                f"{where}: size {size}'s median {c:.3f} ms is {1 - c / top:.1%} below size {earlier}'s "
-                f"{top:.3f} ms; vLLM's running max charges it {top:.3f} ms",
+                f"{where}: size {size} median {c:.3f} ms is {1 - c / top:.1%} below size {earlier}'s "
+                f"{top:.3f} ms; vLLM charges {top:.3f}",
                 context_len, kind, size))
     return out
 

@@ -237,7 +237,7 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
     if insp.warnings:
         console.print(Text(f"{len(insp.warnings)} warning{'s' if len(insp.warnings) != 1 else ''}:", style="bold yellow"))
         for line in warnings_view(insp.warnings):
-            console.print(line)
+            _show(console, line)
     else:
         console.print(Text("no warnings", style="green"))
     console.print()
@@ -248,15 +248,17 @@ def render_summary(insp: Inspection, console: Console) -> None:
     """Short form for commands that write a table (import-vllm, merge)."""
     t = insp.table
     fp = t.fingerprint
-    console.print(f"table {t.short_hash}: {fp.target_model} + {fp.draft_model} on {fp.gpu_name} x{fp.gpu_count}, "
-                  f"vllm {fp.vllm_version}, k={fp.num_speculative_tokens}, max_num_seqs {fp.max_num_seqs}, "
-                  f"max_num_batched_tokens {fp.max_num_batched_tokens}, capture limit {fp.cudagraph_limit}")
+    lines = [f"table {t.short_hash}: {fp.target_model} + {fp.draft_model} on {fp.gpu_name} x{fp.gpu_count}, "
+             f"vllm {fp.vllm_version}, k={fp.num_speculative_tokens}",
+             f"  max_num_seqs {fp.max_num_seqs}, max_num_batched_tokens {fp.max_num_batched_tokens}, "
+             f"capture limit {fp.cudagraph_limit}"]
     for ctx in insp.context_lens:
         pair = t.curves[ctx]
-        n = t.num_samples(ctx)
-        console.print(f"  ctx {ctx}: draft {len(pair.draft)} sizes ({int(pair.draft.size[0])}..{int(pair.draft.size[-1])}), "
-                      f"verify {len(pair.verify)} sizes ({int(pair.verify.size[0])}..{int(pair.verify.size[-1])}), "
-                      f"{n} samples")
+        lines.append(f"  ctx {ctx}: draft {len(pair.draft)} sizes ({int(pair.draft.size[0])}..{int(pair.draft.size[-1])}), "
+                     f"verify {len(pair.verify)} sizes ({int(pair.verify.size[0])}..{int(pair.verify.size[-1])}), "
+                     f"{t.num_samples(ctx)} samples")
+    for line in lines:  # Text, not a str: names and paths must not be read as rich markup
+        console.print(Text(line), no_wrap=True, crop=False, overflow="ignore")
     if insp.warnings:
         console.print(Text(f"{len(insp.warnings)} warnings (dspark-calib inspect for details)", style="yellow"))
     else:
@@ -266,7 +268,9 @@ def render_summary(insp: Inspection, console: Console) -> None:
 # -- diff ----------------------------------------------------------------------------------
 def _diff_points_table(cd: "CurveDiff", *, all_points: bool = False) -> Text:
     pts = list(cd.points)
-    title = f"{cd.kind} curve: per-size change (new vs old)"
+    title = f"{cd.kind} curve: per-size change, new vs old (* p < 0.01; dense: profiled on one side, priced from vLLM's tables)"
+    if not any(p.source == "dense" for p in pts):
+        title = f"{cd.kind} curve: per-size change, new vs old (* p < 0.01)"
     if not all_points and len(pts) > MAX_DIFF_ROWS:
         top = sorted(range(len(pts)), key=lambda i: -abs(pts[i].rel_change))[:MAX_DIFF_ROWS]
         pts = [pts[i] for i in sorted(top)]

@@ -67,7 +67,7 @@ def test_inspect_human(files):
     assert r.exit_code == 0, r.output
     out = r.stdout
     for text in ("fingerprint", "NVIDIA H200", "draft curve @ctx 1024", "verify curve @ctx 1024",
-                 "◀ capture limit", "warnings:", "size 432's median", "draft budget per request (of 7)"):
+                 "◀ capture limit", "warnings:", "size 432 median 19.437 ms is 6.5% below size 416's", "draft budget per request (of 7)"):
         assert text in out, text
 
 
