@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -135,9 +136,8 @@ def engine_env(capture_dir: str, tp: int) -> dict[str, str]:
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "dspark_calib" not in plugins.split(","):
         env["VLLM_PLUGINS"] = ",".join(p for p in (plugins, "dspark_calib") if p)
-    try:  # the V2 sampler imports flashinfer unless told not to
-        import flashinfer  # noqa: F401
-    except Exception:  # noqa: BLE001
+    # The V2 sampler imports flashinfer unless told not to; find_spec does not import it.
+    if importlib.util.find_spec("flashinfer") is None and "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     return env
 
