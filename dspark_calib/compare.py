@@ -280,6 +280,19 @@ def compare_decisions(old: CostTable, new: CostTable, old_context: int, new_cont
     return DecisionImpact(om, nm, tuple(changes))
 
 
+def _fingerprint_changes(old: CostTable, new: CostTable) -> list[FingerprintChange]:
+    """changed_keys, with `extra` (free-form notes) split per note: one timing note differing
+    should not hide which."""
+    out = []
+    for key, o, n in changed_keys(old.fingerprint, new.fingerprint):
+        if key == "extra" and isinstance(o, dict) and isinstance(n, dict):
+            out += [FingerprintChange(f"extra.{k}", o.get(k), n.get(k)) for k in sorted(set(o) | set(n), key=str)
+                    if o.get(k) != n.get(k)]
+        else:
+            out.append(FingerprintChange(key, o, n))
+    return out
+
+
 def compare_tables(old: CostTable, new: CostTable, *, old_context: int | None = None,
                    new_context: int | None = None, old_path: str | None = None,
                    new_path: str | None = None) -> DiffResult:
@@ -299,7 +312,7 @@ def compare_tables(old: CostTable, new: CostTable, *, old_context: int | None = 
                                       _raw_groups(new, kind, nc))
     return DiffResult(
         old_hash=old.short_hash, new_hash=new.short_hash, old_context=oc, new_context=nc,
-        fingerprint_changes=[FingerprintChange(k, o, n) for k, o, n in changed_keys(old.fingerprint, new.fingerprint)],
+        fingerprint_changes=_fingerprint_changes(old, new),
         curves=curves, decisions=compare_decisions(old, new, oc, nc),
         old_path=old_path, new_path=new_path, notes=notes,
     )

@@ -121,10 +121,14 @@ def curve_warnings(curve: Curve, kind: str, context_len: int) -> list[TableWarni
             size, earlier, c, top = sizes[i], sizes[j], cost[i], cost[j]
             out.append(TableWarning(
                 FALLING_MEDIAN,
-                f"{where}: size {size} median {c:.3f} ms is {1 - c / top:.1%} below size {earlier}'s "
+                f"{where}: size {size} median {c:.3f} ms is {_drop(1 - c / top)} below size {earlier}'s "
                 f"{top:.3f} ms; vLLM charges {top:.3f}",
                 context_len, kind, size))
     return out
+
+
+def _drop(fraction: float) -> str:
+    return f"{fraction:.1%}" if fraction >= 0.001 else f"{fraction:.2%}"
 
 
 def table_warnings(table: CostTable, context_lens: Sequence[int] | None = None) -> list[TableWarning]:

@@ -63,7 +63,9 @@ def test_table_against_itself_changes_nothing(t1024):
 def test_context_1024_vs_16384(t1024, t16384):
     r = compare_tables(t1024, t16384)
     assert (r.old_context, r.new_context) == (1024, 16384)
-    assert {c.key for c in r.fingerprint_changes} == {"context_lens", "extra"}
+    assert {c.key for c in r.fingerprint_changes} == {"context_lens", "extra.source"}
+    src = next(c for c in r.fingerprint_changes if c.key == "extra.source")
+    assert (src.old, src.new) == (["qwen3-8b_dspark-block7_ctx1024.json"], ["qwen3-8b_dspark-block7_ctx16384.json"])
     verify = r.curves["verify"]
     assert [p.size for p in verify.points] == t1024.pair().verify.size.tolist()
     # Longer context: every verify step costs more, and the medians are vLLM's own.
