@@ -15,8 +15,7 @@ import numpy as np
 
 from dspark_calib.fingerprint import changed_keys
 from dspark_calib.fit import CURVE_KINDS, DRAFT, Curve
-from dspark_calib.inspection import CONFIDENCE_GRID, DEFAULT_CONTEXT, NUM_REQS_GRID, DecisionMap, num_reqs_grid, \
-    table_decision_map
+from dspark_calib.inspection import CONFIDENCE_GRID, DEFAULT_CONTEXT, DecisionMap, num_reqs_grid, table_decision_map
 from dspark_calib.table import CostTable
 
 ALPHA = 0.01  # significance level for "significant" changes
@@ -320,6 +319,6 @@ def compare_tables(old: CostTable, new: CostTable, *, old_context: int | None = 
 
 __all__ = [
     "ALPHA", "CurveDiff", "CurveSummary", "DecisionChange", "DecisionImpact", "DiffResult", "FingerprintChange",
-    "PointChange", "p_values", "choose_contexts", "compare_curves", "compare_decisions", "compare_tables", "threshold_exceeded",
-    "NUM_REQS_GRID",
+    "PointChange", "p_values", "choose_contexts", "compare_curves", "compare_decisions", "compare_tables",
+    "threshold_exceeded",
 ]
