@@ -324,3 +324,52 @@ def test_capture_refuses_unpaired_samples(monkeypatch, tmp_path, recorded):
     with pytest.raises(RuntimeError, match="cannot attribute"):
         _run_profile_path(m, recorded[0]["capture_sizes"], samples_for=lambda b: fake_samples(b)[:-1])
     assert not os.path.exists(samples_path(str(tmp_path), 0))
+
+
+TABLE_SIDE = [
+    ("vllm_version", dict(vllm_version="0.32.0"), "'0.32.0'"),
+    ("gpu_name", dict(gpu_name="NVIDIA H100 80GB HBM3"), "NVIDIA H100"),
+    ("kv_cache_dtype", dict(kv_cache_dtype="fp8"), "'fp8'"),
+    ("target_config_hash", dict(target_config_hash="sha256:0000000000000000"), "sha256:0000"),
+]
+
+
+@pytest.mark.parametrize("key,change,shown", TABLE_SIDE, ids=[t[0] for t in TABLE_SIDE])
+@pytest.mark.parametrize("policy", ["fallback", "strict", "warn"])
+def test_policies_on_table_side_mismatch(monkeypatch, tmp_path, reference_table, recorded, caplog, key, change,
+                                         shown, policy):
+    from dataclasses import replace
+
+    other = replace(reference_table, fingerprint=reference_table.fingerprint.replace(**change))
+    path = _write(other, tmp_path)
+    monkeypatch.setattr("dspark_calib.vllm.engine_info.hardware", lambda: {"gpu_name": "NVIDIA H200"})
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=path, DSPARK_CALIB_ALLOW_REFERENCE=1, DSPARK_CALIB_POLICY=policy)
+    m = make_manager()
+    capture_sizes = recorded[0]["capture_sizes"]
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        if policy == "strict":
+            with pytest.raises(RuntimeError, match=key):
+                _run_profile_path(m, capture_sizes)
+            return
+        batches = _run_profile_path(m, capture_sizes)
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.dspark_calib"]
+    assert any(key in line and shown in line for line in lines), lines
+    assert len(batches) == (280 if policy == "fallback" else 5)
+
+
+def test_table_from_uri(monkeypatch, tmp_path, reference_table, recorded, caplog):
+    """DSPARK_CALIB_TABLE also takes URIs, opened through pyarrow.fs (file:// here, s3:// in production)."""
+    _write(reference_table, tmp_path)
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=f"file://{tmp_path}", DSPARK_CALIB_ALLOW_REFERENCE=1)
+    m = make_manager()
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        batches = _run_profile_path(m, recorded[0]["capture_sizes"])
+    assert len(batches) == 5
+    assert any("loaded cost table" in r.getMessage() and reference_table.short_hash in r.getMessage()
+               for r in caplog.records)
+
+
+def test_bad_policy_refuses_to_start(monkeypatch, tmp_path, reference_table, recorded):
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=_write(reference_table, tmp_path), DSPARK_CALIB_POLICY="lenient")
+    with pytest.raises(RuntimeError, match="DSPARK_CALIB_POLICY"):
+        _run_profile_path(make_manager(), recorded[0]["capture_sizes"])
