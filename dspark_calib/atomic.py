@@ -13,7 +13,9 @@ import tempfile
 from typing import Any, BinaryIO, Callable
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> str:
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, durable: bool = True) -> str:
+    """durable=False skips the fsyncs: still never half a file, but may be lost on power failure
+    (progress reports written inside a timed loop must not stall it)."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -25,7 +27,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -33,12 +36,13 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(directory)
+    if durable:
+        _fsync_dir(directory)
     return path
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> str:
-    return atomic_write(path, lambda fh: fh.write(json.dumps(obj).encode()))
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, durable: bool = True) -> str:
+    return atomic_write(path, lambda fh: fh.write(json.dumps(obj).encode()), durable=durable)
 
 
 def _umask() -> int:

@@ -78,14 +78,6 @@ def _print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, allow_nan=False))
 
 
-def _out_path(out: str) -> str:
-    """--out: an existing directory, a path ending in '/', or a new name without .parquet are
-    directories (the table's default file name goes inside); anything else is the file."""
-    if out.endswith(("/", os.sep)) or (not os.path.exists(out) and not out.endswith(".parquet")):
-        os.makedirs(out, exist_ok=True)
-    return out
-
-
 def _version_callback(value: bool) -> None:
     if value:
         typer.echo(f"{PROG} {__version__}")
@@ -205,14 +197,14 @@ def import_vllm_cmd(
     from dspark_calib.inspection import inspect_table
     from dspark_calib.reference import table_from_startup_json
     from dspark_calib.render import render_summary
-    from dspark_calib.table import write_table
+    from dspark_calib.table import prepare_out_path, write_table
 
     t = table_from_startup_json(
         jsons, model=model, draft=draft, gpu_name=gpu_name, vllm_version=vllm_version,
         num_speculative_tokens=num_speculative_tokens, torch_version=torch_version, driver_version=driver_version,
         cuda_version=cuda_version, gpu_compute_capability=compute_capability,
         tensor_parallel_size=tensor_parallel_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-    path = write_table(t, _out_path(out))
+    path = write_table(t, prepare_out_path(out))
     typer.echo(path)
     render_summary(inspect_table(t, path=path), _console())
 
@@ -226,10 +218,10 @@ def merge_cmd(
     """Pool the raw samples of several runs of one engine and refit the curves."""
     from dspark_calib.inspection import inspect_table
     from dspark_calib.render import render_summary
-    from dspark_calib.table import merge_tables, read_table, write_table
+    from dspark_calib.table import merge_tables, prepare_out_path, read_table, write_table
 
     merged = merge_tables([read_table(p) for p in tables])
-    path = write_table(merged, _out_path(out))
+    path = write_table(merged, prepare_out_path(out))
     typer.echo(path)
     render_summary(inspect_table(merged, path=path), _console())
 

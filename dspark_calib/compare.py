@@ -16,7 +16,7 @@ import numpy as np
 from dspark_calib.fingerprint import changed_keys
 from dspark_calib.fit import CURVE_KINDS, DRAFT, Curve
 from dspark_calib.inspection import CONFIDENCE_GRID, DEFAULT_CONTEXT, DecisionMap, num_reqs_grid, table_decision_map
-from dspark_calib.table import CostTable
+from dspark_calib.table import CostTable, nearest
 
 ALPHA = 0.01  # significance level for "significant" changes
 MIN_SAMPLES_FOR_TEST = 3  # fewer and Mann-Whitney cannot say anything useful
@@ -164,7 +164,7 @@ def choose_contexts(old: CostTable, new: CostTable, old_context: int | None = No
     """Default: a context length both profiled (nearest to 8192), else each side's nearest to 8192."""
     shared = sorted(set(old.context_lens()) & set(new.context_lens()))
     if shared:
-        default = min(shared, key=lambda c: (abs(c - DEFAULT_CONTEXT), -c))
+        default = nearest(shared, DEFAULT_CONTEXT)
     else:
         default = DEFAULT_CONTEXT
     o = old.nearest_context(default if old_context is None else old_context)

@@ -38,7 +38,7 @@ def profile(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dspark_calib.errors import CalibError
-    from dspark_calib.table import write_table
+    from dspark_calib.table import prepare_out_path, write_table
 
     if distributed_executor_backend not in (None, "mp", "ray"):
         raise CalibError(f"--distributed-executor-backend must be mp or ray, not {distributed_executor_backend!r}")
@@ -46,6 +46,10 @@ def profile(
         raise CalibError(f"--load-format must be dummy or auto, not {load_format!r}")
     if os.path.exists(out) and not os.path.isdir(out) and not out.endswith(".parquet"):
         raise CalibError("--out must be a directory or a .parquet file", path=out)
+    try:
+        out = prepare_out_path(out)
+    except OSError as exc:
+        raise CalibError(f"cannot write the table there ({exc.strerror})", path=out) from None
     try:
         from dspark_calib.vllm.profile import ProfileOptions, run_profile
     except ImportError as exc:  # pragma: no cover - the subpackage itself imports nothing heavy

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import BACKEND_REFERENCE, Fingerprint, config_hash
-from dspark_calib.samples import Sample
+from dspark_calib.samples import VLLM_SAMPLE_FIELDS, Sample
 from dspark_calib.table import CostTable
 
 
@@ -27,11 +27,15 @@ def samples_from_startup_json(data: dict[str, Any], path: str) -> list[Sample]:
         raise CalibError("needs 'rows' and 'batches' lists of equal length (row i came from batch i)", path=path)
     seen: Counter = Counter()
     out = []
-    for row, batch in zip(rows, batches):
-        key = (batch["num_tokens"], batch["context_len"])
-        out.append(Sample(**{k: row[k] for k in ("forward_ms", "drafter_ms", "num_target_tokens", "num_reqs",
-                                                  "full_cudagraph")},
-                          context_len=batch["context_len"], replay=seen[key]))
+    for i, (row, batch) in enumerate(zip(rows, batches)):
+        try:
+            key = (batch["num_tokens"], batch["context_len"])
+            out.append(Sample(**{k: row[k] for k in VLLM_SAMPLE_FIELDS}, context_len=batch["context_len"],
+                              replay=seen[key]))
+        except (KeyError, TypeError) as exc:
+            raise CalibError(f"row/batch {i} is malformed (missing or bad {exc})", path=path) from None
+        except CalibError as exc:
+            raise CalibError(f"row {i}: {exc}", path=path) from None
         seen[key] += 1
     return out
 

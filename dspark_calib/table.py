@@ -35,7 +35,7 @@ from dspark_calib.atomic import atomic_write
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import Fingerprint, merge_mismatches
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair, build_cost_tables, fit_curves
-from dspark_calib.samples import Sample
+from dspark_calib.samples import Sample, samples_from_dicts
 
 if TYPE_CHECKING:  # pandas is imported where samples are used: it is most of `inspect`'s start-up
     import pandas as pd
@@ -69,6 +69,11 @@ COLUMNS: dict[str, pa.DataType] = {
 SCHEMA = pa.schema(list(COLUMNS.items()))
 CURVE_COLUMNS = ("size", "cost_ms", "n", "min_ms", "p25_ms", "p75_ms", "max_ms", "mad_ms")
 SAMPLE_COLUMNS = ("context_len", "replay", "forward_ms", "drafter_ms", "num_target_tokens", "num_reqs", "full_cudagraph")
+
+
+def nearest(context_lens: Iterable[int], wanted: int) -> int:
+    """The context length closest to `wanted`; a tie goes to the longer one (the safer, higher cost)."""
+    return min(context_lens, key=lambda c: (abs(c - wanted), -c))
 
 
 def _utc_now() -> str:
@@ -162,7 +167,7 @@ class CostTable:
         lens = self.context_lens()
         if context_len is None:
             return lens[-1] if 8192 not in lens else 8192
-        return min(lens, key=lambda c: (abs(c - context_len), -c))
+        return nearest(lens, context_len)
 
     def pair(self, context_len: int | None = None) -> CurvePair:
         return self.curves[self.nearest_context(context_len)]
@@ -177,7 +182,7 @@ class CostTable:
 
     def iter_samples(self, context_len: int | None = None) -> list[Sample]:
         frame = self.samples if context_len is None else self.samples[self.samples.context_len == context_len]
-        return [Sample(**row) for row in frame.to_dict("records")]
+        return samples_from_dicts(frame.to_dict("records"))
 
     # -- checks -------------------------------------------------------------------
     def validate(self) -> None:
@@ -210,7 +215,7 @@ class CostTable:
 
     # -- combining ----------------------------------------------------------------
     def with_samples_refit(self, frame: pd.DataFrame, fingerprint: Fingerprint) -> "CostTable":
-        samples = [Sample(**row) for row in frame.to_dict("records")]
+        samples = samples_from_dicts(frame.to_dict("records"))
         return CostTable.from_samples(samples, fingerprint)
 
 
@@ -321,6 +326,17 @@ def to_arrow(table: CostTable) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta).encode()}))
 
 
+def prepare_out_path(out: str) -> str:
+    """--out: an existing directory, a path ending in '/', or a new name without .parquet are
+    directories (the table's default file name goes inside, see write_table); anything else is
+    the file. Directories are created now, so a bad --out fails before minutes of profiling."""
+    if out.endswith(("/", os.sep)) or (not os.path.exists(out) and not out.endswith(".parquet")):
+        os.makedirs(out, exist_ok=True)
+    elif not os.path.isdir(out):
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    return out
+
+
 def write_table(table: CostTable, path: str | os.PathLike) -> str:
     """Write atomically; `path` may be a directory (the default file name goes inside).
 
@@ -373,12 +389,17 @@ def _migrate(arrow: pa.Table, meta: dict, version: tuple[int, int], path: str) -
     return arrow, meta
 
 
-def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """Just the JSON metadata (cheap: reads the footer only)."""
+def read_metadata(path: str | os.PathLike, *, filesystem: Any = None) -> dict[str, Any]:
+    """Just the JSON metadata (cheap: reads the footer only); `filesystem`: a pyarrow.fs one for URIs."""
     path = os.fspath(path)
-    _check_path(path)
+    if filesystem is None:
+        _check_path(path)
     try:
-        schema = pq.read_schema(path)
+        if filesystem is None:
+            schema = pq.read_schema(path)
+        else:
+            with filesystem.open_input_file(path) as fh:
+                schema = pq.read_schema(fh)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
         raise CalibError(f"not a readable parquet file ({_first_line(exc)})", path=path) from None
     return _parse_meta(schema.metadata, path)

@@ -10,6 +10,8 @@ import glob
 import json
 import logging
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -48,7 +50,7 @@ def clean(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(av, "get_tp_group", lambda: SingleRank())
     yield
-    plugin.unpatch(av.AdaptiveVerificationManager, model_runner.GPUModelRunner)
+    plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +111,55 @@ def test_register_without_env_patches_nothing():
 def test_register_is_idempotent(monkeypatch, tmp_path):
     register_with(monkeypatch, DSPARK_CALIB_TABLE=tmp_path)
     first = (av.AdaptiveVerificationManager.batches_to_profile, av.AdaptiveVerificationManager.set_initial_cost_curves,
-             model_runner.GPUModelRunner.capture_model)
+             model_runner.maybe_create_adaptive_verification_manager)
     plugin.register()
     plugin.register()
     assert plugin.is_patched(av.AdaptiveVerificationManager)
     assert (av.AdaptiveVerificationManager.batches_to_profile, av.AdaptiveVerificationManager.set_initial_cost_curves,
-            model_runner.GPUModelRunner.capture_model) == first
+            model_runner.maybe_create_adaptive_verification_manager) == first
     # one wrapper deep: the original behind it is vLLM's own function
     inner = getattr(av.AdaptiveVerificationManager.batches_to_profile, plugin._MARK)
     assert not hasattr(inner, plugin._MARK)
+    factory = getattr(model_runner.maybe_create_adaptive_verification_manager, plugin._MARK)
+    assert factory is av.maybe_create_adaptive_verification_manager
+
+
+def test_factory_hands_manager_the_engine_config(monkeypatch, tmp_path):
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=tmp_path)
+    config = fake_config()
+    made = model_runner.maybe_create_adaptive_verification_manager(
+        enable_adaptive_verification=False, attn_groups=[], req_states=None, query_start_loc=None,
+        num_bonus_tokens=1, max_total_logits=1, vllm_config=config)
+    assert made is None  # disabled: vLLM's own factory returns nothing, and we add nothing
+
+
+def test_capture_mode_records_vllms_refusal(monkeypatch, tmp_path):
+    def refusing(*args, vllm_config=None, **kwargs):
+        raise ValueError("Adaptive verification replays decode cudagraphs whose per-request query lengths vary")
+
+    monkeypatch.setattr(model_runner, "maybe_create_adaptive_verification_manager", refusing)
+    register_with(monkeypatch, DSPARK_CALIB_CAPTURE=tmp_path)
+    with pytest.raises(ValueError):
+        model_runner.maybe_create_adaptive_verification_manager(vllm_config=None)
+    assert (tmp_path / "refusal.txt").read_text().startswith("Adaptive verification replays")
+
+
+def test_register_patches_only_when_the_model_runner_is_imported(tmp_path):
+    """In a process that has not imported vLLM's model runner (the API server), register()
+    imports nothing heavy; the patch lands when the worker imports the runner."""
+    code = (
+        "import sys; from dspark_calib.vllm import plugin; plugin.register();"
+        "assert plugin.MODEL_RUNNER not in sys.modules;"
+        "from vllm.v1.worker.gpu import model_runner;"
+        "from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av;"
+        "assert plugin.is_patched(av.AdaptiveVerificationManager);"
+        "assert hasattr(model_runner.maybe_create_adaptive_verification_manager, plugin._MARK);"
+        "print('ok')"
+    )
+    env = {**os.environ, "DSPARK_CALIB_TABLE": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().endswith("ok")
 
 
 def test_unknown_api_shape_leaves_vllm_untouched(monkeypatch, caplog, tmp_path):
@@ -268,7 +310,7 @@ def test_directory_picks_newest_fitting_table(monkeypatch, tmp_path, reference_t
     for t in (old, newer_wrong_gpu, newest):
         _write(t, tmp_path)
     (tmp_path / "junk.parquet").write_bytes(b"not a table")
-    monkeypatch.setattr("dspark_calib.vllm.engine_info.hardware", lambda: {"gpu_name": "NVIDIA H200"})
+    monkeypatch.setattr("dspark_calib.vllm.engine_info.gpu_name", lambda: "NVIDIA H200")
     register_with(monkeypatch, DSPARK_CALIB_TABLE=tmp_path, DSPARK_CALIB_ALLOW_REFERENCE=1)
     m = make_manager()
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
@@ -342,7 +384,7 @@ def test_policies_on_table_side_mismatch(monkeypatch, tmp_path, reference_table,
 
     other = replace(reference_table, fingerprint=reference_table.fingerprint.replace(**change))
     path = _write(other, tmp_path)
-    monkeypatch.setattr("dspark_calib.vllm.engine_info.hardware", lambda: {"gpu_name": "NVIDIA H200"})
+    monkeypatch.setattr("dspark_calib.vllm.engine_info.gpu_name", lambda: "NVIDIA H200")
     register_with(monkeypatch, DSPARK_CALIB_TABLE=path, DSPARK_CALIB_ALLOW_REFERENCE=1, DSPARK_CALIB_POLICY=policy)
     m = make_manager()
     capture_sizes = recorded[0]["capture_sizes"]
@@ -373,3 +415,100 @@ def test_bad_policy_refuses_to_start(monkeypatch, tmp_path, reference_table, rec
     register_with(monkeypatch, DSPARK_CALIB_TABLE=_write(reference_table, tmp_path), DSPARK_CALIB_POLICY="lenient")
     with pytest.raises(RuntimeError, match="DSPARK_CALIB_POLICY"):
         _run_profile_path(make_manager(), recorded[0]["capture_sizes"])
+
+
+class OtherRank:
+    """TP rank 1 of 2: broadcast_object returns what rank 0 sent, and records the calls."""
+
+    rank_in_group = 1
+    world_size = 2
+
+    def __init__(self, from_rank0):
+        self.from_rank0, self.calls = from_rank0, 0
+
+    def broadcast_object(self, obj, src=0):
+        assert src == 0 and obj in (None, "")  # a non-zero rank sends nothing of its own
+        self.calls += 1
+        return self.from_rank0
+
+
+def test_nonzero_rank_follows_rank0_load_decision(monkeypatch, tmp_path, reference_table, recorded):
+    from vllm.distributed import parallel_state
+
+    from dspark_calib.vllm.loader import decide
+
+    capture_sizes = recorded[0]["capture_sizes"]
+    engine = {"cudagraph_capture_sizes": capture_sizes, "max_num_seqs": 256, "max_num_batched_tokens": 8192}
+    rank0 = decide(_write(reference_table, tmp_path), engine, allow_reference=True)
+    assert rank0.load
+    group = OtherRank(rank0)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+    # rank 1's own env points nowhere: it must not look, only follow rank 0
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=tmp_path / "missing-on-this-node")
+    m = make_manager()
+    batches = _run_profile_path(m, capture_sizes)
+    assert group.calls == 1  # the decision (vLLM's own curve broadcast goes through av's stub)
+    assert [b["num_tokens"] for b in batches] == [768, 1024, 2048, 4096, 8192]
+    want = vllm_tables_from_samples(reference_table, 8192, capture_sizes)
+    assert np.array_equal(m.cost_tables[1], want[1])
+
+
+def test_nonzero_rank_uses_rank0_capture_plan(monkeypatch, tmp_path, recorded):
+    from vllm.distributed import parallel_state
+
+    group = OtherRank(Plan(context_lens=(1024, 4096), replays=2, warmup=0))
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+    register_with(monkeypatch, DSPARK_CALIB_CAPTURE=tmp_path)  # no plan.json on this node
+    batches = _run_profile_path(make_manager(), recorded[0]["capture_sizes"])
+    assert {b["context_len"] for b in batches} == {1024, 4096} and len(batches) == 2 * 2 * 56
+    capture = json.load(open(samples_path(str(tmp_path), 1)))
+    assert capture["rank"] == 1 and capture["tp_size"] == 2
+
+
+def test_capture_without_plan_refuses(monkeypatch, tmp_path, recorded):
+    register_with(monkeypatch, DSPARK_CALIB_CAPTURE=tmp_path)
+    with pytest.raises(RuntimeError, match="plan.json"):
+        _run_profile_path(make_manager(), recorded[0]["capture_sizes"])
+
+
+def _decide_here(monkeypatch, caplog, recorded, **env):
+    register_with(monkeypatch, **env)
+    m = make_manager()
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        batches = _run_profile_path(m, recorded[0]["capture_sizes"])
+    return batches, [r.getMessage() for r in caplog.records if r.name == "vllm.dspark_calib"]
+
+
+def test_unexpected_source_error_falls_back_in_one_line(monkeypatch, caplog, recorded):
+    batches, lines = _decide_here(monkeypatch, caplog, recorded, DSPARK_CALIB_TABLE="nosuchscheme://bucket/tables/")
+    assert len(batches) == 280
+    assert len(lines) == 1 and "profiling at start-up as usual" in lines[0] and "\n" not in lines[0]
+
+
+def test_policy_is_normalised(monkeypatch, caplog, recorded):
+    with pytest.raises(RuntimeError):
+        _decide_here(monkeypatch, caplog, recorded, DSPARK_CALIB_TABLE="nosuchscheme://x", DSPARK_CALIB_POLICY=" STRICT ")
+
+
+def test_damaged_newest_table_does_not_hide_an_older_one(monkeypatch, tmp_path, reference_table, recorded, caplog):
+    from dataclasses import replace
+
+    older = _write(replace(reference_table, created_at="2026-01-01T00:00:00Z"), tmp_path)
+    newer = _write(replace(reference_table, created_at="2026-06-01T00:00:00Z",
+                           fingerprint=reference_table.fingerprint.replace(replays=6)), tmp_path)
+    data = bytearray(open(newer, "rb").read())
+    data[100:140] = bytes(40)  # inside the first data page: footer (metadata) still reads
+    open(newer, "wb").write(bytes(data))
+    batches, lines = _decide_here(monkeypatch, caplog, recorded, DSPARK_CALIB_TABLE=tmp_path,
+                                  DSPARK_CALIB_ALLOW_REFERENCE="True")
+    assert len(batches) == 5
+    assert any("skipping" in l and newer in l for l in lines)
+    assert "loaded cost table" in lines[-1] and older in lines[-1]
+
+
+def test_unknown_backend_is_refused(monkeypatch, tmp_path, reference_table, recorded, caplog):
+    from dataclasses import replace
+
+    path = _write(replace(reference_table, fingerprint=reference_table.fingerprint.replace(backend="sglang")), tmp_path)
+    batches, lines = _decide_here(monkeypatch, caplog, recorded, DSPARK_CALIB_TABLE=path, DSPARK_CALIB_ALLOW_REFERENCE=1)
+    assert len(batches) == 280 and "backend" in lines[0] and "sglang" in lines[0]

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 
 from dspark_calib.atomic import atomic_write_json
 from dspark_calib.samples import Sample
+from dspark_calib.table import nearest
 
 ENV_CAPTURE = "DSPARK_CALIB_CAPTURE"
 PLAN_FILE = "plan.json"
@@ -52,13 +53,17 @@ def write_plan(directory: str, plan: Plan) -> None:
     atomic_write_json(os.path.join(directory, PLAN_FILE), asdict(plan))
 
 
-def read_plan(directory: str, default_context_len: int) -> Plan:
+def read_plan(directory: str) -> Plan:
+    """The plan `profile` wrote; a missing or bad one is an error, never a silent default
+    (a stray DSPARK_CALIB_CAPTURE must not turn a normal start into a long profile)."""
+    path = os.path.join(directory, PLAN_FILE)
     try:
-        with open(os.path.join(directory, PLAN_FILE)) as fh:
+        with open(path) as fh:
             data = json.load(fh)
         return Plan(context_lens=tuple(data["context_lens"]), replays=int(data["replays"]), warmup=int(data["warmup"]))
-    except FileNotFoundError:
-        return Plan(context_lens=(default_context_len,))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RuntimeError(f"dspark-calib: {ENV_CAPTURE}={directory}: no usable {PLAN_FILE} ({exc}); "
+                           "capture mode is set by `dspark-calib profile` only") from None
 
 
 def samples_path(directory: str, rank: int) -> str:
@@ -79,10 +84,20 @@ class CaptureMode:
         self.directory = directory
 
     def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]:
-        from dspark_calib.vllm.engine_info import current_context_len, tp_rank_and_size
+        from dspark_calib.vllm.engine_info import broadcast_from_rank0, tp_rank_and_size
 
         rank, _ = tp_rank_and_size()
-        plan = read_plan(self.directory, current_context_len())
+        # Every rank must run the same batches (they hold collectives): rank 0's plan for all.
+        plan_or_error: Plan | str = ""
+        if rank == 0:
+            try:
+                plan_or_error = read_plan(self.directory)
+            except RuntimeError as exc:
+                plan_or_error = str(exc)
+        plan_or_error = broadcast_from_rank0(plan_or_error)
+        if isinstance(plan_or_error, str):
+            raise RuntimeError(plan_or_error)
+        plan = plan_or_error
         sizes = list(dict.fromkeys(b["num_tokens"] for b in vllm_batches))  # vLLM's sizes, its order
         tags = [BatchTag(ctx, replay, size)
                 for ctx in plan.context_lens
@@ -96,7 +111,7 @@ class CaptureMode:
             if rank == 0 and now - last_report > 0.5:
                 last_report = now
                 atomic_write_json(os.path.join(self.directory, PROGRESS_FILE),
-                                  {"done": i, "total": len(tags), "context_len": tag.context_len})
+                                  {"done": i, "total": len(tags), "context_len": tag.context_len}, durable=False)
             yield {"num_tokens": tag.num_tokens, "context_len": tag.context_len}
 
     def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
@@ -136,5 +151,5 @@ class CaptureMode:
         # vLLM still needs cost curves to finish starting: give it its own rule on the
         # timed samples of the context length it would have profiled itself.
         wanted = current_context_len()
-        ctx = min(state["plan"].context_lens, key=lambda c: (abs(c - wanted), -c))
+        ctx = nearest(state["plan"].context_lens, wanted)
         original([s for s, t in zip(samples, tags) if t.replay >= 0 and t.context_len == ctx])

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from dspark_calib.errors import CalibError
-from dspark_calib.fingerprint import BACKEND_REFERENCE, Fingerprint, Mismatch, load_mismatches
+from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, LOAD_CHECKS, Fingerprint, Mismatch, load_mismatches
 
 ENV_TABLE = "DSPARK_CALIB_TABLE"
 ENV_POLICY = "DSPARK_CALIB_POLICY"
@@ -87,33 +87,22 @@ def list_candidates(source: str) -> tuple[Any, list[str]]:
     raise CalibError("no such file or directory", path=source)
 
 
-def _read_meta(fs: Any, path: str) -> dict:
-    from dspark_calib.table import _parse_meta, read_metadata
-    import pyarrow.parquet as pq
-
-    if fs is None:
-        return read_metadata(path)
-    try:
-        with fs.open_input_file(path) as fh:
-            schema = pq.read_schema(fh)
-    except Exception as exc:  # noqa: BLE001
-        raise CalibError(f"not a readable parquet file ({exc})", path=path) from None
-    return _parse_meta(schema.metadata, path)
-
-
 def examine(source: str, engine: dict[str, Any], allow_reference: bool) -> tuple[Any, list[Candidate]]:
+    from dspark_calib.table import read_metadata
+
     fs, paths = list_candidates(source)
     out = []
     for path in paths:
         try:
-            meta = _read_meta(fs, path)
+            meta = read_metadata(path, filesystem=fs)
             fp = Fingerprint.from_dict(meta["fingerprint"])
         except CalibError as exc:
             out.append(Candidate(path=path, error=str(exc)))
             continue
         bad = load_mismatches(fp, engine)
-        if fp.backend == BACKEND_REFERENCE and not allow_reference:
-            bad.insert(0, Mismatch("backend", fp.backend, f"a measured table ({ENV_ALLOW_REFERENCE}=1 allows reference)"))
+        if fp.backend != BACKEND_VLLM and not (fp.backend == BACKEND_REFERENCE and allow_reference):
+            want = f"{BACKEND_VLLM!r} ({ENV_ALLOW_REFERENCE}=1 also allows {BACKEND_REFERENCE!r})"
+            bad.insert(0, Mismatch("backend", fp.backend, want))
         out.append(Candidate(path=path, created_at=str(meta.get("created_at", "")), content_hash=str(meta["content_hash"]),
                              fingerprint=fp, mismatches=tuple(bad)))
     return fs, out
@@ -121,10 +110,12 @@ def examine(source: str, engine: dict[str, Any], allow_reference: bool) -> tuple
 
 def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", allow_reference: bool = False,
            context_len: int | None = None, vllm_context_len: int = 8192) -> Decision:
-    """Pick the table to load (newest fitting one), or say why none is loaded."""
+    """Pick the table to load (newest fitting one that reads), or say why none is loaded."""
+    from dspark_calib.table import nearest, read_table
+
     if policy not in POLICIES:
-        return Decision(False, (f"dspark-calib: {ENV_POLICY}={policy!r} is not one of {', '.join(POLICIES)}; "
-                                "refusing to start",), logging.ERROR, refuse=f"bad {ENV_POLICY} {policy!r}")
+        msg = f"dspark-calib: {ENV_POLICY}={policy!r} is not one of {', '.join(POLICIES)}; refusing to start"
+        return Decision(False, (msg,), logging.ERROR, refuse=msg)
     try:
         fs, candidates = examine(source, engine, allow_reference)
     except CalibError as exc:
@@ -138,63 +129,79 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     lines: list[str] = []
     level = logging.INFO
     if fitting:
-        chosen = fitting[0]
+        choices = fitting
     else:
-        closest = min(newest_first, key=lambda c: len(c.mismatches))
-        summary = "; ".join(str(m) for m in closest.mismatches)
+        closest = sorted(newest_first, key=lambda c: len(c.mismatches))  # stable: newest first among equals
+        summary = "; ".join(str(m) for m in closest[0].mismatches)
         if policy == "strict":
-            msg = f"dspark-calib: table {closest.label} does not fit this engine: {summary} (policy strict)"
+            msg = f"dspark-calib: table {closest[0].label} does not fit this engine: {summary} (policy strict)"
             return Decision(False, (msg,), logging.ERROR, refuse=msg)
         if policy == "fallback":
-            return Decision(False, (f"dspark-calib: not loading {closest.label}: {summary}; "
+            return Decision(False, (f"dspark-calib: not loading {closest[0].label}: {summary}; "
                                     "profiling at start-up as usual (policy fallback)",), logging.WARNING)
         level = logging.WARNING
-        lines += [f"dspark-calib: loading {closest.label} despite mismatch {m} (policy warn)" for m in closest.mismatches]
-        chosen = closest
-    from dspark_calib.table import read_table
-
-    try:
-        table = read_table(chosen.path, filesystem=fs)
-    except CalibError as exc:
-        return _no_table(policy, str(exc))
-    wanted = context_len if context_len is not None else vllm_context_len
-    ctx = table.nearest_context(wanted)
-    draft, verify = table.curves[ctx].as_vllm()
-    lines.append(f"dspark-calib: loaded cost table {chosen.label}, context {ctx} (wanted {wanted}), "
-                 f"{len(draft)} draft / {len(verify)} verify points; start-up profiling skipped")
-    return Decision(True, tuple(lines), level, draft_curve=draft, verify_curve=verify)
+        choices = closest
+    unchecked = [key for key, _ in LOAD_CHECKS if key not in engine]
+    for chosen in choices:  # a damaged newest table must not hide an intact older one
+        try:
+            table = read_table(chosen.path, filesystem=fs)
+        except CalibError as exc:
+            level = logging.WARNING
+            lines.append(f"dspark-calib: skipping {chosen.label}: {exc}")
+            continue
+        if not fitting:
+            lines += [f"dspark-calib: loading {chosen.label} despite mismatch {m} (policy warn)" for m in chosen.mismatches]
+        wanted = context_len if context_len is not None else vllm_context_len
+        ctx = nearest(table.context_lens(), wanted)
+        draft, verify = table.curves[ctx].as_vllm()
+        note = f"; not checked (engine did not report): {', '.join(unchecked)}" if unchecked else ""
+        lines.append(f"dspark-calib: loaded cost table {chosen.label}, context {ctx} (wanted {wanted}), "
+                     f"{len(draft)} draft / {len(verify)} verify points; start-up profiling skipped{note}")
+        return Decision(True, tuple(lines), level, draft_curve=draft, verify_curve=verify)
+    no = _no_table(policy, "no table could be read")
+    return Decision(False, tuple(lines) + no.lines, logging.ERROR if no.refuse else logging.WARNING, refuse=no.refuse)
 
 
 def _no_table(policy: str, why: str) -> Decision:
     if policy == "strict":
-        return Decision(False, (f"dspark-calib: {why} (policy strict)",), logging.ERROR, refuse=why)
+        msg = f"dspark-calib: {why} (policy strict)"
+        return Decision(False, (msg,), logging.ERROR, refuse=msg)
     return Decision(False, (f"dspark-calib: {why}; profiling at start-up as usual (policy {policy})",), logging.WARNING)
 
 
-def decision_from_env(engine: dict[str, Any]) -> Decision:
-    from dspark_calib.vllm.engine_info import current_context_len
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
-    raw_ctx = os.environ.get(ENV_CONTEXT_LEN)
+
+def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
+    """Everything the env asks for, decided on this rank; never raises (the engine must not die of it)."""
+    from dspark_calib.vllm.engine_info import current_context_len, describe_engine
+
+    policy = (os.environ.get(ENV_POLICY, "") or "fallback").strip().lower()
     try:
-        ctx = int(raw_ctx) if raw_ctx else None
-    except ValueError:
-        return _no_table(os.environ.get(ENV_POLICY, "fallback"), f"{ENV_CONTEXT_LEN}={raw_ctx!r} is not an integer")
-    return decide(os.environ[ENV_TABLE], engine,
-                  policy=os.environ.get(ENV_POLICY, "fallback").strip().lower() or "fallback",
-                  allow_reference=os.environ.get(ENV_ALLOW_REFERENCE, "") in ("1", "true", "yes"),
-                  context_len=ctx, vllm_context_len=current_context_len())
+        raw_ctx = os.environ.get(ENV_CONTEXT_LEN)
+        try:
+            ctx = int(raw_ctx) if raw_ctx else None
+        except ValueError:
+            return _no_table(policy if policy in POLICIES else "strict", f"{ENV_CONTEXT_LEN}={raw_ctx!r} is not an integer")
+        engine = describe_engine(manager, capture_sizes, getattr(manager, "_dspark_vllm_config", None))
+        return decide(os.environ[ENV_TABLE], engine, policy=policy,
+                      allow_reference=os.environ.get(ENV_ALLOW_REFERENCE, "").strip().lower() in ("1", "true", "yes"),
+                      context_len=ctx, vllm_context_len=current_context_len())
+    except Exception as exc:  # noqa: BLE001 - S3 without credentials, an unknown URI scheme, permissions...
+        return _no_table(policy if policy in POLICIES else "strict", f"{ENV_TABLE}: {_one_line(exc)}")
 
 
 class LoadMode:
     name = "load"
 
     def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]:
-        from dspark_calib.vllm.engine_info import broadcast_from_rank0, describe_engine, tp_rank_and_size
+        from dspark_calib.vllm.engine_info import broadcast_from_rank0, tp_rank_and_size
 
         decision = None
         if tp_rank_and_size()[0] == 0:
-            engine = describe_engine(manager, capture_sizes, getattr(manager, "_dspark_vllm_config", None))
-            decision = decision_from_env(engine)
+            decision = decision_from_env(manager, capture_sizes)
             for line in decision.lines:
                 log.log(decision.level, line)
         decision = broadcast_from_rank0(decision)

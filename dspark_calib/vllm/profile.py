@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import BACKEND_VLLM, Fingerprint, config_hash
-from dspark_calib.samples import Sample
+from dspark_calib.samples import samples_from_dicts
 from dspark_calib.table import CostTable
 from dspark_calib.vllm.capture import ENV_CAPTURE, PROGRESS_FILE, Plan, samples_path, write_plan
 from dspark_calib.vllm.loader import ENV_TABLE
@@ -147,12 +147,12 @@ def preflight(opts: ProfileOptions) -> None:
         import vllm  # noqa: F401
     except ImportError:
         raise CalibError(f"vllm is not installed: {INSTALL_HINT}") from None
-    from dspark_calib.vllm.shape import detect
+    from dspark_calib.vllm.shape import SUPPORTED_VLLM, detect
 
     shape = detect()
     if not shape.supported:
         raise CalibError(f"vLLM {shape.vllm_version} is not supported by this dspark-calib ({shape.reason}); "
-                         "supported: vLLM 0.28.0 to 0.33.0")
+                         f"supported: vllm{SUPPORTED_VLLM}")
     import torch
 
     if not torch.cuda.is_available():
@@ -299,7 +299,7 @@ def fingerprint_from_capture(opts: ProfileOptions, capture: dict[str, Any]) -> F
 
 
 def table_from_capture(opts: ProfileOptions, capture: dict[str, Any]) -> CostTable:
-    samples = [Sample(**s) for s in capture["samples"]]
+    samples = samples_from_dicts(capture["samples"])
     return CostTable.from_samples(samples, fingerprint_from_capture(opts, capture))
 
 

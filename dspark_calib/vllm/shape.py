@@ -1,8 +1,9 @@
 """Which shape of vLLM's profiling API is installed.
 
-dspark-calib patches four things: AdaptiveVerificationManager.batches_to_profile
-(capture_sizes) -> iterator of dummy-run kwargs, .set_initial_cost_curves(samples),
-.set_cost_curves(draft_curve, verify_curve), and GPUModelRunner.capture_model.
+dspark-calib wraps AdaptiveVerificationManager.batches_to_profile(capture_sizes) and
+.set_initial_cost_curves(samples), calls .set_cost_curves(draft_curve, verify_curve),
+reads StepTimingSample's fields, and wraps model_runner's
+maybe_create_adaptive_verification_manager (to hand the manager the engine config).
 vLLM 0.28.0 .. 0.33.0 share that shape ("v1"). vLLM main already changed it (samples
 pushed one at a time through consume_step_timing, set_initial_cost_curves() without
 an argument); on any shape we do not know we must leave vLLM untouched.
@@ -17,7 +18,7 @@ from typing import Any
 
 SUPPORTED_VLLM = ">=0.28.0,<0.34"
 SHAPE_V1 = "v1"
-STEP_TIMING_FIELDS = ("forward_ms", "drafter_ms", "num_target_tokens", "num_reqs", "full_cudagraph")
+from dspark_calib.samples import VLLM_SAMPLE_FIELDS as STEP_TIMING_FIELDS
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def detect(av: ModuleType | None = None, model_runner: ModuleType | None = None,
     fields = tuple(getattr(sample_cls, "__dataclass_fields__", {}) or ())
     if fields != STEP_TIMING_FIELDS:
         return ApiShape(None, f"StepTimingSample fields are {fields}, expected {STEP_TIMING_FIELDS}", version)
-    runner = getattr(model_runner, "GPUModelRunner", None)
-    if runner is None or "profile_only" not in _params(getattr(runner, "capture_model", None)):
-        return ApiShape(None, "GPUModelRunner.capture_model(profile_only=...) not found", version)
+    factory = getattr(model_runner, "maybe_create_adaptive_verification_manager", None)
+    if "vllm_config" not in _params(factory):
+        return ApiShape(None, "model_runner.maybe_create_adaptive_verification_manager(..., vllm_config) not found", version)
     return ApiShape(SHAPE_V1, "", version)
