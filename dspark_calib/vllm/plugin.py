@@ -33,7 +33,9 @@ _MARK = "_dspark_calib_original"
 
 
 def active_mode() -> CaptureMode | LoadMode | None:
-    """Chosen at each engine start from the env, so one process can serve both."""
+    """Chosen at each engine start from the env (once patched, a later start in the same
+    process may switch modes; vLLM loads plugins once per process, so the patch itself
+    only happens if one of the env vars was set at that first load)."""
     if os.environ.get(ENV_CAPTURE):
         return CaptureMode(os.environ[ENV_CAPTURE])  # profiling never loads a table
     if os.environ.get(ENV_TABLE):
