@@ -11,3 +11,10 @@ class CalibError(Exception):
     def __init__(self, message: str, *, path: object = None):
         self.path = None if path is None else str(path)
         super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's text (or its type name): pyarrow and vLLM errors
+    can span many lines, and every message we pass on must stay one line."""
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:limit]

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from dspark_calib import __version__
 from dspark_calib.atomic import atomic_write
-from dspark_calib.errors import CalibError
+from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fingerprint import Fingerprint, merge_mismatches
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair, build_cost_tables, fit_curves
 from dspark_calib.samples import Sample, samples_from_dicts
@@ -213,11 +213,6 @@ class CostTable:
         else:
             _check_samples({c: v.astype(np.float64) for c, v in self.__dict__["_lazy_samples"].columns.items()})
 
-    # -- combining ----------------------------------------------------------------
-    def with_samples_refit(self, frame: pd.DataFrame, fingerprint: Fingerprint) -> "CostTable":
-        samples = samples_from_dicts(frame.to_dict("records"))
-        return CostTable.from_samples(samples, fingerprint)
-
 
 def _check_samples(cols: dict[str, np.ndarray]) -> None:
     """Sample columns as float64, NaN where missing."""
@@ -285,7 +280,7 @@ def merge_tables(tables: Sequence[CostTable]) -> CostTable:
         warmup_replays=max(t.fingerprint.warmup_replays for t in tables),
         extra=extra,
     )
-    return first.with_samples_refit(pd.concat(frames, ignore_index=True), fp)
+    return CostTable.from_samples(samples_from_dicts(pd.concat(frames, ignore_index=True).to_dict("records")), fp)
 
 
 # -- the file -------------------------------------------------------------------------
@@ -401,7 +396,7 @@ def read_metadata(path: str | os.PathLike, *, filesystem: Any = None) -> dict[st
             with filesystem.open_input_file(path) as fh:
                 schema = pq.read_schema(fh)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
-        raise CalibError(f"not a readable parquet file ({_first_line(exc)})", path=path) from None
+        raise CalibError(f"not a readable parquet file ({first_line(exc)})", path=path) from None
     return _parse_meta(schema.metadata, path)
 
 
@@ -412,18 +407,13 @@ def _check_path(path: str) -> None:
         raise CalibError("is a directory, not a table file", path=path)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]
-
-
 def _parse_meta(raw: dict | None, path: str) -> dict[str, Any]:
     if not raw or METADATA_KEY not in raw:
         raise CalibError("parquet file without dspark-calib metadata (not a cost table)", path=path)
     try:
         meta = json.loads(raw[METADATA_KEY].decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise CalibError(f"malformed metadata JSON ({_first_line(exc)})", path=path) from None
+        raise CalibError(f"malformed metadata JSON ({first_line(exc)})", path=path) from None
     if not isinstance(meta, dict):
         raise CalibError("malformed metadata: not a JSON object", path=path)
     for key in ("schema_version", "fingerprint", "content_hash"):
@@ -448,7 +438,7 @@ def read_table(path: str | os.PathLike, *, filesystem: Any = None) -> CostTable:
     except CalibError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise CalibError(f"not a readable parquet file ({_first_line(exc)})", path=path) from None
+        raise CalibError(f"not a readable parquet file ({first_line(exc)})", path=path) from None
     arrow, meta = _migrate(arrow, meta, version, path)
     try:
         return _from_arrow(arrow, meta, path)

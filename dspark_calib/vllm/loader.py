@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from dspark_calib.errors import CalibError
+from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, LOAD_CHECKS, Fingerprint, Mismatch, load_mismatches
 
 ENV_TABLE = "DSPARK_CALIB_TABLE"
@@ -169,28 +169,25 @@ def _no_table(policy: str, why: str) -> Decision:
     return Decision(False, (f"dspark-calib: {why}; profiling at start-up as usual (policy {policy})",), logging.WARNING)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
-
-
 def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
     """Everything the env asks for, decided on this rank; never raises (the engine must not die of it)."""
     from dspark_calib.vllm.engine_info import current_context_len, describe_engine
 
     policy = (os.environ.get(ENV_POLICY, "") or "fallback").strip().lower()
+    # decide() refuses a bad policy itself; on the early exits below it is treated as strict.
+    early = policy if policy in POLICIES else "strict"
     try:
         raw_ctx = os.environ.get(ENV_CONTEXT_LEN)
         try:
             ctx = int(raw_ctx) if raw_ctx else None
         except ValueError:
-            return _no_table(policy if policy in POLICIES else "strict", f"{ENV_CONTEXT_LEN}={raw_ctx!r} is not an integer")
+            return _no_table(early, f"{ENV_CONTEXT_LEN}={raw_ctx!r} is not an integer")
         engine = describe_engine(manager, capture_sizes, getattr(manager, "_dspark_vllm_config", None))
         return decide(os.environ[ENV_TABLE], engine, policy=policy,
                       allow_reference=os.environ.get(ENV_ALLOW_REFERENCE, "").strip().lower() in ("1", "true", "yes"),
                       context_len=ctx, vllm_context_len=current_context_len())
     except Exception as exc:  # noqa: BLE001 - S3 without credentials, an unknown URI scheme, permissions...
-        return _no_table(policy if policy in POLICIES else "strict", f"{ENV_TABLE}: {_one_line(exc)}")
+        return _no_table(early, f"{ENV_TABLE}: {type(exc).__name__}: {first_line(exc, 300)}")
 
 
 class LoadMode:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dspark_calib.errors import CalibError
+from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fingerprint import BACKEND_VLLM, Fingerprint, config_hash
 from dspark_calib.samples import samples_from_dicts
 from dspark_calib.table import CostTable
@@ -179,8 +179,7 @@ def explain_failure(exc: BaseException, capture_dir: str) -> CalibError:
     if "out of memory" in low or "outofmemory" in low or "no available memory for the cache" in low:
         return CalibError("out of GPU memory while starting the engine: lower --max-num-seqs, "
                           "--max-num-batched-tokens or --max-model-len, or raise/lower --gpu-memory-utilization")
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return CalibError(f"vLLM engine failed during start-up/profiling ({type(exc).__name__}: {first[:300]}); "
+    return CalibError(f"vLLM engine failed during start-up/profiling ({type(exc).__name__}: {first_line(exc, 300)}); "
                       "no table written (vLLM's log above has the details)")
 
 
