@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dspark_calib.errors import CalibError, first_line
-from dspark_calib.fingerprint import BACKEND_VLLM, Fingerprint, config_hash
+from dspark_calib.fingerprint import BACKEND_VLLM, KEYS, Fingerprint, config_hash
 from dspark_calib.samples import samples_from_dicts
 from dspark_calib.table import CostTable
 from dspark_calib.vllm.capture import ENV_CAPTURE, PROGRESS_FILE, Plan, samples_path, write_plan
@@ -261,39 +261,34 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
 
 
 def fingerprint_from_capture(opts: ProfileOptions, capture: dict[str, Any]) -> Fingerprint:
-    engine, hw = capture["engine"], capture["hardware"]
-    tp = int(engine.get("tensor_parallel_size", opts.tp))
-    pp = int(engine.get("pipeline_parallel_size", 1))
+    """The table's fingerprint: every registry key as the engine resolved it (not as typed)."""
+    engine = {**capture.get("hardware", {}), **capture["engine"]}
+    read = {k.name: engine[k.name] for k in KEYS if k.read is not None and k.name in engine}
+    lacking = [k for k in ("vllm_version", "num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens",
+                           "cudagraph_capture_sizes") if k not in read]
+    if lacking:
+        raise CalibError(f"the engine did not report {', '.join(lacking)}; no table written")
+    tp = int(read.get("tensor_parallel_size", opts.tp))
+    pp = int(read.get("pipeline_parallel_size", 1))
+    defaults = dict(  # keys format 1.0 requires, for an engine that could not report them
+        gpu_name="", gpu_compute_capability="", driver_version="", cuda_version="", torch_version="",
+        target_config_hash=config_hash(opts.model), draft_config_hash=config_hash(opts.draft),
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=opts.dtype, kv_cache_dtype=opts.kv_cache_dtype,
+        quantization=opts.quantization, max_model_len=opts.max_model_len)
     return Fingerprint(
+        **{**defaults, **read},
         backend=BACKEND_VLLM,
-        gpu_name=hw.get("gpu_name", ""),
         gpu_count=tp * pp,
-        gpu_compute_capability=hw.get("gpu_compute_capability", ""),
-        driver_version=hw.get("driver_version", ""),
-        cuda_version=hw.get("cuda_version", ""),
-        torch_version=hw.get("torch_version", ""),
-        vllm_version=engine["vllm_version"],
         target_model=os.path.basename(os.path.normpath(opts.model)),
-        target_config_hash=engine.get("target_config_hash") or config_hash(opts.model),
         draft_model=os.path.basename(os.path.normpath(opts.draft)),
-        draft_config_hash=engine.get("draft_config_hash") or config_hash(opts.draft),
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        dtype=engine.get("dtype", opts.dtype),
-        kv_cache_dtype=engine.get("kv_cache_dtype", opts.kv_cache_dtype),
-        quantization=engine.get("quantization", opts.quantization),
-        num_speculative_tokens=int(engine["num_speculative_tokens"]),
-        max_num_seqs=int(engine["max_num_seqs"]),
-        max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
-        cudagraph_capture_sizes=tuple(engine["cudagraph_capture_sizes"]),
         cudagraph_limit=int(capture["cudagraph_limit"]),
         context_lens=tuple(opts.context_lens),
         replays=opts.replays,
         warmup_replays=opts.warmup,
-        max_model_len=opts.max_model_len,
         extra={"load_format": opts.load_format, "profile_s": round(capture.get("profile_s", 0.0), 3),
                "engine_start_s": round(capture.get("engine_start_s", 0.0), 3),
-               "profile_batches": capture.get("num_batches"), "hostname": os.uname().nodename},
+               "profile_batches": capture.get("num_batches"), "hostname": os.uname().nodename,
+               **({"engine_args": opts.extra_engine_args} if opts.extra_engine_args else {})},
     )
 
 
