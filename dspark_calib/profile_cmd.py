@@ -56,22 +56,22 @@ def check_out(out: str) -> tuple[str, str]:
     is_file = out.endswith(".parquet") and not os.path.isdir(out)
     directory = os.path.dirname(os.path.abspath(out)) if is_file else out
     if os.path.exists(out) and not os.path.isdir(out) and not is_file:
-        raise CalibError("--out must be a directory or a .parquet file", path=out)
+        raise CalibError(f"--out {out}: must be a directory or a .parquet file")
     if is_file and os.path.exists(out) and not os.path.isfile(out):
-        raise CalibError("--out exists and is not a regular file", path=out)
+        raise CalibError(f"--out {out}: exists and is not a regular file")
     if not os.path.isdir(directory):
         parent = os.path.dirname(os.path.abspath(directory))
         if is_file or not os.path.isdir(parent):
-            raise CalibError(f"--out: directory {directory} does not exist (parents are not created)", path=out)
+            raise CalibError(f"--out {out}: directory {directory} does not exist (parents are not created)")
         try:
             os.mkdir(directory)
         except OSError as exc:
-            raise CalibError(f"--out: cannot create the directory ({exc.strerror})", path=out) from None
+            raise CalibError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
     try:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".dspark-calib-probe-"):
             pass
     except OSError as exc:
-        raise CalibError(f"--out: cannot write there ({exc.strerror})", path=out) from None
+        raise CalibError(f"--out {out}: cannot write there ({exc.strerror})") from None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log = out[: -len(".parquet")] + ".vllm.log" if is_file else os.path.join(directory, f"profile-{stamp}.vllm.log")
     return out, log
@@ -83,12 +83,12 @@ def parse_engine_args(pairs: Sequence[str], as_json: str | None) -> dict[str, An
     out: dict[str, Any] = {}
     if as_json:
         text = as_json
-        if not as_json.lstrip().startswith("{"):
+        if not as_json.lstrip().startswith(("{", "[")):
             try:
                 with open(as_json, encoding="utf-8") as fh:
                     text = fh.read()
             except OSError as exc:
-                raise CalibError(f"--engine-args-json: cannot read it ({exc.strerror})", path=as_json) from None
+                raise CalibError(f"--engine-args-json {as_json}: cannot read it ({exc.strerror})") from None
         try:
             data = json.loads(text)
         except ValueError as exc:
@@ -172,7 +172,7 @@ def _run(opts: Any, out: str, log_path: str, keep_capture: str | None) -> None:
     terminal = Console(file=os.fdopen(os.dup(2), "w", buffering=1), stderr=True)
     started = time.perf_counter()
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), Count(), TimeElapsedColumn(),
-                        TextColumn("eta"), TimeRemainingColumn(), console=terminal, transient=False)
+                        TextColumn("eta"), TimeRemainingColumn(), console=terminal, transient=True)
     engine_started = False
     with progress:
         task = progress.add_task("checking vLLM and the GPUs", total=None)

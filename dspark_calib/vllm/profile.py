@@ -88,21 +88,21 @@ def resolve_model(model: str, option: str) -> tuple[str, str | None]:
         return model, None
     looks_like_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
     if not looks_like_id:
-        raise CalibError(f"{option}: no such directory", path=model)
+        raise CalibError(f"{option} {model}: no such directory")
     try:
         from huggingface_hub import try_to_load_from_cache
         from huggingface_hub.constants import HF_HUB_CACHE
     except ImportError:
-        raise CalibError(f"{option}: no such directory (and huggingface_hub is not installed to look "
-                         "in the Hugging Face cache)", path=model) from None
+        raise CalibError(f"{option} {model}: no such directory (and huggingface_hub is not installed to "
+                         "look in the Hugging Face cache)") from None
     try:
         hit = try_to_load_from_cache(model, "config.json")
     except Exception as exc:  # noqa: BLE001 - a malformed id: say so in one line
-        raise CalibError(f"{option}: not a directory nor a Hugging Face model id ({first_line(exc, 120)})",
-                         path=model) from None
+        raise CalibError(f"{option} {model}: not a directory nor a Hugging Face model id "
+                         f"({first_line(exc, 120)})") from None
     if not isinstance(hit, str):
-        raise CalibError(f"{option}: not a directory, and not in the local Hugging Face cache ({HF_HUB_CACHE}); "
-                         f"fetch it first: huggingface-cli download {model} config.json", path=model)
+        raise CalibError(f"{option} {model}: not a directory, and not in the local Hugging Face cache "
+                         f"({HF_HUB_CACHE}); fetch it first: huggingface-cli download {model} config.json")
     return os.path.dirname(hit), model
 
 
