@@ -253,7 +253,8 @@ def profile_cmd(
     quantization: Annotated[Optional[str], typer.Option("--quantization")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="In (0, 1].")] = 0.85,
     max_model_len: Annotated[Optional[int], typer.Option(
-        "--max-model-len", help="Default: 32768, or what the longest --context-len needs.")] = None,
+        "--max-model-len", help="Default: vLLM's own (from the model config, as vllm serve). Checked on load: "
+                              "serve with the same.")] = None,
     distributed_executor_backend: Annotated[Optional[str], typer.Option(
         "--distributed-executor-backend", help="mp (one node) or ray (across nodes).")] = None,
     engine_arg: Annotated[List[str], typer.Option(

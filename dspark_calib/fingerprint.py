@@ -174,6 +174,7 @@ class Key:
     format: Callable[[Any], str] = format_value
     optional: bool = False  # added after format 1.0: older tables lack it
     none_is_value: bool = False  # None is a real value (quantization: none), not "not recorded"
+    rule_text: str = ""  # the README's "on load" cell, where no load rule says it
 
     @property
     def type_name(self) -> str:
@@ -189,8 +190,8 @@ class Key:
 
 _STR, _INT, _INTS = (str,), (int,), (tuple,)
 KEYS: tuple[Key, ...] = (
-    Key("backend", _STR, None, True, "backend",
-        "who measured it: the loader's backend rule refuses 'reference' tables unless allowed"),
+    Key("backend", _STR, None, True, "backend", "who measured it: 'vllm' loads; 'reference' (imported) only "
+        "with DSPARK_CALIB_ALLOW_REFERENCE=1 (the loader's own rule)", rule_text="vllm, or reference if allowed"),
     Key("gpu_name", _STR, EQUAL, True, "GPU", "a different GPU model has different kernels and bandwidth",
         R.hw("gpu_name")),
     Key("gpu_count", _INT, None, True, "GPU count", "tp x pp; those two are checked"),
@@ -363,7 +364,7 @@ def compatibility_markdown() -> str:
     lines = ["| key | shown as | on load | merge | why |", "|---|---|---|---|---|"]
     for k in KEYS:
         why = k.why.replace("|", "\\|")
-        lines.append(f"| `{k.name}` | {k.label} | {_RULE_TEXT[k.load]} | {'equal' if k.merge else '-'} | {why} |")
+        lines.append(f"| `{k.name}` | {k.label} | {k.rule_text or _RULE_TEXT[k.load]} | {'equal' if k.merge else '-'} | {why} |")
     return "\n".join(lines) + "\n"
 
 

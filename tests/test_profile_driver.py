@@ -29,7 +29,7 @@ def test_engine_args_accepted_by_vllm():
     from vllm.config import ParallelConfig, SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    kw = engine_kwargs(resolve_options(opts()))
+    kw = engine_kwargs(resolve_options(opts(max_model_len=32768)))
     args = EngineArgs(**kw)
     model_config = args.create_model_config()
     assert model_config.max_model_len == 32768
@@ -43,10 +43,15 @@ def test_engine_args_accepted_by_vllm():
     assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] is True
 
 
-def test_max_model_len_grows_with_context():
+def test_max_model_len_left_to_vllm_unless_given():
+    """Unset, vLLM derives max_model_len from the model config, as `vllm serve` does (a checked key)."""
+    from vllm.engine.arg_utils import EngineArgs
+
     o = resolve_options(opts(context_lens=(32768,)))
-    assert o.max_model_len > 32768
-    with pytest.raises(CalibError, match="max_model_len"):
+    assert o.max_model_len is None and "max_model_len" not in engine_kwargs(o)
+    assert EngineArgs(**engine_kwargs(o)).create_model_config().max_model_len == 40960
+    assert engine_kwargs(resolve_options(opts(max_model_len=20000)))["max_model_len"] == 20000
+    with pytest.raises(CalibError, match="max_model_len 40960 from the model config"):
         resolve_options(opts(context_lens=(40960,)))  # beyond the model's 40960 positions
 
 
@@ -189,7 +194,7 @@ def test_engine_args_checked_against_vllms_engineargs():
         "block_size": 32, "enforce_eager": False, "speculative_config": {"attention_backend": "TRITON_ATTN"}})))
     assert kw["block_size"] == 32 and kw["speculative_config"]["attention_backend"] == "TRITON_ATTN"
     assert kw["speculative_config"]["method"] == "dspark"
-    assert EngineArgs(**kw).create_model_config().max_model_len == 32768
+    assert EngineArgs(**kw).create_model_config().max_model_len == 40960
 
 
 def test_dtypes_from_vllms_own_choices():

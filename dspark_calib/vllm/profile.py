@@ -128,13 +128,16 @@ def resolve_options(opts: ProfileOptions) -> ProfileOptions:
     # clamps the dummy context to max_model_len - query_len (fit.profile_context_len).
     query_len = -(-opts.max_num_batched_tokens // min(opts.max_num_seqs, opts.max_num_batched_tokens))
     need = longest + query_len
-    if opts.max_model_len is None:
-        opts.max_model_len = min(limit, max(32768, need))
-    got = profile_context_len(longest, opts.max_model_len, query_len)
+    # max_model_len is a checked key (EQUAL): left unset, vLLM derives it from the model config
+    # exactly as `vllm serve` does, so a table made and served with defaults agree.
+    max_len = limit if opts.max_model_len is None else opts.max_model_len
+    source = "from the model config" if opts.max_model_len is None else "from --max-model-len"
+    got = profile_context_len(longest, max_len, query_len)
     if got < longest:
-        raise CalibError(f"--context-len {longest} would be profiled by vLLM at {got} (max_model_len "
-                         f"{opts.max_model_len} - {query_len} query tokens); refusing: use --context-len <= {got} "
-                         f"or --max-model-len >= {need} (model limit {limit})")
+        raise CalibError(f"--context-len {longest} would be profiled by vLLM at {got} (max_model_len {max_len} "
+                         f"{source} - {query_len} query tokens); refusing: use --context-len <= {got}"
+                         + (f" or --max-model-len >= {need}" if need <= limit else "")
+                         + f" (model limit {limit})")
     return opts
 
 
@@ -154,12 +157,13 @@ def engine_kwargs(opts: ProfileOptions) -> dict[str, Any]:
         kv_cache_dtype=opts.kv_cache_dtype,
         max_num_seqs=opts.max_num_seqs,
         max_num_batched_tokens=opts.max_num_batched_tokens,
-        max_model_len=opts.max_model_len,
         gpu_memory_utilization=opts.gpu_memory_utilization,
         seed=opts.seed,
         # dummy weights need only config.json; no tokenizer either
         skip_tokenizer_init=True,
     )
+    if opts.max_model_len is not None:
+        kw["max_model_len"] = opts.max_model_len
     if opts.quantization:
         kw["quantization"] = opts.quantization
     if opts.distributed_executor_backend:
