@@ -79,9 +79,10 @@ def config_hash_of(which: str) -> Callable[[EngineView], str | None]:
 def attention_backends(e: EngineView, draft: bool) -> str | None:
     """The backend class vLLM resolved for each attention layer (layer.get_attn_backend()).
 
-    Layers live in compilation_config.static_forward_context; DSpark numbers the
-    drafter's layers after the target's (start_layer_id = target layer count), so a
-    layer index at or past the target's count is a drafter layer.
+    Layers live in compilation_config.static_forward_context, target and drafter
+    alike; vLLM's speculator marks the drafter's with ``is_draft_layer``
+    (spec_decode/speculator.py). Without that mark, DSpark's numbering decides:
+    drafter layers come after the target's (start_layer_id = target layer count).
     """
     layers = e.vllm_config.compilation_config.static_forward_context
     target_layers = int(e.vllm_config.model_config.hf_text_config.num_hidden_layers)
@@ -90,10 +91,14 @@ def attention_backends(e: EngineView, draft: bool) -> str | None:
         get = getattr(layer, "get_attn_backend", None)
         if get is None:
             continue
-        index = _layer_index(layer_name)
-        if index is None or (index >= target_layers) != draft:
-            continue
-        names.add(get().get_name())
+        mark = getattr(layer, "is_draft_layer", None)
+        if mark is None:
+            index = _layer_index(layer_name)
+            if index is None:
+                continue
+            mark = index >= target_layers
+        if bool(mark) == draft:
+            names.add(get().get_name())
     return "+".join(sorted(names)) or None
 
 

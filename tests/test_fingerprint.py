@@ -197,9 +197,15 @@ def test_attention_backends_as_vllm_resolved_them(config):
     ctx["model.layers.0.mlp"] = object()  # not an attention layer: ignored
     try:
         d = describe(config)
+        assert d["attention_backend"] == "FLASH_ATTN" and d["draft_attention_backend"] == "TRITON_ATTN"
+        # vLLM's own mark (speculator.py sets is_draft_layer) wins over the numbering.
+        for name, layer in ctx.items():
+            if isinstance(layer, Layer):
+                layer.is_draft_layer = name.endswith("layers.3.self_attn.attn")
+        d = describe(config)
+        assert d["attention_backend"] == "FLASH_ATTN+TRITON_ATTN" and d["draft_attention_backend"] == "FLASH_ATTN"
     finally:
         ctx.clear()
-    assert d["attention_backend"] == "FLASH_ATTN" and d["draft_attention_backend"] == "TRITON_ATTN"
 
 
 def test_a_failing_reader_leaves_its_key_out():
