@@ -307,3 +307,18 @@ def test_registry_imports_no_torch_or_vllm():
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.stdout.strip() == "[]", out.stderr
     assert BLOCKING == (EQUAL, COVERS)
+
+
+def test_hardware_facts_without_a_gpu(config, monkeypatch):
+    """On this CPU host: torch's own versions, no GPU keys (so they stay unchecked, not wrong)."""
+    import torch
+
+    from dspark_calib.vllm import engine_info
+
+    monkeypatch.setattr(engine_info, "driver_version", lambda: "")
+    hw = engine_info.hardware()
+    assert hw["torch_version"] == torch.__version__ and hw["cuda_version"] == (torch.version.cuda or "")
+    assert "gpu_name" not in hw and "gpu_memory_mib" not in hw
+    d = engine_info.describe_engine(None, [1, 2], config)
+    assert d["torch_version"] == torch.__version__ and "gpu_name" not in d and "driver_version" not in d
+    assert {"gpu_name", "gpu_memory_mib", "driver_version"} <= set(unchecked_keys(d))
