@@ -12,7 +12,7 @@ import functools
 import json
 import os
 import sys
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Annotated, Any, Callable, List, Optional, TypeVar
 
 import typer
 
@@ -226,15 +226,55 @@ def merge_cmd(
     render_summary(inspect_table(merged, path=path), _console())
 
 
-# =========================================================================================
-# `profile` COMMAND: registered here by the owner of dspark_calib/vllm/.
-#   Register it with `app.command("profile")(handled(profile))`, from a module that
-#   imports torch/vllm inside the command body only: `import dspark_calib.cli` must stay
-#   free of them (tests/test_render_cli.py checks), or every inspect pays seconds.
-# =========================================================================================
-from dspark_calib.profile_cmd import profile  # noqa: E402 - light: imports vllm only when run
+# -- profile (the vLLM backend; imports vllm/torch only when it runs) --------------------------
+@app.command("profile")
+@handled
+def profile_cmd(
+    model: Annotated[str, typer.Option("--model", metavar="DIR|HF_ID",
+                                       help="Target model: a directory with config.json, or a Hugging Face id "
+                                            "already in the local cache.")],
+    draft: Annotated[str, typer.Option("--draft", metavar="DIR|HF_ID",
+                                       help="DSpark drafter (architectures Qwen3DSparkModel/DSparkDraftModel).")],
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size, through vLLM's own executor.")] = 1,
+    num_speculative_tokens: Annotated[Optional[int], typer.Option(
+        "--num-speculative-tokens", metavar="K", help="Default: the drafter's block_size.")] = None,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens")] = 8192,
+    context_len: Annotated[List[int], typer.Option(
+        "--context-len", metavar="L", help="Context length of the dummy requests; repeat for several "
+                                          "(one engine start). Refused if vLLM would clamp it.")] = [8192],
+    replays: Annotated[int, typer.Option("--replays", help="Timed replays per size and context (vLLM: 5).")] = 20,
+    warmup: Annotated[int, typer.Option("--warmup", help="Replays per size and context timed but discarded.")] = 2,
+    load_format: Annotated[str, typer.Option(
+        "--load-format", help="dummy: random weights, only config.json is read (timings do not depend on "
+                              "weights); auto: real weights.")] = "dummy",
+    dtype: Annotated[str, typer.Option("--dtype", help="One of vLLM's model dtypes.")] = "auto",
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="One of vLLM's KV cache dtypes.")] = "auto",
+    quantization: Annotated[Optional[str], typer.Option("--quantization")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="In (0, 1].")] = 0.85,
+    max_model_len: Annotated[Optional[int], typer.Option(
+        "--max-model-len", help="Default: vLLM's own (from the model config, as vllm serve). Checked on load: "
+                              "serve with the same.")] = None,
+    distributed_executor_backend: Annotated[Optional[str], typer.Option(
+        "--distributed-executor-backend", help="mp (one node) or ray (across nodes).")] = None,
+    engine_arg: Annotated[List[str], typer.Option(
+        "--engine-arg", metavar="KEY=VALUE",
+        help="Any other vLLM EngineArgs field, repeatable; VALUE is JSON when it parses, else a string "
+             "(e.g. --engine-arg block_size=32 --engine-arg attention_backend=TRITON_ATTN).")] = [],
+    engine_args_json: Annotated[Optional[str], typer.Option(
+        "--engine-args-json", metavar="FILE|JSON", help="EngineArgs fields as a JSON object, or a file holding one; "
+                                                        "--engine-arg wins on the same key.")] = None,
+    out: Annotated[str, typer.Option(
+        "--out", metavar="FILE|DIR", help="Table file (.parquet), or a directory for the default name; vLLM's "
+                                          "log goes beside it.")] = ".",
+    keep_capture: Annotated[Optional[str], typer.Option(
+        "--keep-capture", metavar="DIR", help="Also copy the raw per-rank capture JSON here.")] = None,
+) -> None:
+    """Profile vLLM's DSpark draft/verify steps on this machine's GPUs and write a cost table."""
+    options = dict(locals())
+    from dspark_calib import profile_cmd
 
-app.command("profile")(handled(profile))
+    profile_cmd.main(**options)
 
 
 def main() -> None:

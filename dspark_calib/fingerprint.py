@@ -1,9 +1,17 @@
-"""What a table was profiled on, and which parts of that must agree.
+"""What a table was profiled on, and which parts of that must agree: the key registry.
 
-A cost table is only valid for the engine it was measured on: the same GPU, the
-same models, the same CUDA-graph sizes, the same vLLM. The fingerprint records
-all of it; the key lists below say which keys must agree before two tables are
-merged (MERGE_KEYS) or a table is loaded into a running engine (LOAD_CHECKS).
+Every fingerprint key has one home, ``KEYS`` below (pyperf's ``_metadata.py`` is
+the model): its type, how it is read from a running vLLM engine, how it is
+compared when a table is loaded (``EQUAL``, ``COVERS``, ``RECORDED``), whether it
+must agree before two runs are merged, how ``inspect``/``diff``/the README show
+it, and why. Adding a key touches this module (the entry and the Fingerprint
+field) and its tests, nothing else.
+
+Tables older than a key lack it: a key a table did not record (None, or "" for
+strings) is not compared; the loader names it "not recorded" at WARNING and goes
+on, so the shipped 1.0 tables keep loading under ``fallback``.
+
+Nothing here imports torch or vllm: readers only walk the objects they are given.
 """
 
 from __future__ import annotations
@@ -12,14 +20,22 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Callable, Mapping
 
+from dspark_calib import engine_readers as R
+from dspark_calib.engine_readers import EngineView
 from dspark_calib.errors import CalibError
 
 BACKEND_VLLM = "vllm"
 # Tables not measured by dspark-calib's own profiler (imported vLLM start-up
 # profiles, hand-made fixtures): the plugin refuses them unless told otherwise.
 BACKEND_REFERENCE = "reference"
+
+EQUAL = "equal"  # the table's value must equal the engine's, or the table does not load
+COVERS = "covers"  # the table's value must be >= the engine's
+RECORDED = "recorded"  # compared, a difference is logged at WARNING, never blocks
+LOAD_RULES = (EQUAL, COVERS, RECORDED)
+BLOCKING = (EQUAL, COVERS)
 
 
 @dataclass(frozen=True)
@@ -49,22 +65,35 @@ class Fingerprint:
     context_lens: tuple[int, ...]
     replays: int
     warmup_replays: int
+    # Optional: tables written before a key existed lack it (None = not recorded).
     max_model_len: int | None = None
+    attention_backend: str | None = None
+    draft_attention_backend: str | None = None
+    cudagraph_mode: str | None = None
+    compilation_hash: str | None = None
+    kv_block_size: int | None = None
+    data_parallel_size: int | None = None
+    expert_parallel_size: int | None = None
+    decode_context_parallel_size: int | None = None
+    model_revision: str | None = None
+    draft_revision: str | None = None
+    hf_overrides: str | None = None
+    model_impl: str | None = None
+    gpu_memory_mib: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (host, command line)
 
     def __post_init__(self) -> None:
-        for name in ("cudagraph_capture_sizes", "context_lens"):
-            object.__setattr__(self, name, _int_tuple(name, getattr(self, name)))
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type.endswith(" | None") and value is None:
-                continue
-            if f.type.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
-                raise CalibError(f"fingerprint {f.name} must be an integer, got {value!r}")
-            if f.type.startswith("str") and not isinstance(value, str):
-                raise CalibError(f"fingerprint {f.name} must be a string, got {value!r}")
+        for key in KEYS:
+            value = getattr(self, key.name)
+            if key.types == (tuple,):
+                object.__setattr__(self, key.name, _int_tuple(key.name, value))
+            elif value is None:
+                if not (key.optional or key.none_is_value):
+                    raise CalibError(f"fingerprint {key.name} must be {key.type_name}, got None")
+            elif isinstance(value, bool) or not isinstance(value, key.types):
+                raise CalibError(f"fingerprint {key.name} must be {key.type_name}, got {_short(value)}")
         if not isinstance(self.extra, dict):
-            raise CalibError(f"fingerprint extra must be a JSON object, got {self.extra!r}")
+            raise CalibError(f"fingerprint extra must be a JSON object, got {_short(self.extra)}")
         if not self.context_lens:
             raise CalibError("fingerprint context_lens is empty")
         if list(self.cudagraph_capture_sizes) != sorted(set(self.cudagraph_capture_sizes)):
@@ -81,14 +110,13 @@ class Fingerprint:
         if not isinstance(data, dict):
             raise CalibError("fingerprint is not a JSON object")
         known = {f.name for f in fields(cls)}
-        required = [f.name for f in fields(cls) if f.name not in ("max_model_len", "extra")]
-        missing = [k for k in required if k not in data]
+        missing = [k.name for k in KEYS if not k.optional and k.name not in data]
         if missing:
             raise CalibError(f"fingerprint lacks {', '.join(missing)}")
         unknown = set(data) - known
         extra = data.get("extra")
         if extra is not None and not isinstance(extra, dict):
-            raise CalibError(f"fingerprint extra must be a JSON object, got {extra!r}")
+            raise CalibError(f"fingerprint extra must be a JSON object, got {_short(extra)}")
         extra = dict(extra or {})
         # Keys from a newer minor format are kept, not dropped, so a rewrite loses nothing.
         extra.update({k: data[k] for k in unknown})
@@ -103,38 +131,153 @@ class Fingerprint:
 def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
     """A list of integers (numpy ints too) as a tuple; anything else is a CalibError, not a TypeError."""
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
-        raise CalibError(f"fingerprint {name} must be a list of integers, got {value!r}")
+        raise CalibError(f"fingerprint {name} must be a list of integers, got {_short(value)}")
     items = tuple(value)
     if any(isinstance(v, bool) or not hasattr(v, "__index__") for v in items):
-        raise CalibError(f"fingerprint {name} must be a list of integers, got {value!r}")
+        raise CalibError(f"fingerprint {name} must be a list of integers, got {_short(value)}")
     return tuple(int(v) for v in items)
 
 
-# Keys that describe one profiling run rather than the engine: they may differ
-# between runs that are merged into one table.
-RUN_KEYS = ("context_lens", "replays", "warmup_replays", "extra")
-MERGE_KEYS = tuple(f.name for f in fields(Fingerprint) if f.name not in RUN_KEYS)
+# -- how values are shown ---------------------------------------------------------------------
+def _short(value: Any, limit: int = 60) -> str:
+    """One short line: long size lists elided, control characters escaped (repr), long text cut."""
+    if isinstance(value, (list, tuple)) and len(value) > 6:
+        text = f"[{value[0]}, {value[1]}, ..., {value[-1]}] ({len(value)} sizes)"
+    else:
+        text = repr(list(value) if isinstance(value, tuple) else value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
-EQUAL = "equal"
-COVERS = "covers"  # the table's value must be >= the engine's
-# What the plugin checks before it skips vLLM's start-up profiling.
-LOAD_CHECKS: tuple[tuple[str, str], ...] = (
-    ("cudagraph_capture_sizes", EQUAL),
-    ("num_speculative_tokens", EQUAL),
-    # EQUAL, not COVERS: dummy runs use min(num_tokens, max_num_seqs) requests, so the
-    # verify points above max_num_seqs tokens depend on it.
-    ("max_num_seqs", EQUAL),
-    ("max_num_batched_tokens", COVERS),
-    ("tensor_parallel_size", EQUAL),
-    ("pipeline_parallel_size", EQUAL),
-    ("target_config_hash", EQUAL),
-    ("draft_config_hash", EQUAL),
-    ("dtype", EQUAL),
-    ("kv_cache_dtype", EQUAL),
-    ("quantization", EQUAL),
-    ("gpu_name", EQUAL),
-    ("vllm_version", EQUAL),
+
+def format_value(value: Any) -> str:
+    """How inspect/diff show a value: strings bare, None as '-', long lists elided."""
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, str):
+        return _short(value)[1:-1] if len(repr(value)) <= 60 else _short(value)
+    return _short(value)
+
+
+def format_mib(value: Any) -> str:
+    return "-" if value is None else f"{value / 1024:.1f} GiB ({value} MiB)"
+
+
+# -- the registry -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Key:
+    name: str
+    types: tuple[type, ...]
+    load: str | None  # EQUAL / COVERS / RECORDED; None: not an engine property (the run, or derived)
+    merge: bool  # must agree before two tables' samples are pooled
+    label: str  # how inspect, diff and the README name it
+    why: str  # one line: why this rule
+    read: Callable[[EngineView], Any] | None = None  # from a running engine; None: not read there
+    format: Callable[[Any], str] = format_value
+    optional: bool = False  # added after format 1.0: older tables lack it
+    none_is_value: bool = False  # None is a real value (quantization: none), not "not recorded"
+    rule_text: str = ""  # the README's "on load" cell, where no load rule says it
+
+    @property
+    def type_name(self) -> str:
+        names = {int: "an integer", str: "a string", tuple: "a list of integers"}
+        return " or ".join(names.get(t, t.__name__) for t in self.types)
+
+    def recorded(self, value: Any) -> bool:
+        """Whether a table (or engine) value says something; None/"" mean 'not recorded'."""
+        if self.none_is_value:
+            return True
+        return value is not None and value != ""
+
+
+_STR, _INT, _INTS = (str,), (int,), (tuple,)
+KEYS: tuple[Key, ...] = (
+    Key("backend", _STR, None, True, "backend", "who measured it: 'vllm' loads; 'reference' (imported) only "
+        "with DSPARK_CALIB_ALLOW_REFERENCE=1 (the loader's own rule)", rule_text="vllm, or reference if allowed"),
+    Key("gpu_name", _STR, EQUAL, True, "GPU", "a different GPU model has different kernels and bandwidth",
+        R.hw("gpu_name")),
+    Key("gpu_count", _INT, None, True, "GPU count", "tp x pp; those two are checked"),
+    Key("gpu_compute_capability", _STR, RECORDED, True, "compute capability",
+        "implied by the GPU name, which is checked", R.hw("gpu_compute_capability")),
+    Key("gpu_memory_mib", _INT, EQUAL, True, "GPU memory", "same name, other memory: another board variant "
+        "or a MIG slice, with other bandwidth or SM count", R.hw("gpu_memory_mib"), format_mib, optional=True),
+    Key("driver_version", _STR, RECORDED, True, "driver", "kernels come from torch/vLLM builds, not the driver; "
+        "a routine driver update must not void every table (logged if different)", R.hw("driver_version")),
+    Key("cuda_version", _STR, EQUAL, True, "CUDA (torch build)", "the CUDA build selects cuBLAS/NCCL kernels; "
+        "vLLM ships wheels for several", R.hw("cuda_version")),
+    Key("torch_version", _STR, EQUAL, True, "torch", "compiled graphs and GEMM kernels come from torch; "
+        "vLLM pins one, so another means a custom build", R.hw("torch_version")),
+    Key("vllm_version", _STR, EQUAL, True, "vLLM", "model code, kernels and the profile rule are vLLM's",
+        R.vllm_version),
+    Key("target_model", _STR, None, True, "target", "a name for people; the config hash is checked"),
+    Key("target_config_hash", _STR, EQUAL, True, "target config.json", "the model's shapes",
+        R.config_hash_of("target")),
+    Key("model_revision", _STR, RECORDED, True, "target revision", "config.json (hashed, checked) fixes the "
+        "shapes; a revision that changes only weights does not change step cost",
+        lambda e: e.vllm_config.model_config.revision, optional=True),
+    Key("hf_overrides", _STR, EQUAL, True, "hf_overrides", "overrides change the config after config.json "
+        "was read (layers, heads), so the hash alone would miss them", R.hf_overrides, optional=True),
+    Key("model_impl", _STR, EQUAL, True, "model implementation", "vllm and transformers implementations run "
+        "different kernels", lambda e: R.enum_value(e.vllm_config.model_config.model_impl), optional=True),
+    Key("draft_model", _STR, None, True, "draft", "a name for people; the config hash is checked"),
+    Key("draft_config_hash", _STR, EQUAL, True, "draft config.json", "the drafter's shapes and block size",
+        R.config_hash_of("draft")),
+    Key("draft_revision", _STR, RECORDED, True, "draft revision", "as the target revision",
+        lambda e: e.vllm_config.speculative_config.revision, optional=True),
+    Key("tensor_parallel_size", _INT, EQUAL, True, "tensor parallel", "shard sizes and all-reduces per step",
+        lambda e: int(e.vllm_config.parallel_config.tensor_parallel_size)),
+    Key("pipeline_parallel_size", _INT, EQUAL, True, "pipeline parallel", "layers per stage and transfers",
+        lambda e: int(e.vllm_config.parallel_config.pipeline_parallel_size)),
+    Key("data_parallel_size", _INT, EQUAL, True, "data parallel", "every step syncs the replicas "
+        "(dispatch_cg_and_sync_dp)", lambda e: int(e.vllm_config.parallel_config.data_parallel_size),
+        optional=True),
+    Key("expert_parallel_size", _INT, EQUAL, True, "expert parallel", "MoE experts per rank and all-to-all "
+        "traffic (1 when off)", R.expert_parallel_size, optional=True),
+    Key("decode_context_parallel_size", _INT, EQUAL, True, "decode context parallel", "KV split across ranks "
+        "changes attention work and adds collectives",
+        lambda e: int(e.vllm_config.parallel_config.decode_context_parallel_size), optional=True),
+    Key("dtype", _STR, EQUAL, True, "dtype", "GEMM kernels and bytes moved",
+        lambda e: str(e.vllm_config.model_config.dtype).removeprefix("torch.")),
+    Key("kv_cache_dtype", _STR, EQUAL, True, "KV cache dtype", "attention reads and kernels",
+        lambda e: str(e.vllm_config.cache_config.cache_dtype)),
+    Key("kv_block_size", _INT, EQUAL, True, "KV block size", "attention kernels tile and gather by block",
+        lambda e: int(e.vllm_config.cache_config.block_size), optional=True),
+    Key("quantization", _STR, EQUAL, True, "quantization", "other weight formats, other kernels",
+        lambda e: e.vllm_config.model_config.quantization, none_is_value=True),
+    Key("attention_backend", _STR, EQUAL, True, "attention backend", "the kernel every layer runs; read "
+        "from what vLLM resolved per layer", lambda e: R.attention_backends(e, draft=False), optional=True),
+    Key("draft_attention_backend", _STR, EQUAL, True, "draft attention backend", "the drafter may resolve "
+        "another backend than the target", lambda e: R.attention_backends(e, draft=True), optional=True),
+    Key("num_speculative_tokens", _INT, EQUAL, True, "speculative tokens", "drafter steps and verify width",
+        R.num_spec_tokens),
+    Key("max_num_seqs", _INT, EQUAL, True, "max_num_seqs", "dummy runs use min(tokens, max_num_seqs) "
+        "requests, so verify points above it depend on it", R.manager_or("max_num_reqs",
+                                                                          ("scheduler_config", "max_num_seqs"))),
+    Key("max_num_batched_tokens", _INT, COVERS, True, "max_num_batched_tokens", "the table must price every "
+        "batch the engine can schedule", R.manager_or("max_num_batched_tokens",
+                                                     ("scheduler_config", "max_num_batched_tokens"))),
+    Key("max_model_len", _INT, EQUAL, True, "max_model_len", "caps the profiled context (max_model_len - "
+        "query_len) and sizes the block tables every step copies",
+        lambda e: int(e.vllm_config.model_config.max_model_len), optional=True),
+    Key("cudagraph_capture_sizes", _INTS, EQUAL, True, "CUDA-graph sizes", "steps pad to the next captured "
+        "size: the cost curve's steps are these sizes", R.capture_sizes),
+    Key("cudagraph_limit", _INT, None, True, "capture limit", "the largest captured size; follows from the sizes"),
+    Key("cudagraph_mode", _STR, EQUAL, True, "CUDA-graph mode", "full vs piecewise graphs change launch "
+        "overhead per step; read after vLLM resolved it",
+        lambda e: e.vllm_config.compilation_config.cudagraph_mode.name, optional=True),
+    Key("compilation_hash", _STR, EQUAL, True, "compilation config", "vLLM's CompilationConfig.compute_hash(): "
+        "fusion passes, custom ops, inductor settings that change kernels",
+        lambda e: "sha256:" + e.vllm_config.compilation_config.compute_hash()[:16], optional=True),
+    Key("context_lens", _INTS, None, False, "context lengths", "what this run profiled; the loader picks the "
+        "curve nearest the context vLLM would profile"),
+    Key("replays", _INT, None, False, "replays", "how many samples per point (merge adds them up)"),
+    Key("warmup_replays", _INT, None, False, "warm-up replays", "discarded runs per point"),
 )
+KEY = {k.name: k for k in KEYS}
+
+# Derived views, for code written against the older names.
+LOAD_CHECKS: tuple[tuple[str, str], ...] = tuple((k.name, k.load) for k in KEYS if k.load in BLOCKING)
+RUN_KEYS = tuple(k.name for k in KEYS if not k.merge) + ("extra",)
+MERGE_KEYS = tuple(k.name for k in KEYS if k.merge)
+ENGINE_KEYS = tuple(k.name for k in KEYS if k.read is not None)
 
 
 @dataclass(frozen=True)
@@ -145,32 +288,56 @@ class Mismatch:
     rule: str = EQUAL
 
     def __str__(self) -> str:
-        want = "covering" if self.rule == COVERS else ""
-        return f"{self.key}: table {_short(self.table_value)} vs engine {want + ' ' if want else ''}{_short(self.engine_value)}"
+        want = "covering " if self.rule == COVERS else ""
+        return f"{self.key}: table {_short(self.table_value)} vs engine {want}{_short(self.engine_value)}"
 
 
-def _short(value: Any) -> str:
-    if isinstance(value, (list, tuple)) and len(value) > 6:
-        return f"[{value[0]}, {value[1]}, ..., {value[-1]}] ({len(value)} sizes)"
-    return repr(list(value) if isinstance(value, tuple) else value)
+def _same(key: Key, have: Any, want: Any) -> bool:
+    if isinstance(have, tuple) and isinstance(want, (list, tuple)):
+        want = tuple(want)
+    if key.load == COVERS:
+        try:
+            return have >= want
+        except TypeError:
+            return False
+    return have == want
 
 
-def load_mismatches(table: Fingerprint, engine: dict[str, Any]) -> list[Mismatch]:
-    """Every LOAD_CHECKS key on which the table does not fit the running engine.
-
-    Keys the engine could not report (absent from `engine`) are not checked.
-    """
-    out = []
-    for key, rule in LOAD_CHECKS:
-        if key not in engine:
+def _compared(table: Fingerprint, engine: Mapping[str, Any], rules: tuple[str, ...]):
+    for key in KEYS:
+        if key.load not in rules or key.name not in engine:
             continue
-        have, want = getattr(table, key), engine[key]
-        if isinstance(have, tuple):
-            want = tuple(want)
-        ok = (have is not None and want is not None and have >= want) if rule == COVERS else have == want
-        if not ok:
-            out.append(Mismatch(key, have, want, rule))
-    return out
+        have, want = getattr(table, key.name), engine[key.name]
+        if key.recorded(have) and key.recorded(want):
+            yield key, have, want
+
+
+def load_mismatches(table: Fingerprint, engine: Mapping[str, Any]) -> list[Mismatch]:
+    """Every blocking (EQUAL/COVERS) key on which the table does not fit the running engine.
+
+    Keys the engine did not report (absent from `engine`) and keys the table did not
+    record are not checked (unchecked_keys / unrecorded_keys name them).
+    """
+    return [Mismatch(k.name, have, want, k.load) for k, have, want in _compared(table, engine, BLOCKING)
+            if not _same(k, have, want)]
+
+
+def recorded_differences(table: Fingerprint, engine: Mapping[str, Any]) -> list[Mismatch]:
+    """RECORDED keys that differ: the loader logs them at WARNING and loads anyway."""
+    return [Mismatch(k.name, have, want, RECORDED) for k, have, want in _compared(table, engine, (RECORDED,))
+            if not _same(k, have, want)]
+
+
+def unchecked_keys(engine: Mapping[str, Any]) -> list[str]:
+    """Keys with a load rule that the engine did not report (or reported empty)."""
+    return [k.name for k in KEYS if k.load in LOAD_RULES and not (k.name in engine and k.recorded(engine[k.name]))]
+
+
+def unrecorded_keys(table: Fingerprint, engine: Mapping[str, Any]) -> list[str]:
+    """Blocking keys the engine reports but the table did not record (an older table):
+    named in the load line at WARNING, never a refusal."""
+    return [k.name for k in KEYS if k.load in BLOCKING and k.name in engine and k.recorded(engine[k.name])
+            and not k.recorded(getattr(table, k.name))]
 
 
 def merge_mismatches(a: Fingerprint, b: Fingerprint) -> list[Mismatch]:
@@ -181,6 +348,24 @@ def changed_keys(old: Fingerprint, new: Fingerprint) -> list[tuple[str, Any, Any
     """Every fingerprint key that differs, for `diff` to show."""
     od, nd = old.to_dict(), new.to_dict()
     return [(k, od.get(k), nd.get(k)) for k in od if od.get(k) != nd.get(k)]
+
+
+def display_rows(fp: Fingerprint) -> list[tuple[str, str]]:
+    """(label, shown value) for every key, registry order: what inspect shows."""
+    return [(k.label, k.format(getattr(fp, k.name))) for k in KEYS]
+
+
+_RULE_TEXT = {EQUAL: "must be equal", COVERS: "table >= engine", RECORDED: "warning if different",
+              None: "not compared"}
+
+
+def compatibility_markdown() -> str:
+    """The README's compatibility table, generated from KEYS (tests keep the README in step)."""
+    lines = ["| key | shown as | on load | merge | why |", "|---|---|---|---|---|"]
+    for k in KEYS:
+        why = k.why.replace("|", "\\|")
+        lines.append(f"| `{k.name}` | {k.label} | {k.rule_text or _RULE_TEXT[k.load]} | {'equal' if k.merge else '-'} | {why} |")
+    return "\n".join(lines) + "\n"
 
 
 def config_hash(model_dir: str) -> str:

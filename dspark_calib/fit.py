@@ -253,3 +253,14 @@ def decision_map(
             )
             out[i, j] = budget / reqs
     return out
+
+
+def profile_context_len(context_len: int, max_model_len: int, query_len: int = 1) -> int:
+    """The context vLLM really gives its dummy profiling requests.
+
+    vLLM clamps it (v1/worker/gpu/input_batch.py, set_dummy_context):
+    ``max(min(context_len, max_model_len - query_len), 0)``, so an engine with
+    max_model_len 4096 profiles at 4095 whatever context was asked for. The
+    loader prices, and `profile` refuses, with this same rule.
+    """
+    return max(min(int(context_len), int(max_model_len) - int(query_len)), 0)

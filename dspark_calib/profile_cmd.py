@@ -1,91 +1,209 @@
-"""`dspark-calib profile`: options, progress display, writing the table.
+"""`dspark-calib profile`: check every option, run the profiler, show one progress bar, write the table.
 
-Kept apart from cli.py so the CLI module stays light: nothing here imports
-vllm or torch until the command runs.
+cli.py registers the command and calls ``main`` once. Everything that can be
+checked without a GPU is checked before the engine starts (ranges, the output
+path, engine arguments, vLLM's dtype choices, the context vLLM would profile), so
+a typo costs a second, not a 7-minute run. vLLM's own output (its log, worker
+processes, NCCL, the chat-template warm-up) goes to a log file beside the table;
+the terminal shows one progress bar. Nothing here imports vllm or torch until the
+command runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import sys
+import tempfile
 import time
-from typing import List, Optional
+from typing import Any, Iterator, Sequence
 
-import typer
+from dspark_calib.errors import CalibError
 
 
-def profile(
-    model: str = typer.Option(..., "--model", help="Target model directory (config.json; weights only with --load-format auto)."),
-    draft: str = typer.Option(..., "--draft", help="DSpark drafter directory (architectures Qwen3DSparkModel/DSparkDraftModel)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size, through vLLM's own executor."),
-    num_speculative_tokens: Optional[int] = typer.Option(None, "--num-speculative-tokens", help="Default: the drafter's block_size."),
-    max_num_seqs: int = typer.Option(256, "--max-num-seqs"),
-    max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens"),
-    context_len: List[int] = typer.Option([8192], "--context-len", help="Context length of the dummy requests; repeat for several (one engine start)."),
-    replays: int = typer.Option(20, "--replays", help="Timed replays per batch size and context length (vLLM: 5)."),
-    warmup: int = typer.Option(2, "--warmup", help="Warm-up replays per size and context, timed by vLLM but discarded."),
-    load_format: str = typer.Option("dummy", "--load-format", help="dummy: random weights, only config.json is read (timings do not depend on weights)."),
-    dtype: str = typer.Option("auto", "--dtype"),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype"),
-    quantization: Optional[str] = typer.Option(None, "--quantization"),
-    gpu_memory_utilization: float = typer.Option(0.85, "--gpu-memory-utilization"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Default: 32768, or what the longest --context-len needs."),
-    distributed_executor_backend: Optional[str] = typer.Option(None, "--distributed-executor-backend", help="mp (one node) or ray (across nodes)."),
-    out: str = typer.Option(".", "--out", help="Output file, or directory for the default name (target__draft__tpN__gpu__hash.parquet)."),
-    keep_capture: Optional[str] = typer.Option(None, "--keep-capture", help="Also copy the raw per-rank capture JSON here."),
-) -> None:
-    """Profile vLLM's DSpark draft/verify steps on this machine's GPUs and write a cost table."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from dspark_calib.errors import CalibError
-    from dspark_calib.table import prepare_out_path, write_table
-
+def check_ranges(*, context_len: Sequence[int], max_num_seqs: int, max_num_batched_tokens: int,
+                 gpu_memory_utilization: float, replays: int, warmup: int, tp: int,
+                 num_speculative_tokens: int | None, max_model_len: int | None, load_format: str,
+                 distributed_executor_backend: str | None) -> None:
+    """Options that can be wrong on their own: one line naming the option and the value."""
+    for value in context_len:
+        if value < 1:
+            raise CalibError(f"--context-len must be >= 1, got {value}")
+    for name, value, low in (("--max-num-seqs", max_num_seqs, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
+                             ("--replays", replays, 1), ("--warmup", warmup, 0), ("--tp", tp, 1),
+                             ("--num-speculative-tokens", num_speculative_tokens, 1),
+                             ("--max-model-len", max_model_len, 1)):
+        if value is not None and value < low:
+            raise CalibError(f"{name} must be >= {low}, got {value}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise CalibError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     if distributed_executor_backend not in (None, "mp", "ray"):
         raise CalibError(f"--distributed-executor-backend must be mp or ray, not {distributed_executor_backend!r}")
     if load_format not in ("dummy", "auto"):
         raise CalibError(f"--load-format must be dummy or auto, not {load_format!r}")
-    if os.path.exists(out) and not os.path.isdir(out) and not out.endswith(".parquet"):
-        raise CalibError("--out must be a directory or a .parquet file", path=out)
-    try:
-        out = prepare_out_path(out)
-    except OSError as exc:
-        raise CalibError(f"cannot write the table there ({exc.strerror})", path=out) from None
-    try:
-        from dspark_calib.vllm.profile import ProfileOptions, run_profile
-    except ImportError as exc:  # pragma: no cover - the subpackage itself imports nothing heavy
-        raise CalibError(f"cannot load the vLLM backend ({exc})") from None
 
-    opts = ProfileOptions(
-        model=model, draft=draft, tp=tp, num_speculative_tokens=num_speculative_tokens, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, context_lens=tuple(sorted(set(context_len))), replays=replays,
-        warmup=warmup, load_format=load_format, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+
+def check_out(out: str) -> tuple[str, str]:
+    """(what to hand write_table, the log file beside it), refusing an unwritable --out now.
+
+    A path ending in .parquet is the table file; anything else is a directory for the
+    default name (created if its parent exists; parents are not created). A probe file
+    proves the directory is writable, and every message names the user's path.
+    """
+    if not out:
+        raise CalibError("--out is empty")
+    is_file = out.endswith(".parquet") and not os.path.isdir(out)
+    directory = os.path.dirname(os.path.abspath(out)) if is_file else out
+    if os.path.exists(out) and not os.path.isdir(out) and not is_file:
+        raise CalibError(f"--out {out}: must be a directory or a .parquet file")
+    if is_file and os.path.exists(out) and not os.path.isfile(out):
+        raise CalibError(f"--out {out}: exists and is not a regular file")
+    if not os.path.isdir(directory):
+        parent = os.path.dirname(os.path.abspath(directory))
+        if is_file or not os.path.isdir(parent):
+            raise CalibError(f"--out {out}: directory {directory} does not exist (parents are not created)")
+        try:
+            os.mkdir(directory)
+        except OSError as exc:
+            raise CalibError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".dspark-calib-probe-"):
+            pass
+    except OSError as exc:
+        raise CalibError(f"--out {out}: cannot write there ({exc.strerror})") from None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log = out[: -len(".parquet")] + ".vllm.log" if is_file else os.path.join(directory, f"profile-{stamp}.vllm.log")
+    return out, log
+
+
+def parse_engine_args(pairs: Sequence[str], as_json: str | None) -> dict[str, Any]:
+    """--engine-arg KEY=VALUE (VALUE parsed as JSON when it parses, else a string; dashes in KEY
+    read as underscores, as vLLM's own CLI does) over --engine-args-json FILE|JSON."""
+    out: dict[str, Any] = {}
+    if as_json:
+        text = as_json
+        if not as_json.lstrip().startswith(("{", "[")):
+            try:
+                with open(as_json, encoding="utf-8") as fh:
+                    text = fh.read()
+            except OSError as exc:
+                raise CalibError(f"--engine-args-json {as_json}: cannot read it ({exc.strerror})") from None
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise CalibError(f"--engine-args-json: not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise CalibError("--engine-args-json: must be a JSON object of EngineArgs fields")
+        out.update({str(k).replace("-", "_"): v for k, v in data.items()})
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise CalibError(f"--engine-arg {pair!r}: expected KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out[key.strip().replace("-", "_")] = value
+    return out
+
+
+@contextlib.contextmanager
+def output_to(log_path: str) -> Iterator[None]:
+    """Send file descriptors 1 and 2 to the log: vLLM, its worker processes (which inherit them),
+    NCCL and C++ logging all land there, not between the progress bar's redraws."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
+
+
+def main(*, model: str, draft: str, tp: int, num_speculative_tokens: int | None, max_num_seqs: int,
+         max_num_batched_tokens: int, context_len: Sequence[int], replays: int, warmup: int, load_format: str,
+         dtype: str, kv_cache_dtype: str, quantization: str | None, gpu_memory_utilization: float,
+         max_model_len: int | None, distributed_executor_backend: str | None, out: str,
+         keep_capture: str | None, engine_arg: Sequence[str], engine_args_json: str | None) -> None:
+    """The `profile` command: everything checkable first, then one engine start."""
+    check_ranges(context_len=context_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                 gpu_memory_utilization=gpu_memory_utilization, replays=replays, warmup=warmup, tp=tp,
+                 num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len,
+                 load_format=load_format, distributed_executor_backend=distributed_executor_backend)
+    extra = parse_engine_args(engine_arg, engine_args_json)
+    out, log_path = check_out(out)
+    from dspark_calib.vllm.profile import ProfileOptions, resolve_model, resolve_options
+
+    model_dir, model_id = resolve_model(model, "--model")
+    draft_dir, draft_id = resolve_model(draft, "--draft")
+    opts = resolve_options(ProfileOptions(
+        model=model_dir, draft=draft_dir, tp=tp, num_speculative_tokens=num_speculative_tokens,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        context_lens=tuple(sorted(set(context_len))), replays=replays, warmup=warmup, load_format=load_format,
+        dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-        distributed_executor_backend=distributed_executor_backend,
-    )
-    console = Console(stderr=True)
+        distributed_executor_backend=distributed_executor_backend, extra_engine_args=extra,
+        model_name=model_id, draft_name=draft_id))
+    _run(opts, out, log_path, keep_capture)
+
+
+def _run(opts: Any, out: str, log_path: str, keep_capture: str | None) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    from dspark_calib.table import write_table
+    from dspark_calib.vllm.profile import run_profile
+
+    class Count(ProgressColumn):  # "done/total" once the total is known, never "0/None"
+        def render(self, task: Any) -> Text:
+            return Text("" if task.total is None else f"{int(task.completed)}/{int(task.total)}")
+
+    # The terminal, kept before fds 1/2 go to the log.
+    terminal = Console(file=os.fdopen(os.dup(2), "w", buffering=1), stderr=True)
     started = time.perf_counter()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=False) as progress:
-        phase_task = progress.add_task("preparing", total=None)
-        batches_task = None
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), Count(), TimeElapsedColumn(),
+                        TextColumn("eta"), TimeRemainingColumn(), console=terminal, transient=True)
+    engine_started = False
+    with progress:
+        task = progress.add_task("checking vLLM and the GPUs", total=None)
 
         def phase(name: str) -> None:
-            progress.update(phase_task, description=name)
-            console.log(name)
+            nonlocal engine_started
+            if name.startswith("starting engine") and not engine_started:
+                engine_started = True
+                progress.console.print(f"vLLM's log: {log_path}", markup=False, highlight=False)
+            progress.update(task, description=name)
 
         def report(state: dict) -> None:
-            nonlocal batches_task
-            if batches_task is None:
-                batches_task = progress.add_task("profiling batches", total=state["total"])
-            progress.update(batches_task, completed=state["done"],
-                            description=f"profiling batches (context {state['context_len']})")
+            progress.update(task, total=state["total"], completed=state["done"],
+                            description=f"profiling (context {state['context_len']})")
 
-        table = run_profile(opts, phase=phase, report=report, keep_capture=keep_capture)
-        progress.update(phase_task, description="writing table")
+        log_existed = os.path.exists(log_path)
+        try:
+            with output_to(log_path):
+                table = run_profile(opts, phase=phase, report=report, keep_capture=keep_capture, log_path=log_path)
+        except BaseException:
+            if not engine_started and not log_existed:  # refused before vLLM ran: no log worth keeping
+                with contextlib.suppress(OSError):
+                    os.remove(log_path)
+            raise
+        phase("writing table")
         path = write_table(table, out)
+        phase("done")
     extra = table.fingerprint.extra
-    console.print(f"wrote {path} (hash {table.short_hash}); engine start {extra.get('engine_start_s', 0):.1f} s, "
-                  f"of which profiling {extra.get('profile_s', 0):.1f} s; total {time.perf_counter() - started:.1f} s")
+    terminal.print(f"wrote {path} (hash {table.short_hash}); engine start {extra.get('engine_start_s', 0):.1f} s, "
+                   f"of which profiling {extra.get('profile_s', 0):.1f} s; total {time.perf_counter() - started:.1f} s",
+                   markup=False, highlight=False)
     from dspark_calib.inspection import inspect_table
     from dspark_calib.render import render_summary
 

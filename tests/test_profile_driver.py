@@ -29,7 +29,7 @@ def test_engine_args_accepted_by_vllm():
     from vllm.config import ParallelConfig, SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    kw = engine_kwargs(resolve_options(opts()))
+    kw = engine_kwargs(resolve_options(opts(max_model_len=32768)))
     args = EngineArgs(**kw)
     model_config = args.create_model_config()
     assert model_config.max_model_len == 32768
@@ -43,10 +43,15 @@ def test_engine_args_accepted_by_vllm():
     assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] is True
 
 
-def test_max_model_len_grows_with_context():
+def test_max_model_len_left_to_vllm_unless_given():
+    """Unset, vLLM derives max_model_len from the model config, as `vllm serve` does (a checked key)."""
+    from vllm.engine.arg_utils import EngineArgs
+
     o = resolve_options(opts(context_lens=(32768,)))
-    assert o.max_model_len > 32768
-    with pytest.raises(CalibError, match="max_model_len"):
+    assert o.max_model_len is None and "max_model_len" not in engine_kwargs(o)
+    assert EngineArgs(**engine_kwargs(o)).create_model_config().max_model_len == 40960
+    assert engine_kwargs(resolve_options(opts(max_model_len=20000)))["max_model_len"] == 20000
+    with pytest.raises(CalibError, match="max_model_len 40960 from the model config"):
         resolve_options(opts(context_lens=(40960,)))  # beyond the model's 40960 positions
 
 
@@ -112,3 +117,182 @@ def test_cli_profile_without_vllm(tmp_path):
 def test_cli_profile_rejects_non_dspark_draft(tmp_path):
     res = run_cli("profile", "--model", MODEL, "--draft", MODEL, "--out", str(tmp_path))
     assert res.returncode == 2 and "not a DSpark drafter" in res.stderr and MODEL in res.stderr
+
+
+# -- issue 10 item 6 / issue 7: everything checked before the engine starts ----------------------
+from dspark_calib import profile_cmd  # noqa: E402
+from dspark_calib.fit import profile_context_len  # noqa: E402
+
+RANGES = dict(context_len=[8192], max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
+              replays=20, warmup=2, tp=1, num_speculative_tokens=None, max_model_len=None, load_format="dummy",
+              distributed_executor_backend=None)
+
+
+@pytest.mark.parametrize("change,option", [
+    ({"context_len": [8192, 0]}, "--context-len"), ({"max_num_seqs": 0}, "--max-num-seqs"),
+    ({"max_num_batched_tokens": 0}, "--max-num-batched-tokens"), ({"gpu_memory_utilization": 2.5}, "--gpu-memory-utilization"),
+    ({"gpu_memory_utilization": 0.0}, "--gpu-memory-utilization"), ({"replays": 0}, "--replays"),
+    ({"warmup": -1}, "--warmup"), ({"tp": 0}, "--tp"), ({"num_speculative_tokens": 0}, "--num-speculative-tokens"),
+    ({"max_model_len": 0}, "--max-model-len"), ({"load_format": "pt"}, "--load-format"),
+    ({"distributed_executor_backend": "uni"}, "--distributed-executor-backend")])
+def test_ranges_refused_naming_the_option(change, option):
+    with pytest.raises(CalibError) as err:
+        profile_cmd.check_ranges(**{**RANGES, **change})
+    assert str(err.value).startswith(option) and "\n" not in str(err.value)
+    profile_cmd.check_ranges(**{**RANGES, "gpu_memory_utilization": 1.0, "warmup": 0})  # the edges are fine
+
+
+def test_out_checked_at_once(tmp_path):
+    assert profile_cmd.check_out(str(tmp_path)) == (str(tmp_path), profile_cmd.check_out(str(tmp_path))[1])
+    table, log = profile_cmd.check_out(str(tmp_path / "t.parquet"))
+    assert log == str(tmp_path / "t.vllm.log")
+    new = tmp_path / "new"
+    profile_cmd.check_out(str(new))
+    assert new.is_dir()  # the directory itself is made; parents are not
+    for bad, words in ((tmp_path / "a" / "b" / "t.parquet", "does not exist"), (tmp_path / "x" / "y", "does not exist"),
+                       ("/proc/t.parquet", "cannot write"), ("", "empty")):
+        with pytest.raises(CalibError, match=words) as err:
+            profile_cmd.check_out(str(bad))
+        assert str(bad) in str(err.value)
+    (tmp_path / "notes.txt").write_text("keep me")
+    with pytest.raises(CalibError, match="directory or a .parquet"):
+        profile_cmd.check_out(str(tmp_path / "notes.txt"))
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+    assert not list(tmp_path.glob(".dspark-calib-probe-*"))  # the write probe leaves nothing
+
+
+def test_engine_args_parse_json_or_string(tmp_path):
+    f = tmp_path / "args.json"
+    f.write_text('{"block-size": 16, "enforce_eager": false}')
+    got = profile_cmd.parse_engine_args(
+        ["block_size=32", "attention_backend=TRITON_ATTN", "hf_overrides={\"rope_theta\": 1e6}", "enforce-eager=true",
+         "revision=1.0"], str(f))
+    assert got == {"block_size": 32, "attention_backend": "TRITON_ATTN", "hf_overrides": {"rope_theta": 1e6},
+                   "enforce_eager": True, "revision": 1.0}
+    assert profile_cmd.parse_engine_args([], '{"block_size": 64}') == {"block_size": 64}
+    for pairs, js, words in ((["block_size"], None, "KEY=VALUE"), (["=3"], None, "KEY=VALUE"),
+                             ([], "[1]", "JSON object"), ([], "{oops", "not JSON"),
+                             ([], str(tmp_path / "missing.json"), "cannot read")):
+        with pytest.raises(CalibError, match=words):
+            profile_cmd.parse_engine_args(pairs, js)
+
+
+def test_engine_args_checked_against_vllms_engineargs():
+    from vllm.engine.arg_utils import EngineArgs
+
+    driver.check_engine_args({"block_size": 32, "attention_backend": "TRITON_ATTN",
+                              "speculative_config": {"attention_backend": "TRITON_ATTN"}})
+    for extra, words in (({"blok_size": 32}, "blok_size: not a vLLM EngineArgs field"),
+                         ({"max_num_seqs": 3}, "set it with --max-num-seqs"),
+                         ({"speculative_config": {"num_speculative_tokens": 3}}, "num_speculative_tokens is set"),
+                         ({"speculative_config": "x"}, "JSON object")):
+        with pytest.raises(CalibError, match=words) as err:
+            driver.check_engine_args(extra)
+        assert str(err.value).startswith("--engine-arg ")
+    # Passed through to vLLM, speculative_config merged under ours.
+    kw = engine_kwargs(resolve_options(opts(extra_engine_args={
+        "block_size": 32, "enforce_eager": False, "speculative_config": {"attention_backend": "TRITON_ATTN"}})))
+    assert kw["block_size"] == 32 and kw["speculative_config"]["attention_backend"] == "TRITON_ATTN"
+    assert kw["speculative_config"]["method"] == "dspark"
+    assert EngineArgs(**kw).create_model_config().max_model_len == 40960
+
+
+def test_dtypes_from_vllms_own_choices():
+    import typing
+
+    from vllm.config.cache import CacheDType
+    from vllm.config.model import ModelDType
+
+    for dtype in typing.get_args(ModelDType):
+        driver.check_dtypes(opts(dtype=dtype))
+    for kv in typing.get_args(CacheDType):
+        driver.check_dtypes(opts(kv_cache_dtype=kv))
+    with pytest.raises(CalibError, match="--dtype 'bogus'"):
+        driver.check_dtypes(opts(dtype="bogus"))
+    with pytest.raises(CalibError, match="--kv-cache-dtype 'fp7'"):
+        driver.check_dtypes(opts(kv_cache_dtype="fp7"))
+
+
+def test_context_len_vllm_would_clamp_is_refused():
+    with pytest.raises(CalibError) as err:
+        resolve_options(opts(context_lens=(8192,), max_model_len=4096))
+    msg = str(err.value)
+    # 8192 tokens over 256 requests: 32 query tokens each; vLLM's clamp gives 4096 - 32.
+    assert f"profiled by vLLM at {profile_context_len(8192, 4096, 32)}" in msg and "--max-model-len >= 8224" in msg
+    o = resolve_options(opts(context_lens=(4064,), max_model_len=4096))  # exactly what vLLM keeps
+    assert o.max_model_len == 4096
+
+
+def _fake_hub(cache, repo, config_dir):
+    snap = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(open(os.path.join(config_dir, "config.json")).read())
+    (cache / f"models--{repo.replace('/', '--')}" / "refs").mkdir()
+    (cache / f"models--{repo.replace('/', '--')}" / "refs" / "main").write_text("abc123")
+    return snap
+
+
+def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    snap = _fake_hub(tmp_path, "Qwen/Qwen3-8B", MODEL)
+    assert driver.resolve_model("Qwen/Qwen3-8B", "--model") == (str(snap), "Qwen/Qwen3-8B")
+    assert driver.resolve_model(MODEL, "--model") == (MODEL, None)
+    with pytest.raises(CalibError, match="not in the local Hugging Face cache") as err:
+        driver.resolve_model("Qwen/Qwen3-32B", "--model")
+    assert "--model Qwen/Qwen3-32B" in str(err.value) and str(tmp_path) in str(err.value)
+    with pytest.raises(CalibError, match="no such directory"):
+        driver.resolve_model("./nope", "--draft")
+
+
+def test_fingerprint_records_resolved_engine_values():
+    """What the capture's engine dict says (read through the registry) is what the table records."""
+    from test_fingerprint import HARDWARE, build_config
+
+    from dspark_calib.vllm.engine_info import describe_engine
+
+    o = resolve_options(opts(context_lens=(8192,), extra_engine_args={"block_size": 32}, model_name="Qwen/Qwen3-8B"))
+    cfg = build_config(cache={"block_size": 32})
+    engine = describe_engine(None, [1, 2, 4], cfg, hardware_facts=HARDWARE)
+    fp = driver.fingerprint_from_capture(o, {"engine": engine, "hardware": HARDWARE, "cudagraph_limit": 4})
+    assert fp.kv_block_size == 32 and fp.max_model_len == 32768 and fp.gpu_memory_mib == 143771
+    assert fp.target_model == "Qwen3-8B" and fp.extra["engine_args"] == {"block_size": 32}
+    assert fp.compilation_hash == engine["compilation_hash"] and fp.torch_version == "2.14.0+cu130"
+    with pytest.raises(CalibError, match="did not report vllm_version"):
+        driver.fingerprint_from_capture(o, {"engine": {k: v for k, v in engine.items() if k != "vllm_version"},
+                                            "hardware": {}, "cudagraph_limit": 4})
+
+
+def test_engine_output_goes_to_the_log(tmp_path):
+    code = ("import os, subprocess, sys\n"
+            "from dspark_calib.profile_cmd import output_to\n"
+            f"with output_to({str(tmp_path / 'v.log')!r}):\n"
+            "    print('from python'); print('to stderr', file=sys.stderr)\n"
+            "    subprocess.run(['sh', '-c', 'echo from a worker; echo worker err >&2'])\n"
+            "print('back on the terminal')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.stdout == "back on the terminal\n" and res.stderr == ""
+    assert (tmp_path / "v.log").read_text().split() == "from python to stderr from a worker worker err".split()
+
+
+def test_cli_profile_early_errors_are_one_line_and_fast(tmp_path):
+    for args, words in ((["--context-len", "0"], "--context-len must be >= 1, got 0"),
+                        (["--gpu-memory-utilization", "2.5"], "--gpu-memory-utilization must be in (0, 1]"),
+                        (["--out", "/nonexistent/dir/t.parquet"], "/nonexistent/dir/t.parquet"),
+                        (["--engine-arg", "nonsense"], "expected KEY=VALUE")):
+        res = run_cli("profile", "--model", MODEL, "--draft", DRAFT, "--out", str(tmp_path), *args)
+        assert res.returncode == 2 and res.stderr.strip().splitlines() == [f"dspark-calib: error: {res.stderr.split('error: ', 1)[1].strip()}"]
+        assert words in res.stderr and "Traceback" not in res.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written, no log left
+
+
+def test_cli_profile_unknown_engine_arg_and_missing_hub_model(tmp_path):
+    res = run_cli("profile", "--model", MODEL, "--draft", DRAFT, "--out", str(tmp_path), "--engine-arg", "blok_size=3")
+    assert res.returncode == 2 and "--engine-arg blok_size: not a vLLM EngineArgs field" in res.stderr
+    assert "Traceback" not in res.stderr and list(tmp_path.iterdir()) == []
+    res = run_cli("profile", "--model", "nobody/no-such-model", "--draft", DRAFT, "--out", str(tmp_path),
+                  env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert res.returncode == 2 and "--model nobody/no-such-model: not a directory, and not in the local Hugging Face cache" \
+        in res.stderr

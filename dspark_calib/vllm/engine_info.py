@@ -1,8 +1,9 @@
 """Describe the running engine and its hardware, from inside a vLLM worker.
 
-The same keys as the fingerprint (fingerprint.LOAD_CHECKS), so a table can be
-checked against the engine key by key. Keys that cannot be determined are left
-out; the loader does not check them and names them in its "loaded" log line.
+describe_engine walks the fingerprint registry (fingerprint.KEYS): every key with
+a reader is read from vLLM's own objects, so a table is checked against the engine
+key by key. A key whose reader fails or finds nothing is left out; the loader does
+not check it and names it in its log line (fingerprint.unchecked_keys).
 """
 
 from __future__ import annotations
@@ -11,37 +12,30 @@ import os
 import subprocess
 from typing import Any
 
-from dspark_calib.fingerprint import config_hash, resolve_config_dir
+from dspark_calib.engine_readers import EngineView
+from dspark_calib.fingerprint import KEYS
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
+def describe_engine(manager: Any, capture_sizes: list[int], vllm_config: Any,
+                    hardware_facts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """{key: value} for every registry key this engine can report (JSON-ready values)."""
+    view = EngineView(vllm_config=vllm_config, manager=manager,
+                      capture_sizes=tuple(int(s) for s in capture_sizes or ()),
+                      hardware=hardware() if hardware_facts is None else hardware_facts)
+    return read_keys(view)
 
 
-def describe_engine(manager: Any, capture_sizes: list[int], vllm_config: Any) -> dict[str, Any]:
-    import vllm
-
-    desc: dict[str, Any] = {
-        "cudagraph_capture_sizes": [int(s) for s in capture_sizes],
-        "num_speculative_tokens": int(manager.num_speculative_steps),
-        "max_num_seqs": int(manager.req_states.max_num_reqs),
-        "max_num_batched_tokens": int(manager.req_states.max_num_batched_tokens),
-        "vllm_version": vllm.__version__,
-    }
-    name = gpu_name()
-    if name:
-        desc["gpu_name"] = name
-    if vllm_config is not None:
-        pc, mc, cc = vllm_config.parallel_config, vllm_config.model_config, vllm_config.cache_config
-        desc["tensor_parallel_size"] = int(pc.tensor_parallel_size)
-        desc["pipeline_parallel_size"] = int(pc.pipeline_parallel_size)
-        desc["dtype"] = _dtype_name(mc.dtype)
-        desc["kv_cache_dtype"] = str(cc.cache_dtype)
-        desc["quantization"] = mc.quantization
-        for key, model in (("target", mc.model), ("draft", getattr(vllm_config.speculative_config, "model", None))):
-            directory = resolve_config_dir(model) if model else None
-            if directory:
-                desc[f"{key}_config_hash"] = config_hash(directory)
+def read_keys(view: EngineView) -> dict[str, Any]:
+    desc: dict[str, Any] = {}
+    for key in KEYS:
+        if key.read is None:
+            continue
+        try:
+            value = key.read(view)
+        except Exception:  # noqa: BLE001 - a config shape this vLLM lacks: the key stays unchecked
+            continue
+        if key.recorded(value):
+            desc[key.name] = list(value) if isinstance(value, tuple) else value
     return desc
 
 
@@ -56,7 +50,7 @@ def gpu_name() -> str:
 
 
 def hardware() -> dict[str, Any]:
-    """GPU name/count/capability, driver, CUDA and torch versions of this process's device."""
+    """GPU name/capability/memory, driver, CUDA and torch versions of this process's device."""
     out: dict[str, Any] = {}
     try:
         import torch
@@ -65,11 +59,15 @@ def hardware() -> dict[str, Any]:
         out["cuda_version"] = torch.version.cuda or ""
         if torch.cuda.is_available():
             dev = torch.cuda.current_device()
-            out["gpu_name"] = torch.cuda.get_device_name(dev)
             major, minor = torch.cuda.get_device_capability(dev)
             out["gpu_compute_capability"] = f"{major}.{minor}"
+            # MiB: ECC and MIG slices change it, board-to-board noise does not.
+            out["gpu_memory_mib"] = int(torch.cuda.get_device_properties(dev).total_memory) // (1 << 20)
     except Exception:  # noqa: BLE001 - no torch / no GPU: leave the keys out
         pass
+    name = gpu_name()  # the one place the name is read (tests stand in for it here)
+    if name:
+        out["gpu_name"] = name
     out["driver_version"] = driver_version()
     return out
 

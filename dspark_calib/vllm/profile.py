@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dspark_calib.errors import CalibError, first_line
-from dspark_calib.fingerprint import BACKEND_VLLM, Fingerprint, config_hash
+from dspark_calib.fingerprint import BACKEND_VLLM, KEYS, Fingerprint, config_hash
+from dspark_calib.fit import profile_context_len
 from dspark_calib.samples import samples_from_dicts
 from dspark_calib.table import CostTable
 from dspark_calib.vllm.capture import ENV_CAPTURE, PROGRESS_FILE, Plan, samples_path, write_plan
@@ -50,7 +51,21 @@ class ProfileOptions:
     max_model_len: int | None = None
     quantization: str | None = None
     seed: int = 0
-    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)  # --engine-arg / --engine-args-json
+    model_name: str | None = None  # what the user typed (a hub id), when `model` is its cache snapshot
+    draft_name: str | None = None
+
+
+# EngineArgs fields that `profile` sets from its own options: --engine-arg must not
+# contradict them silently. speculative_config is merged instead (see engine_kwargs).
+OWNED_ARGS = {
+    "model": "--model", "tensor_parallel_size": "--tp", "load_format": "--load-format", "dtype": "--dtype",
+    "kv_cache_dtype": "--kv-cache-dtype", "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
+    "gpu_memory_utilization": "--gpu-memory-utilization", "seed": "--seed", "quantization": "--quantization",
+    "distributed_executor_backend": "--distributed-executor-backend",
+}
+OWNED_SPEC = ("method", "model", "num_speculative_tokens", "enable_adaptive_verification")
 
 
 def read_config(model: str, role: str) -> dict[str, Any]:
@@ -64,6 +79,31 @@ def read_config(model: str, role: str) -> dict[str, Any]:
         raise CalibError(f"no config.json in this {role} directory", path=model) from None
     except (OSError, ValueError) as exc:
         raise CalibError(f"unreadable config.json ({exc})", path=path) from None
+
+
+def resolve_model(model: str, option: str) -> tuple[str, str | None]:
+    """(local directory, hub id or None): a directory as given, else a Hugging Face id's
+    snapshot in the local cache. Profiling never downloads: one line says it is not there."""
+    if os.path.isdir(model) or os.path.exists(model):
+        return model, None
+    looks_like_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if not looks_like_id:
+        raise CalibError(f"{option} {model}: no such directory")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:
+        raise CalibError(f"{option} {model}: no such directory (and huggingface_hub is not installed to "
+                         "look in the Hugging Face cache)") from None
+    try:
+        hit = try_to_load_from_cache(model, "config.json")
+    except Exception as exc:  # noqa: BLE001 - a malformed id: say so in one line
+        raise CalibError(f"{option} {model}: not a directory nor a Hugging Face model id "
+                         f"({first_line(exc, 120)})") from None
+    if not isinstance(hit, str):
+        raise CalibError(f"{option} {model}: not a directory, and not in the local Hugging Face cache "
+                         f"({HF_HUB_CACHE}); fetch it first: huggingface-cli download {model} config.json")
+    return os.path.dirname(hit), model
 
 
 def check_models(opts: ProfileOptions) -> tuple[dict, dict]:
@@ -83,15 +123,21 @@ def resolve_options(opts: ProfileOptions) -> ProfileOptions:
         opts.num_speculative_tokens = int(draft.get("block_size") or 7)
     limit = int(target.get("max_position_embeddings") or 1 << 20)
     longest = max(opts.context_lens)
-    # Dummy requests hold context_len tokens of KV plus their share of the batch.
-    need = longest + max(1, opts.max_num_batched_tokens // max(1, min(opts.max_num_seqs, opts.max_num_batched_tokens))) + 1
-    if opts.max_model_len is None:
-        opts.max_model_len = min(limit, max(32768, need))
-    if need > opts.max_model_len:
-        raise CalibError(f"--context-len {longest} needs max_model_len >= {need}, but it is {opts.max_model_len} "
-                         f"(model limit {limit})")
-    if opts.replays < 1 or opts.warmup < 0 or opts.tp < 1:
-        raise CalibError("need --replays >= 1, --warmup >= 0, --tp >= 1")
+    # vLLM spreads a profile batch over min(tokens, max_num_seqs) requests, so the largest
+    # batch has ceil(max_num_batched_tokens / requests) query tokens per request, and vLLM
+    # clamps the dummy context to max_model_len - query_len (fit.profile_context_len).
+    query_len = -(-opts.max_num_batched_tokens // min(opts.max_num_seqs, opts.max_num_batched_tokens))
+    need = longest + query_len
+    # max_model_len is a checked key (EQUAL): left unset, vLLM derives it from the model config
+    # exactly as `vllm serve` does, so a table made and served with defaults agree.
+    max_len = limit if opts.max_model_len is None else opts.max_model_len
+    source = "from the model config" if opts.max_model_len is None else "from --max-model-len"
+    got = profile_context_len(longest, max_len, query_len)
+    if got < longest:
+        raise CalibError(f"--context-len {longest} would be profiled by vLLM at {got} (max_model_len {max_len} "
+                         f"{source} - {query_len} query tokens); refusing: use --context-len <= {got}"
+                         + (f" or --max-model-len >= {need}" if need <= limit else "")
+                         + f" (model limit {limit})")
     return opts
 
 
@@ -111,18 +157,61 @@ def engine_kwargs(opts: ProfileOptions) -> dict[str, Any]:
         kv_cache_dtype=opts.kv_cache_dtype,
         max_num_seqs=opts.max_num_seqs,
         max_num_batched_tokens=opts.max_num_batched_tokens,
-        max_model_len=opts.max_model_len,
         gpu_memory_utilization=opts.gpu_memory_utilization,
         seed=opts.seed,
         # dummy weights need only config.json; no tokenizer either
         skip_tokenizer_init=True,
     )
+    if opts.max_model_len is not None:
+        kw["max_model_len"] = opts.max_model_len
     if opts.quantization:
         kw["quantization"] = opts.quantization
     if opts.distributed_executor_backend:
         kw["distributed_executor_backend"] = opts.distributed_executor_backend
-    kw.update(opts.extra_engine_args)
+    extra = dict(opts.extra_engine_args)
+    spec = extra.pop("speculative_config", None) or {}
+    kw["speculative_config"] = {**spec, **kw["speculative_config"]}  # ours win (OWNED_SPEC refused earlier)
+    kw.update(extra)
     return kw
+
+
+def check_engine_args(extra: dict[str, Any]) -> None:
+    """Every --engine-arg key is an EngineArgs field of the installed vLLM, and not one
+    `profile` sets itself; one line naming the key otherwise. Values are vLLM's to judge."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    for key, value in extra.items():
+        if key not in known:
+            close = sorted(k for k in known if key.split("_")[0] in k)[:4]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise CalibError(f"--engine-arg {key}: not a vLLM EngineArgs field{hint}")
+        if key in OWNED_ARGS:
+            raise CalibError(f"--engine-arg {key}: set it with {OWNED_ARGS[key]}")
+        if key == "speculative_config":
+            if not isinstance(value, dict):
+                raise CalibError("--engine-arg speculative_config: must be a JSON object")
+            taken = [k for k in value if k in OWNED_SPEC]
+            if taken:
+                raise CalibError(f"--engine-arg speculative_config: {', '.join(taken)} is set by profile "
+                                 "(--draft, --num-speculative-tokens)")
+
+
+def check_dtypes(opts: ProfileOptions) -> None:
+    """--dtype / --kv-cache-dtype among vLLM's own choices (its Literal types), before the engine starts."""
+    import typing
+
+    from vllm.config.cache import CacheDType, get_kv_cache_dtype_handler
+    from vllm.config.model import ModelDType
+
+    dtypes = typing.get_args(ModelDType)
+    if opts.dtype not in dtypes:
+        raise CalibError(f"--dtype {opts.dtype!r} is not one of vLLM's: {', '.join(dtypes)}")
+    kv = typing.get_args(CacheDType)
+    if opts.kv_cache_dtype not in kv and get_kv_cache_dtype_handler(opts.kv_cache_dtype) is None:
+        raise CalibError(f"--kv-cache-dtype {opts.kv_cache_dtype!r} is not one of vLLM's: {', '.join(kv)}")
 
 
 def engine_env(capture_dir: str, tp: int) -> dict[str, str]:
@@ -153,6 +242,8 @@ def preflight(opts: ProfileOptions) -> None:
     if not shape.supported:
         raise CalibError(f"vLLM {shape.vllm_version} is not supported by this dspark-calib ({shape.reason}); "
                          f"supported: vllm{SUPPORTED_VLLM}")
+    check_dtypes(opts)
+    check_engine_args(opts.extra_engine_args)
     import torch
 
     if not torch.cuda.is_available():
@@ -162,7 +253,7 @@ def preflight(opts: ProfileOptions) -> None:
                          "(use --distributed-executor-backend ray across nodes)")
 
 
-def explain_failure(exc: BaseException, capture_dir: str) -> CalibError:
+def explain_failure(exc: BaseException, capture_dir: str, log_path: str | None = None) -> CalibError:
     refusal = os.path.join(capture_dir, "refusal.txt")
     if os.path.exists(refusal):
         with open(refusal) as fh:
@@ -180,7 +271,7 @@ def explain_failure(exc: BaseException, capture_dir: str) -> CalibError:
         return CalibError("out of GPU memory while starting the engine: lower --max-num-seqs, "
                           "--max-num-batched-tokens or --max-model-len, or raise/lower --gpu-memory-utilization")
     return CalibError(f"vLLM engine failed during start-up/profiling ({type(exc).__name__}: {first_line(exc, 300)}); "
-                      "no table written (vLLM's log above has the details)")
+                      "no table written (details in " + (log_path or "vLLM's log above") + ")")
 
 
 def _watch_progress(capture_dir: str, report: Callable[[dict], None], stop: threading.Event) -> None:
@@ -212,7 +303,7 @@ def _shutdown(llm: Any) -> None:
 
 
 def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], None],
-               report: Callable[[dict], None]) -> dict[str, Any]:
+               report: Callable[[dict], None], log_path: str | None = None) -> dict[str, Any]:
     """Start vLLM once (profiling happens during start-up), return rank 0's capture."""
     write_plan(capture_dir, Plan(context_lens=tuple(opts.context_lens), replays=opts.replays, warmup=opts.warmup))
     saved = {k: os.environ.get(k) for k in (*engine_env(capture_dir, opts.tp), ENV_TABLE)}
@@ -236,7 +327,7 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
         except BaseException as exc:  # noqa: BLE001 - any failure: explain in one line, write nothing
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            raise explain_failure(exc, capture_dir) from None
+            raise explain_failure(exc, capture_dir, log_path) from None
         engine_start_s = time.perf_counter() - t0
         path = samples_path(capture_dir, 0)
         if not os.path.exists(path):
@@ -261,39 +352,34 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
 
 
 def fingerprint_from_capture(opts: ProfileOptions, capture: dict[str, Any]) -> Fingerprint:
-    engine, hw = capture["engine"], capture["hardware"]
-    tp = int(engine.get("tensor_parallel_size", opts.tp))
-    pp = int(engine.get("pipeline_parallel_size", 1))
+    """The table's fingerprint: every registry key as the engine resolved it (not as typed)."""
+    engine = {**capture.get("hardware", {}), **capture["engine"]}
+    read = {k.name: engine[k.name] for k in KEYS if k.read is not None and k.name in engine}
+    lacking = [k for k in ("vllm_version", "num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens",
+                           "cudagraph_capture_sizes") if k not in read]
+    if lacking:
+        raise CalibError(f"the engine did not report {', '.join(lacking)}; no table written")
+    tp = int(read.get("tensor_parallel_size", opts.tp))
+    pp = int(read.get("pipeline_parallel_size", 1))
+    defaults = dict(  # keys format 1.0 requires, for an engine that could not report them
+        gpu_name="", gpu_compute_capability="", driver_version="", cuda_version="", torch_version="",
+        target_config_hash=config_hash(opts.model), draft_config_hash=config_hash(opts.draft),
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=opts.dtype, kv_cache_dtype=opts.kv_cache_dtype,
+        quantization=opts.quantization, max_model_len=opts.max_model_len)
     return Fingerprint(
+        **{**defaults, **read},
         backend=BACKEND_VLLM,
-        gpu_name=hw.get("gpu_name", ""),
         gpu_count=tp * pp,
-        gpu_compute_capability=hw.get("gpu_compute_capability", ""),
-        driver_version=hw.get("driver_version", ""),
-        cuda_version=hw.get("cuda_version", ""),
-        torch_version=hw.get("torch_version", ""),
-        vllm_version=engine["vllm_version"],
-        target_model=os.path.basename(os.path.normpath(opts.model)),
-        target_config_hash=engine.get("target_config_hash") or config_hash(opts.model),
-        draft_model=os.path.basename(os.path.normpath(opts.draft)),
-        draft_config_hash=engine.get("draft_config_hash") or config_hash(opts.draft),
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        dtype=engine.get("dtype", opts.dtype),
-        kv_cache_dtype=engine.get("kv_cache_dtype", opts.kv_cache_dtype),
-        quantization=engine.get("quantization", opts.quantization),
-        num_speculative_tokens=int(engine["num_speculative_tokens"]),
-        max_num_seqs=int(engine["max_num_seqs"]),
-        max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
-        cudagraph_capture_sizes=tuple(engine["cudagraph_capture_sizes"]),
+        target_model=os.path.basename(os.path.normpath(opts.model_name or opts.model)),
+        draft_model=os.path.basename(os.path.normpath(opts.draft_name or opts.draft)),
         cudagraph_limit=int(capture["cudagraph_limit"]),
         context_lens=tuple(opts.context_lens),
         replays=opts.replays,
         warmup_replays=opts.warmup,
-        max_model_len=opts.max_model_len,
         extra={"load_format": opts.load_format, "profile_s": round(capture.get("profile_s", 0.0), 3),
                "engine_start_s": round(capture.get("engine_start_s", 0.0), 3),
-               "profile_batches": capture.get("num_batches"), "hostname": os.uname().nodename},
+               "profile_batches": capture.get("num_batches"), "hostname": os.uname().nodename,
+               **({"engine_args": opts.extra_engine_args} if opts.extra_engine_args else {})},
     )
 
 
@@ -303,13 +389,14 @@ def table_from_capture(opts: ProfileOptions, capture: dict[str, Any]) -> CostTab
 
 
 def run_profile(opts: ProfileOptions, *, phase: Callable[[str], None] = lambda s: None,
-                report: Callable[[dict], None] = lambda d: None, keep_capture: str | None = None) -> CostTable:
+                report: Callable[[dict], None] = lambda d: None, keep_capture: str | None = None,
+                log_path: str | None = None) -> CostTable:
     """Profile on the GPUs and return the fitted table (the caller writes it)."""
     opts = resolve_options(opts)
     preflight(opts)
     capture_dir = tempfile.mkdtemp(prefix="dspark-calib-capture-")
     try:
-        capture = run_engine(opts, capture_dir, phase, report)
+        capture = run_engine(opts, capture_dir, phase, report, log_path)
         phase("fitting")
         table = table_from_capture(opts, capture)
         if keep_capture:
