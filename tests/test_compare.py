@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,32 +14,23 @@ from dspark_calib.compare import (
 )
 from dspark_calib.fit import decision_map
 from dspark_calib.inspection import CONFIDENCE_GRID
-from dspark_calib.reference import table_from_startup_json
 from dspark_calib.table import CostTable
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "data"
-KW = dict(model=str(REPO / "profiles/configs/qwen3-8b"), draft=str(REPO / "profiles/configs/dspark-qwen3-8b-block7"),
-          gpu_name="NVIDIA H200", vllm_version="0.33.0", num_speculative_tokens=7)
+from conftest import build_reference_table, fixture_json
 
 
 def _fixture(*ctxs: int) -> CostTable:
-    return table_from_startup_json([str(DATA / f"qwen3-8b_dspark-block7_ctx{c}.json") for c in ctxs], **KW)
+    return build_reference_table([fixture_json(c) for c in ctxs])
 
 
 @pytest.fixture(scope="module")
-def t1024() -> CostTable:
-    return _fixture(1024)
+def t1024(table_1024) -> CostTable:
+    return table_1024
 
 
 @pytest.fixture(scope="module")
-def t16384() -> CostTable:
-    return _fixture(16384)
-
-
-@pytest.fixture(scope="module")
-def t8192() -> CostTable:
-    return _fixture(8192)
+def t16384(table_16384) -> CostTable:
+    return table_16384
 
 
 def _rebuild(table: CostTable, keep=lambda s: True, change=lambda s: s, **fp_changes) -> CostTable:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,19 +11,15 @@ from dspark_calib.fit import decision_map
 from dspark_calib.inspection import (
     FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, SHORT_DRAFT, SHORT_VERIFY, inspect_table, num_reqs_grid,
 )
-from dspark_calib.reference import table_from_startup_json
 from dspark_calib.samples import Sample
 from dspark_calib.table import CostTable
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "data"
-KW = dict(model=str(REPO / "profiles/configs/qwen3-8b"), draft=str(REPO / "profiles/configs/dspark-qwen3-8b-block7"),
-          gpu_name="NVIDIA H200", vllm_version="0.33.0", num_speculative_tokens=7)
+from conftest import build_reference_table, fixture_json
 
 
 @pytest.fixture(scope="module")
 def real() -> CostTable:
-    return table_from_startup_json([str(DATA / f"qwen3-8b_dspark-block7_ctx{c}.json") for c in (1024, 8192)], **KW)
+    return build_reference_table([fixture_json(c) for c in (1024, 8192)])
 
 
 def _synthetic(real: CostTable, verify: dict[int, list[float]], *, max_num_seqs=16, max_num_batched_tokens=64):

@@ -16,41 +16,23 @@ from dspark_calib.cli import app
 from dspark_calib.reference import table_from_startup_json
 from dspark_calib.table import read_table, write_table
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "data"
-MODEL = str(REPO / "profiles/configs/qwen3-8b")
-DRAFT = str(REPO / "profiles/configs/dspark-qwen3-8b-block7")
-KW = dict(model=MODEL, draft=DRAFT, gpu_name="NVIDIA H200", vllm_version="0.33.0", num_speculative_tokens=7)
+from conftest import DRAFT, MODEL, REFERENCE_KWARGS as KW, REPO, fixture_json as _json, one_line_error
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 runner = CliRunner()
 
 
-def _json(ctx: int) -> str:
-    return str(DATA / f"qwen3-8b_dspark-block7_ctx{ctx}.json")
-
-
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, str]:
-    d = tmp_path_factory.mktemp("tables")
-    out = {}
-    for name, ctxs in (("c1024", [1024]), ("c16384", [16384]), ("c8192", [8192]), ("all", [1024, 8192, 16384])):
-        out[name] = write_table(table_from_startup_json([_json(c) for c in ctxs], **KW), d / f"{name}.parquet")
-    return out
+def files(table_files) -> dict[str, str]:
+    return table_files
 
 
 def invoke(*args: str):
     return runner.invoke(app, [str(a) for a in args])
 
 
-def assert_one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("dspark-calib: error: ")
-    for f in fragments:
-        assert f in lines[0]
-    assert "Traceback" not in result.output
+assert_one_line_error = one_line_error
 
 
 def test_version_and_help():
