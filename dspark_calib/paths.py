@@ -55,6 +55,7 @@ def plot_path(path: str | None, inputs: Sequence[str], option: str = "--plot") -
     if path is None:
         return None
     _not_empty(path, option)
+    refuse_inputs(path, inputs, option)  # first: the worst mistake gets the clearest message
     if not plot_format(path):
         suffix = os.path.splitext(path)[1] or "no suffix"
         raise CalibError(f"{option}: unknown plot format ({suffix}); use {', '.join('.' + f for f in FORMATS)}",
@@ -64,7 +65,6 @@ def plot_path(path: str | None, inputs: Sequence[str], option: str = "--plot") -
     if os.path.exists(path) and not os.path.isfile(path):
         raise CalibError(f"{option}: exists and is not a regular file", path=path)
     _check_parent(path, option)
-    refuse_inputs(path, inputs, option)
     return path
 
 
