@@ -189,3 +189,30 @@ def test_module_entry_point_and_error_without_traceback(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == f"dspark-calib: error: {tmp_path / 'absent.parquet'}: no such file"
     assert r.stdout == ""
+
+
+def test_diff_threshold_exits_1_on_a_significant_speed_up(files):
+    # c16384 -> c1024: every verify step significantly faster; the gate must trip on it too.
+    r = invoke("diff", files["c16384"], files["c1024"], "--threshold", "5")
+    assert r.exit_code == 1, r.output
+    assert "EXCEEDED" in r.stdout
+
+
+def test_diff_without_significance_says_so_and_needs_no_scipy(files):
+    code = ("import sys\nfrom dspark_calib.cli import main\n"
+            f"sys.argv = ['dspark-calib', 'diff', {files['c1024']!r}, {files['c16384']!r}]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            "assert 'scipy' not in sys.modules and 'matplotlib' not in sys.modules\n")
+    r = _run("-c", code)
+    assert r.returncode == 0, r.stderr
+    assert "significance not tested" in r.stdout
+    r = invoke("diff", files["c1024"], files["c16384"], "--significance", "--json")
+    d = json.loads(r.stdout)
+    assert d["significance_tested"] and d["curves"]["verify"]["summary"]["significant_slower"] > 40
+
+
+def test_inspect_ends_with_a_summary_of_the_shipped_table():
+    r = invoke("inspect", REPO / "profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
+    assert r.exit_code == 0, r.output
+    last = r.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("summary: ") and "warning" in last and "note" in last
