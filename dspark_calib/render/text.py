@@ -283,11 +283,12 @@ def render_summary(insp: Inspection, console: Console) -> None:
 
 
 # -- diff ----------------------------------------------------------------------------------
-def _diff_points_table(cd: "CurveDiff", *, all_points: bool = False) -> Text:
+def _diff_points_table(cd: "CurveDiff", *, all_points: bool = False, tested: bool = True) -> Text:
     pts = list(cd.points)
-    title = f"{cd.kind} curve: per-size change, new vs old (* p < 0.01; dense: profiled on one side, priced from vLLM's tables)"
+    marks = "* p < 0.01" if tested else "significance not tested"
+    title = f"{cd.kind} curve: per-size change, new vs old ({marks}; dense: profiled on one side, priced from vLLM's tables)"
     if not any(p.source == "dense" for p in pts):
-        title = f"{cd.kind} curve: per-size change, new vs old (* p < 0.01)"
+        title = f"{cd.kind} curve: per-size change, new vs old ({marks})"
     if not all_points and len(pts) > MAX_DIFF_ROWS:
         top = sorted(range(len(pts)), key=lambda i: -abs(pts[i].rel_change))[:MAX_DIFF_ROWS]
         pts = [pts[i] for i in sorted(top)]
@@ -308,8 +309,8 @@ def render_diff(result: "DiffResult", console: Console, *, verdict: "ThresholdVe
                 all_points: bool = False) -> None:
     from dspark_calib.compare import ALPHA
 
-    console.print(Text(f"old: {result.old_path or '(table)'}  [{result.old_hash}, ctx {result.old_context}]", style="bold"))
-    console.print(Text(f"new: {result.new_path or '(table)'}  [{result.new_hash}, ctx {result.new_context}]", style="bold"))
+    _show(console, Text(f"old: {result.old_path or '(table)'}  [{result.old_hash}, ctx {result.old_context}]", style="bold"))
+    _show(console, Text(f"new: {result.new_path or '(table)'}  [{result.new_hash}, ctx {result.new_context}]", style="bold"))
     for note in result.notes:
         console.print(Text(f"note: {note}", style="cyan"))
     console.print()
@@ -339,7 +340,7 @@ def render_diff(result: "DiffResult", console: Console, *, verdict: "ThresholdVe
                                f"tables price; not compared", style="cyan"))
     for cd in result.curves.values():
         console.print()
-        _show(console, _diff_points_table(cd, all_points=all_points))
+        _show(console, _diff_points_table(cd, all_points=all_points, tested=result.significance_tested))
     console.print()
     d = result.decisions
     console.print(Text(f"decision impact: {len(d.changes)} of {d.cells} (requests x confidence) cells get a different "
