@@ -142,7 +142,7 @@ def test_summary_and_inspect_output_count_only_warnings_as_warnings(real):
     assert insp.counts == {WARNING: 0, NOTE: 1}
     out = io.StringIO()
     render_summary(insp, Console(file=out, width=200))
-    assert out.getvalue().splitlines()[-1] == "no warnings (1 note)"
+    assert out.getvalue().splitlines()[-1] == "no warnings, 1 note"
     out = io.StringIO()
     render_inspect(insp, Console(file=out, width=200))
     text = out.getvalue()

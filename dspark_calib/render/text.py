@@ -275,7 +275,7 @@ def render_summary(insp: Inspection, console: Console) -> None:
         console.print(Text(line), no_wrap=True, crop=False, overflow="ignore")
     n = insp.counts[WARNING]
     notes = insp.counts[NOTE]
-    tail = f" ({_plural(notes, 'note')})" if notes else ""
+    tail = f", {_plural(notes, 'note')}" if notes else ""
     if n:
         console.print(Text(f"{_plural(n, 'warning')}{tail} (dspark-calib inspect for details)", style="yellow"))
     else:
