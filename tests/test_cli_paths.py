@@ -196,3 +196,10 @@ def test_import_refuses_an_unusable_identity(tmp_path):
     args = list(IMPORT)
     args[args.index("--gpu-name") + 1] = " "
     one_line_error(invoke("import-vllm", fixture_json(1024), *args, "--out", tmp_path), "--gpu-name")
+
+
+def test_empty_out_and_directory_plot_are_refused(table_files, tmp_path):
+    one_line_error(invoke("merge", table_files["c1024"], table_files["c8192"], "--out", ""), "--out: empty path")
+    d = tmp_path / "d.png"
+    d.mkdir()
+    one_line_error(invoke("inspect", table_files["c1024"], "--plot", d), str(d), "is a directory")
