@@ -121,3 +121,14 @@ def test_check_imports_no_torch_or_vllm():
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr
+
+
+def test_unreadable_tables_are_reported_and_a_missing_source_is_one_line(tmp_path):
+    shutil.copyfile(SHIPPED, tmp_path / SHIPPED.name)
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet\n" * 20)
+    r = invoke("check", tmp_path, "--gpu-name", "NVIDIA H200", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    broken = next(t for t in d["tables"] if t["path"].endswith("broken.parquet"))
+    assert broken["status"] == "unreadable" and "broken.parquet" in broken["reason"]
+    one_line_error(invoke("check", tmp_path / "absent"), str(tmp_path / "absent"), "no such file or directory")
