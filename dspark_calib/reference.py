@@ -99,8 +99,8 @@ def table_from_startup_json(
             data = json.loads(raw)
         except FileNotFoundError:
             raise CalibError("no such file", path=path) from None
-        except IsADirectoryError:
-            raise CalibError("is a directory, not a JSON start-up profile", path=path) from None
+        except PermissionError:
+            raise CalibError("permission denied", path=path) from None
         except (OSError, ValueError) as exc:
             raise CalibError(f"not a JSON start-up profile ({first_line(exc)})", path=path) from None
         # The same samples twice would double every count and fake precision and significance.
