@@ -73,6 +73,31 @@ def _console() -> Any:
     return Console(highlight=False, width=100 if wide else None)
 
 
+def _warn(message: str) -> None:
+    typer.echo(f"{PROG}: warning: " + " ".join(message.split()), err=True)
+
+
+def _write_table(table: Any, out: Any) -> str:
+    """Write to a checked --out (paths.TableOut); a write failure names the user's path."""
+    from dspark_calib.paths import write_error
+    from dspark_calib.table import write_table
+
+    path = out.file_for(table.default_filename())
+    try:
+        return write_table(table, path)
+    except OSError as exc:
+        raise write_error(exc, path, out.option) from None
+
+
+def _plot(draw: Callable[..., str], path: str, *args: Any, **kwargs: Any) -> str:
+    from dspark_calib.paths import write_error
+
+    try:
+        return draw(*args, path, **kwargs)
+    except OSError as exc:
+        raise write_error(exc, path, "--plot") from None
+
+
 def _print_json(data: Any) -> None:
     # allow_nan=False: the library already maps NaN to null; a NaN here is a bug worth a failure.
     typer.echo(json.dumps(data, indent=2, allow_nan=False))
@@ -86,144 +111,207 @@ def _version_callback(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True,
-                                 help="Print the version and exit."),
+    version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True,
+                                          help="Print the version and exit.")] = False,
 ) -> None:
     """Offline cost tables for vLLM's DSpark adaptive verification: inspect, compare, import, merge."""
+
+
+# Options shared by several commands.
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print everything as JSON instead of tables.")]
+AllOpt = Annotated[bool, typer.Option("--all", help="Show every size of long curves.")]
+PlotOpt = Annotated[Optional[str], typer.Option(
+    "--plot", metavar="FILE", help="Also write a plot; .png, .svg or .pdf (the suffix picks the format).")]
 
 
 @app.command("inspect")
 @handled
 def inspect_cmd(
-    table: str = typer.Argument(..., metavar="TABLE", help="Cost table (.parquet)."),
-    as_json: bool = typer.Option(False, "--json", help="Print everything as JSON instead of tables."),
-    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Also write a plot of the curves."),
-    context_len: Optional[int] = typer.Option(None, "--context-len", min=1, metavar="L",
-                                              help="Show only the profiled context length nearest to L."),
-    all_points: bool = typer.Option(False, "--all", help="Show every size of long curves."),
+    table: Annotated[str, typer.Argument(metavar="TABLE", help="Cost table (.parquet).")],
+    as_json: JsonOpt = False,
+    plot: PlotOpt = None,
+    context_len: Annotated[Optional[int], typer.Option(
+        "--context-len", min=1, metavar="L", help="Show only the profiled context length nearest to L.")] = None,
+    all_points: AllOpt = False,
 ) -> None:
-    """Show a table's fingerprint, curves, warnings and the draft budgets it implies."""
+    """Show a table's fingerprint, curves, draft budgets, warnings and notes."""
+    from dspark_calib.paths import plot_path
+
+    plot = plot_path(plot, [table])  # before any work: a bad path costs nothing
     from dspark_calib.inspection import inspect_table
     from dspark_calib.table import read_table
 
     t = read_table(table)
     insp = inspect_table(t, context_len=context_len, path=table)
-    plot_path = None
     if plot:
         from dspark_calib.render import plot_table
 
-        plot_path = plot_table(t, plot, context_len=context_len)
+        plot = _plot(plot_table, plot, t, context_len=context_len)
     if as_json:
-        data = insp.to_dict()
-        data["plot"] = plot_path
-        _print_json(data)
+        _print_json({**insp.to_dict(), "plot": plot})
         return
     from dspark_calib.render import render_inspect
 
     console = _console()
     render_inspect(insp, console, all_points=all_points)
-    if plot_path:
-        console.print(f"plot written to {plot_path}", markup=False)
+    if plot:
+        console.print(f"plot written to {plot}", markup=False)
 
 
 @app.command("diff")
 @handled
 def diff_cmd(
-    old: str = typer.Argument(..., metavar="OLD", help="Baseline table."),
-    new: str = typer.Argument(..., metavar="NEW", help="Table to compare against it."),
-    threshold: Optional[float] = typer.Option(
-        None, "--threshold", min=0, metavar="PCT",
-        help="Exit 1 when a statistically significant (p < 0.01) cost change exceeds PCT percent."),
-    as_json: bool = typer.Option(False, "--json", help="Print everything as JSON instead of tables."),
-    plot: Optional[str] = typer.Option(None, "--plot", metavar="FILE.png", help="Also write an overlay plot."),
-    old_context: Optional[int] = typer.Option(None, "--old-context", min=1, metavar="L",
-                                              help="Context length of OLD to compare (nearest profiled)."),
-    new_context: Optional[int] = typer.Option(None, "--new-context", min=1, metavar="L",
-                                              help="Context length of NEW to compare (nearest profiled)."),
-    all_points: bool = typer.Option(False, "--all", help="List every compared size, not just the largest changes."),
+    old: Annotated[str, typer.Argument(metavar="OLD", help="Baseline table.")],
+    new: Annotated[str, typer.Argument(metavar="NEW", help="Table to compare against it.")],
+    threshold: Annotated[Optional[float], typer.Option(
+        "--threshold", min=0, metavar="PCT",
+        help="Exit 1 when a statistically significant (p < 0.01) cost change, slower or faster, exceeds PCT "
+             "percent. Implies --significance.")] = None,
+    significance: Annotated[bool, typer.Option(
+        "--significance", "-s",
+        help="Test each size's change on the raw samples (Mann-Whitney U, scipy; ~0.8 s more).")] = False,
+    as_json: JsonOpt = False,
+    plot: PlotOpt = None,
+    old_context: Annotated[Optional[int], typer.Option(
+        "--old-context", min=1, metavar="L", help="Context length of OLD to compare (nearest profiled).")] = None,
+    new_context: Annotated[Optional[int], typer.Option(
+        "--new-context", min=1, metavar="L", help="Context length of NEW to compare (nearest profiled).")] = None,
+    all_points: Annotated[bool, typer.Option(
+        "--all", help="List every compared size, not just the largest changes.")] = False,
 ) -> None:
-    """Compare two tables: fingerprint, per-size cost changes with significance, decision impact.
+    """Compare two tables: fingerprint, per-size cost changes (with significance), decision impact.
 
     Default context: one both tables profiled (nearest to 8192), else each one's nearest to 8192.
     """
-    from dspark_calib.compare import compare_tables, threshold_exceeded
+    from dspark_calib.paths import plot_path
+
+    plot = plot_path(plot, [old, new])
+    from dspark_calib.compare import compare_tables, threshold_verdict
     from dspark_calib.table import read_table
 
     a, b = read_table(old), read_table(new)
-    result = compare_tables(a, b, old_context=old_context, new_context=new_context, old_path=old, new_path=new)
-    exceeded = threshold is not None and threshold_exceeded(result, threshold)
-    plot_path = None
+    result = compare_tables(a, b, old_context=old_context, new_context=new_context, old_path=old, new_path=new,
+                            significance=significance or threshold is not None)
+    verdict = None if threshold is None else threshold_verdict(result, threshold)
     if plot:
         from dspark_calib.render import plot_diff
 
-        plot_path = plot_diff(a, b, plot, result=result)
+        plot = _plot(plot_diff, plot, a, b, result=result)
     if as_json:
-        data = result.to_dict()
-        data["threshold"] = {"pct": threshold, "exceeded": exceeded}
-        data["plot"] = plot_path
-        _print_json(data)
+        _print_json({**result.to_dict(), "threshold": verdict.to_dict() if verdict else None, "plot": plot})
     else:
         from dspark_calib.render import render_diff
 
         console = _console()
-        render_diff(result, console, threshold=threshold, all_points=all_points)
-        if plot_path:
-            console.print(f"plot written to {plot_path}", markup=False)
-    if exceeded:
+        render_diff(result, console, verdict=verdict, all_points=all_points)
+        if plot:
+            console.print(f"plot written to {plot}", markup=False)
+    if verdict is not None and verdict.exceeded:
         raise typer.Exit(1)
 
 
 @app.command("import-vllm")
 @handled
 def import_vllm_cmd(
-    jsons: List[str] = typer.Argument(..., metavar="JSON",
-                                      help="vLLM start-up profiles (rows + batches), one per context length."),
-    model: str = typer.Option(..., "--model", metavar="DIR", help="Target model directory (its config.json is hashed)."),
-    draft: str = typer.Option(..., "--draft", metavar="DIR", help="DSpark draft model directory."),
-    gpu_name: str = typer.Option(..., "--gpu-name", help="GPU the profile was taken on, as torch names it."),
-    vllm_version: str = typer.Option(..., "--vllm-version"),
-    num_speculative_tokens: int = typer.Option(..., "--num-speculative-tokens", min=1, metavar="K"),
-    out: str = typer.Option(".", "--out", metavar="FILE|DIR",
-                            help="Table file, or directory for the default file name (default: current directory)."),
-    torch_version: str = typer.Option("", "--torch-version"),
-    driver_version: str = typer.Option("", "--driver-version"),
-    cuda_version: str = typer.Option("", "--cuda-version"),
-    compute_capability: str = typer.Option("", "--compute-capability"),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1),
-    dtype: str = typer.Option("bfloat16", "--dtype"),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype"),
+    jsons: Annotated[List[str], typer.Argument(
+        metavar="JSON", help="vLLM start-up profiles (rows + batches), one per context length.")],
+    model: Annotated[str, typer.Option("--model", metavar="DIR", help="Target model directory (its config.json is hashed).")],
+    draft: Annotated[str, typer.Option("--draft", metavar="DIR", help="DSpark draft model directory.")],
+    gpu_name: Annotated[str, typer.Option(
+        "--gpu-name", help="GPU the profile was taken on, as torch.cuda.get_device_name() names it ('NVIDIA H200').")],
+    vllm_version: Annotated[str, typer.Option("--vllm-version", help="vllm.__version__ of that engine ('0.33.0').")],
+    num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens", min=1, metavar="K")],
+    out: Annotated[str, typer.Option(
+        "--out", metavar="FILE|DIR", help="Table file, or directory for the default file name.")] = ".",
+    torch_version: Annotated[str, typer.Option("--torch-version")] = "",
+    driver_version: Annotated[str, typer.Option("--driver-version")] = "",
+    cuda_version: Annotated[str, typer.Option("--cuda-version")] = "",
+    compute_capability: Annotated[str, typer.Option("--compute-capability")] = "",
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1)] = 1,
+    dtype: Annotated[str, typer.Option("--dtype")] = "bfloat16",
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype")] = "auto",
 ) -> None:
     """Make a table from vLLM's own start-up profiling samples (saved as JSON)."""
-    from dspark_calib.inspection import inspect_table
-    from dspark_calib.reference import table_from_startup_json
-    from dspark_calib.render import render_summary
-    from dspark_calib.table import prepare_out_path, write_table
+    from dspark_calib.paths import refuse_duplicate_inputs, table_out
+    from dspark_calib.reference import identity_warnings, table_from_startup_json
 
+    refuse_duplicate_inputs(jsons, "profile")
+    target = table_out(out, jsons)
+    for line in identity_warnings(gpu_name, vllm_version):
+        _warn(line)
     t = table_from_startup_json(
         jsons, model=model, draft=draft, gpu_name=gpu_name, vllm_version=vllm_version,
         num_speculative_tokens=num_speculative_tokens, torch_version=torch_version, driver_version=driver_version,
         cuda_version=cuda_version, gpu_compute_capability=compute_capability,
         tensor_parallel_size=tensor_parallel_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-    path = write_table(t, prepare_out_path(out))
+    _written(t, _write_table(t, target))
+
+
+def _written(table: Any, path: str) -> None:
+    from dspark_calib.inspection import inspect_table
+    from dspark_calib.render import render_summary
+
     typer.echo(path)
-    render_summary(inspect_table(t, path=path), _console())
+    render_summary(inspect_table(table, path=path), _console())
 
 
 @app.command("merge")
 @handled
 def merge_cmd(
-    tables: List[str] = typer.Argument(..., metavar="TABLE", help="Tables from runs of the same engine."),
-    out: str = typer.Option(..., "--out", metavar="FILE|DIR", help="Merged table file, or a directory for it."),
+    tables: Annotated[List[str], typer.Argument(metavar="TABLE", help="Tables from runs of the same engine.")],
+    out: Annotated[str, typer.Option("--out", metavar="FILE|DIR", help="Merged table file, or a directory for it.")],
 ) -> None:
     """Pool the raw samples of several runs of one engine and refit the curves."""
-    from dspark_calib.inspection import inspect_table
-    from dspark_calib.render import render_summary
-    from dspark_calib.table import merge_tables, prepare_out_path, read_table, write_table
+    from dspark_calib.paths import refuse_duplicate_inputs, refuse_same_tables, table_out
+    from dspark_calib.table import merge_tables, read_table
 
-    merged = merge_tables([read_table(p) for p in tables])
-    path = write_table(merged, prepare_out_path(out))
-    typer.echo(path)
-    render_summary(inspect_table(merged, path=path), _console())
+    refuse_duplicate_inputs(tables, "table")
+    target = table_out(out, tables)
+    read = [read_table(p) for p in tables]
+    refuse_same_tables(tables, [t.content_hash for t in read])
+    merged = merge_tables(read)
+    _written(merged, _write_table(merged, target))
+
+
+@app.command("check")
+@handled
+def check_cmd(
+    source: Annotated[str, typer.Argument(metavar="TABLE|DIR", help="A table, or a directory of tables, as DSPARK_CALIB_TABLE takes.")],
+    model: Annotated[Optional[str], typer.Option("--model", metavar="DIR", help="Target model directory (config.json hashed as the fingerprint does).")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", metavar="DIR", help="DSpark draft model directory.")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", min=1, help="tensor_parallel_size.")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", min=1)] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", min=1)] = None,
+    num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", min=1, metavar="K")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="As vLLM resolves it: bfloat16, float16, float32.")] = None,
+    kv_cache_dtype: Annotated[Optional[str], typer.Option("--kv-cache-dtype")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=1)] = None,
+    gpu_name: Annotated[Optional[str], typer.Option("--gpu-name", help="As torch.cuda.get_device_name() says it.")] = None,
+    vllm_version: Annotated[Optional[str], typer.Option("--vllm-version")] = None,
+    context_len: Annotated[Optional[int], typer.Option("--context-len", min=1, metavar="L", help="DSPARK_CALIB_CONTEXT_LEN: which curve set loads.")] = None,
+    engine: Annotated[Optional[List[str]], typer.Option("--engine", metavar="KEY=VALUE", help="Any other fingerprint key, e.g. cudagraph_capture_sizes=1,2,4,8 (repeatable).")] = None,
+    allow_reference: Annotated[bool, typer.Option("--allow-reference", help="As DSPARK_CALIB_ALLOW_REFERENCE=1: reference tables may load.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Which table the plugin would load for the engine described (offline: no GPU, no vLLM import).
+
+    Keys not given are not checked (as when an engine cannot report them). Exit 0 if a table would load, 1 if none.
+    """
+    from dspark_calib.check import check_tables, describe, parse_engine_pairs
+
+    described = describe(model=model, draft=draft, extra=parse_engine_pairs(engine or []), tensor_parallel_size=tp,
+                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         num_speculative_tokens=num_speculative_tokens, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                         max_model_len=max_model_len, gpu_name=gpu_name, vllm_version=vllm_version)
+    result = check_tables(source, described, allow_reference=allow_reference, context_len=context_len)
+    if as_json:
+        _print_json(result.to_dict())
+    else:
+        from dspark_calib.render.text import render_check
+
+        render_check(result, _console())
+    if not result.loads:
+        raise typer.Exit(1)
 
 
 # -- profile (the vLLM backend; imports vllm/torch only when it runs) --------------------------

@@ -46,9 +46,11 @@ class PointChange:
     old_ms: float
     new_ms: float
     source: str  # MEDIAN or DENSE
-    old_n: int  # raw samples behind each side at this size (0: none)
+    old_n: int  # samples behind each side's median at this size (0: that side did not profile it)
     new_n: int
-    p_value: float | None  # Mann-Whitney U two-sided; None when either side has < 3 samples
+    # Mann-Whitney U two-sided on the raw samples; None when not tested (significance not asked
+    # for, a table without raw samples, or fewer than 3 samples on a side).
+    p_value: float | None = None
 
     @property
     def abs_change_ms(self) -> float:
@@ -117,7 +119,9 @@ class DecisionImpact:
 
     @property
     def cells(self) -> int:
-        return len(self.old.num_reqs) * len(self.old.confidence)
+        """Cells at least one table can price: a batch neither can price is no decision at all."""
+        both_unpriced = np.isnan(self.old.budget_per_req) & np.isnan(self.new.budget_per_req)
+        return int(both_unpriced.size - both_unpriced.sum())
 
     def to_dict(self) -> dict[str, Any]:
         return {"cells": self.cells, "changed": len(self.changes), "old": self.old.to_dict(),
@@ -136,12 +140,14 @@ class DiffResult:
     old_path: str | None = None
     new_path: str | None = None
     notes: list[str] = field(default_factory=list)
+    significance_tested: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "old": {"path": self.old_path, "content_hash": self.old_hash, "context_len": self.old_context},
             "new": {"path": self.new_path, "content_hash": self.new_hash, "context_len": self.new_context},
             "alpha": ALPHA,
+            "significance_tested": self.significance_tested,
             "fingerprint_changes": [c.to_dict() for c in self.fingerprint_changes],
             "curves": {k: c.to_dict() for k, c in self.curves.items()},
             "decisions": self.decisions.to_dict(),
@@ -149,14 +155,35 @@ class DiffResult:
         }
 
 
-def threshold_exceeded(result: DiffResult, pct: float) -> bool:
-    """True when a significant point moved by more than pct percent.
+@dataclass(frozen=True)
+class ThresholdVerdict:
+    """`diff --threshold PCT`: which significant points moved by more than PCT percent.
 
-    Only significant points count, so noise cannot fail a CI gate; a table without
-    raw samples therefore never exceeds (its points have no p-value).
+    Either direction counts: a significant speed-up beyond PCT is as much a sign that the
+    table no longer describes the engine as a slow-down. Only significant points count, so
+    noise cannot fail a CI gate; a table without raw samples never exceeds (no p-values).
     """
-    return any(p.significant and abs(p.rel_change) * 100 > pct
-               for c in result.curves.values() for p in c.points)
+
+    pct: float
+    over: tuple[tuple[str, PointChange], ...]  # (curve kind, point), in curve order
+
+    @property
+    def exceeded(self) -> bool:
+        return bool(self.over)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pct": self.pct, "exceeded": self.exceeded,
+                "over": [{"curve": kind, "size": p.size, "rel_change": _num(p.rel_change)} for kind, p in self.over]}
+
+
+def threshold_verdict(result: DiffResult, pct: float) -> ThresholdVerdict:
+    over = tuple((kind, p) for kind, c in result.curves.items() for p in c.points
+                 if p.significant and abs(p.rel_change) * 100 > pct)
+    return ThresholdVerdict(float(pct), over)
+
+
+def threshold_exceeded(result: DiffResult, pct: float) -> bool:
+    return threshold_verdict(result, pct).exceeded
 
 
 def choose_contexts(old: CostTable, new: CostTable, old_context: int | None = None,
@@ -238,9 +265,12 @@ def _summarise(points: Sequence[PointChange]) -> CurveSummary:
 
 
 def compare_curves(kind: str, old: Curve, new: Curve, old_dense: np.ndarray, new_dense: np.ndarray,
-                   old_raw: dict[int, np.ndarray], new_raw: dict[int, np.ndarray]) -> CurveDiff:
+                   old_raw: dict[int, np.ndarray] | None, new_raw: dict[int, np.ndarray] | None) -> CurveDiff:
+    """old_raw/new_raw: raw samples per size for the significance test; None: not tested."""
     old_cost = dict(zip(old.size.tolist(), old.cost_ms.tolist()))
     new_cost = dict(zip(new.size.tolist(), new.cost_ms.tolist()))
+    old_n = dict(zip(old.size.tolist(), old.n.tolist()))
+    new_n = dict(zip(new.size.tolist(), new.n.tolist()))
     common_top = min(len(old_dense), len(new_dense)) - 1  # largest size both dense tables price
     rows: list[tuple[int, float, float, str]] = []
     uncovered = []
@@ -254,10 +284,13 @@ def compare_curves(kind: str, old: Curve, new: Curve, old_dense: np.ndarray, new
             uncovered.append(size)
             continue
         rows.append((size, o, n, source))
-    raw = [(old_raw.get(size), new_raw.get(size)) for size, *_ in rows]
-    points = [PointChange(size=size, old_ms=o, new_ms=n, source=source, old_n=0 if a is None else len(a),
-                          new_n=0 if b is None else len(b), p_value=p)
-              for (size, o, n, source), (a, b), p in zip(rows, raw, p_values(raw))]
+    if old_raw is None or new_raw is None:
+        pvals: list[float | None] = [None] * len(rows)
+    else:
+        pvals = p_values([(old_raw.get(size), new_raw.get(size)) for size, *_ in rows])
+    points = [PointChange(size=size, old_ms=o, new_ms=n, source=source, old_n=int(old_n.get(size, 0)),
+                          new_n=int(new_n.get(size, 0)), p_value=p)
+              for (size, o, n, source), p in zip(rows, pvals)]
     return CurveDiff(kind, tuple(points), _summarise(points), tuple(uncovered))
 
 
@@ -294,7 +327,9 @@ def _fingerprint_changes(old: CostTable, new: CostTable) -> list[FingerprintChan
 
 def compare_tables(old: CostTable, new: CostTable, *, old_context: int | None = None,
                    new_context: int | None = None, old_path: str | None = None,
-                   new_path: str | None = None) -> DiffResult:
+                   new_path: str | None = None, significance: bool = True) -> DiffResult:
+    """significance=False skips the Mann-Whitney tests (and scipy's ~0.8 s import): every
+    p-value is None, nothing counts as significant."""
     oc, nc = choose_contexts(old, new, old_context, new_context)
     notes = []
     for side, want, got in (("old", old_context, oc), ("new", new_context, nc)):
@@ -306,19 +341,20 @@ def compare_tables(old: CostTable, new: CostTable, *, old_context: int | None = 
     new_dense = new.dense_tables(nc)
     curves = {}
     for i, kind in enumerate(CURVE_KINDS):
+        old_raw = _raw_groups(old, kind, oc) if significance else None
+        new_raw = _raw_groups(new, kind, nc) if significance else None
         curves[kind] = compare_curves(kind, old.curves[oc].curve(kind), new.curves[nc].curve(kind),
-                                      old_dense[i], new_dense[i], _raw_groups(old, kind, oc),
-                                      _raw_groups(new, kind, nc))
+                                      old_dense[i], new_dense[i], old_raw, new_raw)
     return DiffResult(
         old_hash=old.short_hash, new_hash=new.short_hash, old_context=oc, new_context=nc,
         fingerprint_changes=_fingerprint_changes(old, new),
         curves=curves, decisions=compare_decisions(old, new, oc, nc),
-        old_path=old_path, new_path=new_path, notes=notes,
+        old_path=old_path, new_path=new_path, notes=notes, significance_tested=significance,
     )
 
 
 __all__ = [
     "ALPHA", "CurveDiff", "CurveSummary", "DecisionChange", "DecisionImpact", "DiffResult", "FingerprintChange",
-    "PointChange", "p_values", "choose_contexts", "compare_curves", "compare_decisions", "compare_tables",
-    "threshold_exceeded",
+    "PointChange", "ThresholdVerdict", "p_values", "choose_contexts", "compare_curves", "compare_decisions",
+    "compare_tables", "threshold_exceeded", "threshold_verdict",
 ]

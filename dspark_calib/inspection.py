@@ -29,6 +29,13 @@ FALLING_MEDIAN = "falling_median"
 SHORT_VERIFY = "short_verify"
 SHORT_DRAFT = "short_draft"
 
+# Severity: a WARNING is worth acting on (re-profile, profile longer, check the GPU); a NOTE
+# is a fact about the measurement that needs no action, e.g. a median dip smaller than the
+# dipping point's own p25-p75 spread (noise, and vLLM's running max absorbs it anyway).
+WARNING = "warning"
+NOTE = "note"
+SEVERITIES = (WARNING, NOTE)
+
 
 @dataclass(frozen=True)
 class TableWarning:
@@ -37,6 +44,7 @@ class TableWarning:
     context_len: int | None = None
     curve: str | None = None  # "draft" | "verify"
     size: int | None = None
+    severity: str = WARNING
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,15 +124,24 @@ def curve_warnings(curve: Curve, kind: str, context_len: int) -> list[TableWarni
         prev_max = np.concatenate(([-np.inf], run_max[:-1]))
         # Index of the point that set the running max so far, to name it in the message.
         setter = np.maximum.accumulate(np.where(arr >= prev_max, np.arange(len(arr)), 0)).tolist()
+        p75 = curve.p75_ms.tolist()
         for i in np.flatnonzero(arr < prev_max).tolist():
             j = setter[i - 1]
             size, earlier, c, top = sizes[i], sizes[j], cost[i], cost[j]
+            within = dip_within_spread(top, p75[i])
             out.append(TableWarning(
                 FALLING_MEDIAN,
                 f"{where}: size {size} median {c:.3f} ms is {_drop(1 - c / top)} below size {earlier}'s "
-                f"{top:.3f} ms; vLLM charges {top:.3f}",
-                context_len, kind, size))
+                f"{top:.3f} ms" + (" (within its own p25-p75 spread)" if within else "") + f"; vLLM charges {top:.3f}",
+                context_len, kind, size, NOTE if within else WARNING))
     return out
+
+
+def dip_within_spread(running_max: float, p75: float) -> bool:
+    """A dip is noise when the cost vLLM charges instead (the running max) still lies inside the
+    dipping point's own p25-p75 range: a quarter of its samples cost that much or more. No
+    spread recorded (NaN): it cannot be told apart, so it stays a warning."""
+    return math.isfinite(p75) and running_max <= p75
 
 
 def _drop(fraction: float) -> str:
@@ -150,14 +167,35 @@ def table_warnings(table: CostTable, context_lens: Sequence[int] | None = None) 
     return out
 
 
+def count_by_severity(warnings: Sequence[TableWarning]) -> dict[str, int]:
+    return {sev: sum(w.severity == sev for w in warnings) for sev in SEVERITIES}
+
+
+def summary_line(warnings: Sequence[TableWarning]) -> str:
+    """'2 warnings, 23 notes': the one line inspect ends with and profile/merge/import print."""
+    counts = count_by_severity(warnings)
+    parts = [f"{counts[WARNING]} warning{'s' if counts[WARNING] != 1 else ''}"]
+    if counts[NOTE]:
+        parts.append(f"{counts[NOTE]} note{'s' if counts[NOTE] != 1 else ''}")
+    return ", ".join(parts)
+
+
 @dataclass(eq=False)
 class Inspection:
     table: CostTable
     context_lens: list[int]  # the ones shown
-    warnings: list[TableWarning]
+    warnings: list[TableWarning]  # every finding, each with its severity (WARNING or NOTE)
     decision: DecisionMap
     path: str | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return count_by_severity(self.warnings)
+
+    @property
+    def summary(self) -> str:
+        return summary_line(self.warnings)
 
     def to_dict(self) -> dict[str, Any]:
         t = self.table
@@ -177,6 +215,8 @@ class Inspection:
             "num_samples": {str(ctx): t.num_samples(ctx) for ctx in self.context_lens},
             "curves": curves,
             "warnings": [w.to_dict() for w in self.warnings],
+            "counts": self.counts,
+            "summary": self.summary,
             "decision_map": self.decision.to_dict(),
             "notes": list(self.notes),
         }

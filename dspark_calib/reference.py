@@ -9,15 +9,42 @@ DSPARK_CALIB_ALLOW_REFERENCE=1, since nothing proves they match the engine.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import stat
 from collections import Counter
 from typing import Any, Sequence
 
-from dspark_calib.errors import CalibError
+from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fingerprint import BACKEND_REFERENCE, Fingerprint, config_hash
 from dspark_calib.samples import VLLM_SAMPLE_FIELDS, Sample
 from dspark_calib.table import CostTable
+
+
+# How torch.cuda.get_device_name() names a GPU ("NVIDIA H200", "AMD Instinct MI300X") and
+# how vLLM's __version__ reads ("0.33.0", "0.33.1.dev12+gabc"): a table whose names differ
+# from what the engine reports can never load.
+GPU_VENDORS = ("NVIDIA", "AMD", "Intel")
+VLLM_VERSION = re.compile(r"\d+\.\d+\.\d+([.+-]?[0-9A-Za-z.+-]+)?")
+
+
+def identity_warnings(gpu_name: str, vllm_version: str) -> list[str]:
+    """--gpu-name/--vllm-version: CalibError when unusable, one line per value that looks unlike
+    what vLLM and torch report (the plugin compares them verbatim, so the table would never load)."""
+    for option, value in (("--gpu-name", gpu_name), ("--vllm-version", vllm_version)):
+        if not value.strip() or value != value.strip() or not value.isprintable():
+            raise CalibError(f"{option} {value!r}: must be a non-empty name without surrounding spaces "
+                             "or control characters")
+    out = []
+    if gpu_name.split()[0] not in GPU_VENDORS:
+        out.append(f"--gpu-name {gpu_name!r} does not look like torch.cuda.get_device_name() "
+                   f"(e.g. 'NVIDIA H200'); the plugin compares it verbatim")
+    if not VLLM_VERSION.fullmatch(vllm_version):
+        out.append(f"--vllm-version {vllm_version!r} does not look like vllm.__version__ (e.g. '0.33.0'); "
+                   "the plugin compares it verbatim")
+    return out
 
 
 def samples_from_startup_json(data: dict[str, Any], path: str) -> list[Sample]:
@@ -25,6 +52,8 @@ def samples_from_startup_json(data: dict[str, Any], path: str) -> list[Sample]:
     rows, batches = data.get("rows"), data.get("batches")
     if not isinstance(rows, list) or not isinstance(batches, list) or len(rows) != len(batches):
         raise CalibError("needs 'rows' and 'batches' lists of equal length (row i came from batch i)", path=path)
+    if not rows:
+        raise CalibError("has no samples ('rows' is empty)", path=path)
     seen: Counter = Counter()
     out = []
     for i, (row, batch) in enumerate(zip(rows, batches)):
@@ -56,16 +85,30 @@ def table_from_startup_json(
     dtype: str = "bfloat16",
     kv_cache_dtype: str = "auto",
 ) -> CostTable:
+    if not paths:
+        raise CalibError("no start-up profiles given")
     samples: list[Sample] = []
     engine: dict[str, Any] | None = None
+    seen: dict[bytes, str] = {}
     for path in paths:
         try:
-            with open(path) as fh:
-                data = json.load(fh)
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block open() forever
+                raise CalibError("not a regular file", path=path)
+            with open(path, "rb") as fh:
+                raw = fh.read()
+            data = json.loads(raw)
         except FileNotFoundError:
             raise CalibError("no such file", path=path) from None
+        except PermissionError:
+            raise CalibError("permission denied", path=path) from None
         except (OSError, ValueError) as exc:
-            raise CalibError(f"not a JSON start-up profile ({exc})", path=path) from None
+            raise CalibError(f"not a JSON start-up profile ({first_line(exc)})", path=path) from None
+        # The same samples twice would double every count and fake precision and significance.
+        key = hashlib.sha256(raw).digest()
+        if key in seen:
+            same = "the same file as" if os.path.realpath(seen[key]) == os.path.realpath(path) else "the same content as"
+            raise CalibError(f"is {same} {seen[key]}; each profile may be imported once", path=path)
+        seen[key] = path
         if not isinstance(data, dict):
             raise CalibError("not a JSON object", path=path)
         try:
@@ -76,7 +119,7 @@ def table_from_startup_json(
             raise CalibError("profiled on a different engine shape than the first file", path=path)
         engine = this
         samples += samples_from_startup_json(data, path)
-    assert engine is not None
+    assert engine is not None  # paths is not empty, and each file either added samples or raised
     replays = max(Counter((s.num_target_tokens, s.context_len) for s in samples).values())
     fingerprint = Fingerprint(
         backend=BACKEND_REFERENCE,

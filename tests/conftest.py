@@ -56,3 +56,46 @@ def table_file(tmp_path, reference_table):
     from dspark_calib.table import write_table
 
     return Path(write_table(reference_table, tmp_path / "reference.parquet"))
+
+
+# -- shared by the CLI and analysis tests -----------------------------------------------------
+MODEL = REFERENCE_KWARGS["model"]
+DRAFT = REFERENCE_KWARGS["draft"]
+SHIPPED = REPO / "profiles" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
+
+
+def fixture_json(ctx: int) -> str:
+    """The recorded vLLM start-up profile at one context length (1024, 8192 or 16384)."""
+    return str(DATA_DIR / f"qwen3-8b_dspark-block7_ctx{ctx}.json")
+
+
+def one_line_error(result, *fragments: str) -> str:
+    """Assert a CliRunner result is exit 2 with exactly one 'dspark-calib: error:' stderr line."""
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("dspark-calib: error: ")
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+@pytest.fixture(scope="session")
+def table_1024():
+    return build_reference_table([fixture_json(1024)])
+
+
+@pytest.fixture(scope="session")
+def table_16384():
+    return build_reference_table([fixture_json(16384)])
+
+
+@pytest.fixture(scope="session")
+def table_files(tmp_path_factory, table_1024, table_16384, reference_table_8192, reference_table) -> dict[str, str]:
+    """Parquet files of the reference tables: c1024, c8192, c16384 and all (every context)."""
+    from dspark_calib.table import write_table
+
+    d = tmp_path_factory.mktemp("tables")
+    tables = {"c1024": table_1024, "c8192": reference_table_8192, "c16384": table_16384, "all": reference_table}
+    return {name: write_table(t, d / f"{name}.parquet") for name, t in tables.items()}

@@ -5,42 +5,32 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dspark_calib.compare import (
-    DENSE, MEDIAN, choose_contexts, compare_tables, p_values, threshold_exceeded,
+    DENSE, MEDIAN, choose_contexts, compare_tables, p_values, threshold_exceeded, threshold_verdict,
 )
 from dspark_calib.fit import decision_map
 from dspark_calib.inspection import CONFIDENCE_GRID
-from dspark_calib.reference import table_from_startup_json
 from dspark_calib.table import CostTable
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "data"
-KW = dict(model=str(REPO / "profiles/configs/qwen3-8b"), draft=str(REPO / "profiles/configs/dspark-qwen3-8b-block7"),
-          gpu_name="NVIDIA H200", vllm_version="0.33.0", num_speculative_tokens=7)
+from conftest import build_reference_table, fixture_json
 
 
 def _fixture(*ctxs: int) -> CostTable:
-    return table_from_startup_json([str(DATA / f"qwen3-8b_dspark-block7_ctx{c}.json") for c in ctxs], **KW)
+    return build_reference_table([fixture_json(c) for c in ctxs])
 
 
 @pytest.fixture(scope="module")
-def t1024() -> CostTable:
-    return _fixture(1024)
+def t1024(table_1024) -> CostTable:
+    return table_1024
 
 
 @pytest.fixture(scope="module")
-def t16384() -> CostTable:
-    return _fixture(16384)
-
-
-@pytest.fixture(scope="module")
-def t8192() -> CostTable:
-    return _fixture(8192)
+def t16384(table_16384) -> CostTable:
+    return table_16384
 
 
 def _rebuild(table: CostTable, keep=lambda s: True, change=lambda s: s, **fp_changes) -> CostTable:
@@ -195,3 +185,39 @@ def test_threshold_counts_only_significant_points(t1024):
         assert threshold_exceeded(r, 10) is expect
         assert threshold_exceeded(r, 25) is False
     assert math.isclose(sig.rel_change, 0.2)
+
+
+def test_decision_cells_count_only_what_a_table_can_price(t1024):
+    # max_num_batched_tokens 512: with 7 drafts a step of R requests needs 8R tokens, so neither
+    # table can price R = 128 or 256 (2 rows x 9 confidences). Those 18 cells are no decision.
+    small = _rebuild(t1024, keep=lambda s: s.num_target_tokens <= 512, max_num_batched_tokens=512)
+    r = compare_tables(small, small)
+    priced = int(np.isfinite(r.decisions.old.budget_per_req).sum())
+    assert priced == 63 and r.decisions.cells == 63
+    assert r.decisions.to_dict()["cells"] == 63
+
+
+def test_threshold_counts_a_significant_speed_up(t1024):
+    # Every cost 20% lower: a faster engine is as much a different engine as a slower one.
+    faster = _rebuild(t1024, change=lambda s: dataclasses.replace(s, forward_ms=s.forward_ms * 0.8,
+                                                                    drafter_ms=s.drafter_ms * 0.8))
+    r = compare_tables(t1024, faster)
+    v = threshold_verdict(r, 10)
+    assert v.exceeded and all(p.rel_change < -0.1 and p.significant for _, p in v.over)
+    assert threshold_exceeded(r, 10) and not threshold_exceeded(r, 25)
+    slower = compare_tables(faster, t1024)  # and the other direction, for symmetry
+    assert threshold_exceeded(slower, 10)
+
+
+def test_without_significance_nothing_is_tested_and_scipy_is_not_needed(t1024, t16384):
+    r = compare_tables(t1024, t16384, significance=False)
+    assert not r.significance_tested and r.to_dict()["significance_tested"] is False
+    for cd in r.curves.values():
+        assert all(p.p_value is None for p in cd.points)
+        assert cd.summary.significant == 0 and cd.summary.untested == len(cd.points)
+    tested = compare_tables(t1024, t16384)
+    # The same points, costs and sample counts either way: only the tests differ.
+    for kind in r.curves:
+        assert [(p.size, p.old_ms, p.new_ms, p.old_n, p.new_n) for p in r.curves[kind].points] == \
+               [(p.size, p.old_ms, p.new_ms, p.old_n, p.new_n) for p in tested.curves[kind].points]
+    assert not threshold_exceeded(r, 0)

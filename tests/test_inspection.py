@@ -3,28 +3,24 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dspark_calib.fit import decision_map
 from dspark_calib.inspection import (
-    FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, SHORT_DRAFT, SHORT_VERIFY, inspect_table, num_reqs_grid,
+    FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, NOTE, SHORT_DRAFT, SHORT_VERIFY, WARNING, dip_within_spread, inspect_table,
+    num_reqs_grid,
 )
-from dspark_calib.reference import table_from_startup_json
 from dspark_calib.samples import Sample
 from dspark_calib.table import CostTable
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "data"
-KW = dict(model=str(REPO / "profiles/configs/qwen3-8b"), draft=str(REPO / "profiles/configs/dspark-qwen3-8b-block7"),
-          gpu_name="NVIDIA H200", vllm_version="0.33.0", num_speculative_tokens=7)
+from conftest import build_reference_table, fixture_json
 
 
 @pytest.fixture(scope="module")
 def real() -> CostTable:
-    return table_from_startup_json([str(DATA / f"qwen3-8b_dspark-block7_ctx{c}.json") for c in (1024, 8192)], **KW)
+    return build_reference_table([fixture_json(c) for c in (1024, 8192)])
 
 
 def _synthetic(real: CostTable, verify: dict[int, list[float]], *, max_num_seqs=16, max_num_batched_tokens=64):
@@ -109,3 +105,46 @@ def test_to_dict_is_plain_json(real):
     assert [p["captured"] for p in pts] == [s <= 512 for s in real.curves[8192].verify.size.tolist()]
     assert d["num_samples"] == {"1024": 280, "8192": 280}
     assert len(d["decision_map"]["budget_per_req"]) == len(d["decision_map"]["num_reqs"])
+
+
+def test_a_dip_within_the_points_own_spread_is_a_note(real):
+    t = _synthetic(real, {
+        1: [5.0] * 5,
+        2: [4.8, 4.9, 4.95, 5.2, 5.3],  # median 4.95 < 5.0, but its p75 (5.2) reaches 5.0: noise
+        4: [6.0] * 5,
+        8: [5.0, 5.0, 5.0, 5.05, 5.1],  # median 5.0 < 6.0 and p75 5.05 far below: a real dip
+    }, max_num_batched_tokens=8, max_num_seqs=8)
+    dips = {w.size: w for w in inspect_table(t).warnings if w.code == FALLING_MEDIAN}
+    assert dips[2].severity == NOTE and "within its own p25-p75 spread" in dips[2].message
+    assert dips[8].severity == WARNING
+    insp = inspect_table(t)
+    assert insp.counts == {WARNING: 1, NOTE: 1} and insp.summary == "1 warning, 1 note"
+    d = insp.to_dict()
+    assert d["counts"] == {"warning": 1, "note": 1} and {w["severity"] for w in d["warnings"]} == {"warning", "note"}
+
+
+def test_dip_severity_rule(real):
+    assert dip_within_spread(5.0, 5.2) and dip_within_spread(5.0, 5.0)
+    assert not dip_within_spread(5.0, 4.99)
+    assert not dip_within_spread(5.0, float("nan"))  # no spread recorded: cannot call it noise
+
+
+def test_summary_and_inspect_output_count_only_warnings_as_warnings(real):
+    import io
+
+    from rich.console import Console
+
+    from dspark_calib.render import render_inspect, render_summary
+
+    t = _synthetic(real, {1: [5.0] * 5, 2: [4.8, 4.9, 4.95, 5.2, 5.3], 4: [6.0] * 5, 8: [8.0] * 5},
+                   max_num_batched_tokens=8, max_num_seqs=8)
+    insp = inspect_table(t)
+    assert insp.counts == {WARNING: 0, NOTE: 1}
+    out = io.StringIO()
+    render_summary(insp, Console(file=out, width=200))
+    assert out.getvalue().splitlines()[-1] == "no warnings, 1 note"
+    out = io.StringIO()
+    render_inspect(insp, Console(file=out, width=200))
+    text = out.getvalue()
+    assert text.rstrip().splitlines()[-1] == "summary: 0 warnings, 1 note"
+    assert "1 note:" in text and "warning:" not in text and "dip?" in text

@@ -16,41 +16,23 @@ from dspark_calib.cli import app
 from dspark_calib.reference import table_from_startup_json
 from dspark_calib.table import read_table, write_table
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "data"
-MODEL = str(REPO / "profiles/configs/qwen3-8b")
-DRAFT = str(REPO / "profiles/configs/dspark-qwen3-8b-block7")
-KW = dict(model=MODEL, draft=DRAFT, gpu_name="NVIDIA H200", vllm_version="0.33.0", num_speculative_tokens=7)
+from conftest import DRAFT, MODEL, REFERENCE_KWARGS as KW, REPO, fixture_json as _json, one_line_error
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 runner = CliRunner()
 
 
-def _json(ctx: int) -> str:
-    return str(DATA / f"qwen3-8b_dspark-block7_ctx{ctx}.json")
-
-
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, str]:
-    d = tmp_path_factory.mktemp("tables")
-    out = {}
-    for name, ctxs in (("c1024", [1024]), ("c16384", [16384]), ("c8192", [8192]), ("all", [1024, 8192, 16384])):
-        out[name] = write_table(table_from_startup_json([_json(c) for c in ctxs], **KW), d / f"{name}.parquet")
-    return out
+def files(table_files) -> dict[str, str]:
+    return table_files
 
 
 def invoke(*args: str):
     return runner.invoke(app, [str(a) for a in args])
 
 
-def assert_one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("dspark-calib: error: ")
-    for f in fragments:
-        assert f in lines[0]
-    assert "Traceback" not in result.output
+assert_one_line_error = one_line_error
 
 
 def test_version_and_help():
@@ -86,6 +68,7 @@ def test_inspect_json(files):
 
 def test_inspect_plot(files, tmp_path):
     png = tmp_path / "sub" / "curves.png"
+    png.parent.mkdir()
     r = invoke("inspect", files["all"], "--plot", png)
     assert r.exit_code == 0, r.output
     assert png.read_bytes()[:8] == PNG_MAGIC
@@ -115,7 +98,8 @@ def test_diff_json_and_plot(files, tmp_path):
     r = invoke("diff", files["c1024"], files["c16384"], "--json", "--threshold", "5", "--plot", png)
     assert r.exit_code == 1
     d = json.loads(r.stdout)
-    assert d["threshold"] == {"pct": 5.0, "exceeded": True}
+    assert d["threshold"]["pct"] == 5.0 and d["threshold"]["exceeded"] is True
+    assert d["threshold"]["over"] and all(abs(o["rel_change"]) > 0.05 for o in d["threshold"]["over"])
     assert d["old"]["context_len"] == 1024 and d["new"]["context_len"] == 16384
     assert d["curves"]["verify"]["summary"]["significant_slower"] > 0
     assert d["decisions"]["changed"] == len(d["decisions"]["changes"]) > 0
@@ -147,10 +131,10 @@ def test_import_vllm(tmp_path):
 
 def test_import_vllm_bad_input(tmp_path):
     missing = tmp_path / "nope.json"
-    r = invoke("import-vllm", missing, "--model", MODEL, "--draft", DRAFT, "--gpu-name", "x", "--vllm-version",
+    r = invoke("import-vllm", missing, "--model", MODEL, "--draft", DRAFT, "--gpu-name", "NVIDIA H200", "--vllm-version",
                "0.33.0", "--num-speculative-tokens", "7", "--out", tmp_path)
     assert_one_line_error(r, str(missing), "no such file")
-    r = invoke("import-vllm", _json(1024), "--model", tmp_path, "--draft", DRAFT, "--gpu-name", "x",
+    r = invoke("import-vllm", _json(1024), "--model", tmp_path, "--draft", DRAFT, "--gpu-name", "NVIDIA H200",
                "--vllm-version", "0.33.0", "--num-speculative-tokens", "7", "--out", tmp_path)
     assert_one_line_error(r, str(tmp_path), "config.json")
 
@@ -205,3 +189,30 @@ def test_module_entry_point_and_error_without_traceback(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == f"dspark-calib: error: {tmp_path / 'absent.parquet'}: no such file"
     assert r.stdout == ""
+
+
+def test_diff_threshold_exits_1_on_a_significant_speed_up(files):
+    # c16384 -> c1024: every verify step significantly faster; the gate must trip on it too.
+    r = invoke("diff", files["c16384"], files["c1024"], "--threshold", "5")
+    assert r.exit_code == 1, r.output
+    assert "EXCEEDED" in r.stdout
+
+
+def test_diff_without_significance_says_so_and_needs_no_scipy(files):
+    code = ("import sys\nfrom dspark_calib.cli import main\n"
+            f"sys.argv = ['dspark-calib', 'diff', {files['c1024']!r}, {files['c16384']!r}]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            "assert 'scipy' not in sys.modules and 'matplotlib' not in sys.modules\n")
+    r = _run("-c", code)
+    assert r.returncode == 0, r.stderr
+    assert "significance not tested" in r.stdout
+    r = invoke("diff", files["c1024"], files["c16384"], "--significance", "--json")
+    d = json.loads(r.stdout)
+    assert d["significance_tested"] and d["curves"]["verify"]["summary"]["significant_slower"] > 40
+
+
+def test_inspect_ends_with_a_summary_of_the_shipped_table():
+    r = invoke("inspect", REPO / "profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
+    assert r.exit_code == 0, r.output
+    last = r.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("summary: ") and "warning" in last and "note" in last

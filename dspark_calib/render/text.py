@@ -1,14 +1,12 @@
-"""Drawing only: rich terminal views and matplotlib PNGs of inspect and diff results.
+"""Terminal views (rich) of inspect and diff results: drawing only.
 
-The numbers come from inspection.py and compare.py; nothing here decides anything.
-matplotlib is imported inside the plot functions so `inspect` without --plot
-never pays for it.
+The numbers, the severities and the threshold verdict come from inspection.py and
+compare.py; nothing here decides anything.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -17,10 +15,13 @@ from rich.console import Console
 from rich.text import Text
 
 from dspark_calib.fit import CURVE_KINDS, DRAFT, Curve
-from dspark_calib.inspection import FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, DecisionMap, Inspection, TableWarning
+from dspark_calib.inspection import (
+    FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, NOTE, WARNING, DecisionMap, Inspection, TableWarning,
+)
 
 if TYPE_CHECKING:
-    from dspark_calib.compare import CurveDiff, DiffResult
+    from dspark_calib.check import CheckResult
+    from dspark_calib.compare import CurveDiff, DiffResult, ThresholdVerdict
     from dspark_calib.table import CostTable
 
 MAX_CURVE_ROWS = 80  # beyond this a curve table is a wall of numbers: show a log-spaced selection
@@ -29,6 +30,7 @@ MAX_DIFF_ROWS = 60  # more than this: only the largest changes
 MAX_WARNINGS_PER_GROUP = 8
 SIZE_LABEL = {DRAFT: "num_reqs", "verify": "num_target_tokens"}
 FLAG = {FEW_SAMPLES: "few", HIGH_SPREAD: "noisy", FALLING_MEDIAN: "dip"}
+SEVERITY_STYLE = {WARNING: ("!", "yellow"), NOTE: ("·", "dim")}
 
 
 # -- small helpers -----------------------------------------------------------------------
@@ -186,17 +188,24 @@ def curve_table(curve: Curve, kind: str, context_len: int, limit: int, flags: di
     return grid(title, ("size", "cost ms", "n", "p25–p75 ms", "IQR/med", "MAD ms", "notes"), out, left=(6,))
 
 
-def warnings_view(warnings: Sequence[TableWarning]) -> list[Text]:
+def warnings_view(warnings: Sequence[TableWarning], severity: str = WARNING) -> list[Text]:
+    """The findings of one severity, grouped by (code, context, curve), long groups shortened."""
+    mark, style = SEVERITY_STYLE[severity]
     groups: dict[tuple, list[TableWarning]] = defaultdict(list)
     for w in warnings:
-        groups[(w.code, w.context_len, w.curve)].append(w)
+        if w.severity == severity:
+            groups[(w.code, w.context_len, w.curve)].append(w)
     out = []
     for group in groups.values():
         for w in group[:MAX_WARNINGS_PER_GROUP]:
-            out.append(Text(f"! {w.message}", style="yellow"))
+            out.append(Text(f"{mark} {w.message}", style=style))
         if len(group) > MAX_WARNINGS_PER_GROUP:
-            out.append(Text(f"  … and {len(group) - MAX_WARNINGS_PER_GROUP} more like it", style="yellow"))
+            out.append(Text(f"  … and {len(group) - MAX_WARNINGS_PER_GROUP} more like it", style=style))
     return out
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 def _budget_cell(value: float, k: int) -> Text:
@@ -224,7 +233,7 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
     flags: dict[tuple[int, str], dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     for w in insp.warnings:
         if w.size is not None and w.code in FLAG:
-            flags[(w.context_len, w.curve)][w.size].append(FLAG[w.code])
+            flags[(w.context_len, w.curve)][w.size].append(FLAG[w.code] + ("?" if w.severity == NOTE else ""))
     limit = table.fingerprint.cudagraph_limit
     for ctx in insp.context_lens:
         console.print()
@@ -234,14 +243,19 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
             console.print()
             _show(console, curve_table(pair.curve(kind), kind, ctx, limit, flags[(ctx, kind)], all_points=all_points))
     console.print()
-    if insp.warnings:
-        console.print(Text(f"{len(insp.warnings)} warning{'s' if len(insp.warnings) != 1 else ''}:", style="bold yellow"))
-        for line in warnings_view(insp.warnings):
-            _show(console, line)
-    else:
-        console.print(Text("no warnings", style="green"))
-    console.print()
     _show(console, decision_table(insp.decision))
+    counts = insp.counts
+    for severity, title in ((WARNING, "warning"), (NOTE, "note")):
+        if counts[severity]:
+            console.print()
+            console.print(Text(_plural(counts[severity], title) + ":", style="bold " + SEVERITY_STYLE[severity][1]))
+            for line in warnings_view(insp.warnings, severity):
+                _show(console, line)
+    if counts[NOTE]:
+        console.print(Text("notes: dips within the point's own p25-p75 spread (noise; vLLM charges the running max)",
+                           style="dim"))
+    console.print()
+    console.print(Text(f"summary: {insp.summary}", style="yellow" if counts[WARNING] else "green"))
 
 
 def render_summary(insp: Inspection, console: Console) -> None:
@@ -259,18 +273,22 @@ def render_summary(insp: Inspection, console: Console) -> None:
                      f"{t.num_samples(ctx)} samples")
     for line in lines:  # Text, not a str: names and paths must not be read as rich markup
         console.print(Text(line), no_wrap=True, crop=False, overflow="ignore")
-    if insp.warnings:
-        console.print(Text(f"{len(insp.warnings)} warnings (dspark-calib inspect for details)", style="yellow"))
+    n = insp.counts[WARNING]
+    notes = insp.counts[NOTE]
+    tail = f", {_plural(notes, 'note')}" if notes else ""
+    if n:
+        console.print(Text(f"{_plural(n, 'warning')}{tail} (dspark-calib inspect for details)", style="yellow"))
     else:
-        console.print(Text("no warnings", style="green"))
+        console.print(Text(f"no warnings{tail}", style="green"))
 
 
 # -- diff ----------------------------------------------------------------------------------
-def _diff_points_table(cd: "CurveDiff", *, all_points: bool = False) -> Text:
+def _diff_points_table(cd: "CurveDiff", *, all_points: bool = False, tested: bool = True) -> Text:
     pts = list(cd.points)
-    title = f"{cd.kind} curve: per-size change, new vs old (* p < 0.01; dense: profiled on one side, priced from vLLM's tables)"
+    marks = "* p < 0.01" if tested else "significance not tested"
+    title = f"{cd.kind} curve: per-size change, new vs old ({marks}; dense: profiled on one side, priced from vLLM's tables)"
     if not any(p.source == "dense" for p in pts):
-        title = f"{cd.kind} curve: per-size change, new vs old (* p < 0.01)"
+        title = f"{cd.kind} curve: per-size change, new vs old ({marks})"
     if not all_points and len(pts) > MAX_DIFF_ROWS:
         top = sorted(range(len(pts)), key=lambda i: -abs(pts[i].rel_change))[:MAX_DIFF_ROWS]
         pts = [pts[i] for i in sorted(top)]
@@ -287,12 +305,12 @@ def _diff_points_table(cd: "CurveDiff", *, all_points: bool = False) -> Text:
     return grid(title, ("size", "old ms", "new ms", "Δ ms", "Δ", "p", "n old/new", ""), rows, left=(7,))
 
 
-def render_diff(result: "DiffResult", console: Console, *, threshold: float | None = None,
+def render_diff(result: "DiffResult", console: Console, *, verdict: "ThresholdVerdict | None" = None,
                 all_points: bool = False) -> None:
-    from dspark_calib.compare import ALPHA, threshold_exceeded
+    from dspark_calib.compare import ALPHA
 
-    console.print(Text(f"old: {result.old_path or '(table)'}  [{result.old_hash}, ctx {result.old_context}]", style="bold"))
-    console.print(Text(f"new: {result.new_path or '(table)'}  [{result.new_hash}, ctx {result.new_context}]", style="bold"))
+    _show(console, Text(f"old: {result.old_path or '(table)'}  [{result.old_hash}, ctx {result.old_context}]", style="bold"))
+    _show(console, Text(f"new: {result.new_path or '(table)'}  [{result.new_hash}, ctx {result.new_context}]", style="bold"))
     for note in result.notes:
         console.print(Text(f"note: {note}", style="cyan"))
     console.print()
@@ -309,7 +327,11 @@ def render_diff(result: "DiffResult", console: Console, *, threshold: float | No
         summary.append(((kind, str(m.points), _pct(m.median_abs_rel_change, signed=False),
                          _pct(m.max_abs_rel_change, signed=False), _short(m.max_change_size), str(m.significant),
                          str(m.significant_slower), str(m.significant_faster), str(m.untested)), None))
-    _show(console, grid(f"cost change per curve (significant: Mann-Whitney p < {ALPHA:g} on raw samples)",
+    if result.significance_tested:
+        title = f"cost change per curve (significant: Mann-Whitney p < {ALPHA:g} on raw samples)"
+    else:
+        title = "cost change per curve (significance not tested: --significance runs Mann-Whitney on the raw samples)"
+    _show(console, grid(title,
                        ("curve", "sizes", "median |Δ|", "max |Δ|", "at size", "significant", "slower", "faster",
                         "untested"), summary, left=(0,)))
     for cd in result.curves.values():
@@ -318,7 +340,7 @@ def render_diff(result: "DiffResult", console: Console, *, threshold: float | No
                                f"tables price; not compared", style="cyan"))
     for cd in result.curves.values():
         console.print()
-        _show(console, _diff_points_table(cd, all_points=all_points))
+        _show(console, _diff_points_table(cd, all_points=all_points, tested=result.significance_tested))
     console.print()
     d = result.decisions
     console.print(Text(f"decision impact: {len(d.changes)} of {d.cells} (requests x confidence) cells get a different "
@@ -337,132 +359,41 @@ def render_diff(result: "DiffResult", console: Console, *, threshold: float | No
             rows.append((cells, None))
         _show(console, grid(f"draft budget per request, old → new (ctx {result.old_context} → {result.new_context})",
                            ("R \\ c", *(f"{c:g}" for c in d.old.confidence)), rows))
-    if threshold is not None:
+    if verdict is not None:
         console.print()
-        over = [p for cd in result.curves.values() for p in cd.points
-                if p.significant and abs(p.rel_change) * 100 > threshold]
-        if threshold_exceeded(result, threshold):
-            console.print(Text(f"threshold {threshold:g}% EXCEEDED: {len(over)} significant point"
-                               f"{'s' if len(over) != 1 else ''} changed by more", style="bold red"))
+        if verdict.exceeded:
+            console.print(Text(f"threshold {verdict.pct:g}% EXCEEDED: {_plural(len(verdict.over), 'significant point')} "
+                               f"changed by more (either direction)", style="bold red"))
         else:
-            console.print(Text(f"threshold {threshold:g}% not exceeded", style="bold green"))
+            console.print(Text(f"threshold {verdict.pct:g}% not exceeded", style="bold green"))
 
 
-# -- plots ---------------------------------------------------------------------------------
-def _new_figure(rows: int, cols: int, height: float):
-    # Figure + Agg canvas directly, not pyplot: no global backend state, nothing to close.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(12, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(rows, cols, squeeze=False)
-    return fig, axes
+# -- check ---------------------------------------------------------------------------------
+CHECK_STYLE = {"loads": "bold green", "fits": "", "mismatch": "yellow", "unreadable": "red"}
 
 
-def _save_png(fig: Any, path: str | os.PathLike) -> str:
-    """Temp file + rename (atomic_write): a viewer or CI artifact never sees half a PNG."""
-    from dspark_calib.atomic import atomic_write
-
-    path = atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110))
-    os.chmod(path, _default_mode())  # mkstemp made it 0600; a plot should read like any file
-    return path
-
-
-def _default_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def _raw_points(table: "CostTable", kind: str, ctx: int, graph_only: bool | None) -> tuple[np.ndarray, np.ndarray]:
-    s = table.samples
-    if len(s) == 0:
-        return np.array([]), np.array([])
-    s = s[s["context_len"] == ctx]
-    if graph_only is not None:
-        s = s[s["full_cudagraph"].astype(bool) == graph_only]
-    if kind == DRAFT:
-        return s["num_reqs"].to_numpy(), s["drafter_ms"].to_numpy(dtype=float)
-    return s["num_target_tokens"].to_numpy(), s["forward_ms"].to_numpy(dtype=float)
-
-
-def _style_axis(ax: Any, kind: str, ctx: int | str, limits: Iterable[int]) -> None:
-    for limit in sorted(set(limits)):
-        if limit:
-            ax.axvline(limit, color="tab:red", linestyle="--", linewidth=1, label=f"capture limit {limit}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel(SIZE_LABEL[kind])
-    ax.set_ylabel("ms")
-    ax.set_title(f"{kind} @ctx {ctx}")
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize="small", loc="upper left")
-
-
-def plot_table(table: "CostTable", path: str | os.PathLike, *, context_len: int | None = None) -> str:
-    """Both curves per context length: raw samples as dots, medians, vLLM's dense cost, capture limit."""
-    ctxs = table.context_lens() if context_len is None else [table.nearest_context(context_len)]
-    fig, axes = _new_figure(len(ctxs), 2, 3.8 * len(ctxs))
-    fp = table.fingerprint
-    for row, ctx in enumerate(ctxs):
-        pair = table.curves[ctx]
-        dense = table.dense_tables(ctx)
-        for col, kind in enumerate(CURVE_KINDS):
-            ax = axes[row][col]
-            curve = pair.curve(kind)
-            eager_x, eager_y = (_raw_points(table, kind, ctx, graph_only=False) if kind == DRAFT
-                                else (np.array([]), np.array([])))
-            # vLLM prices the draft from graph replays only; eager draft samples are drawn apart.
-            x, y = _raw_points(table, kind, ctx, graph_only=True if kind == DRAFT else None)
-            if len(x):
-                ax.scatter(x, y, s=8, color="tab:blue", alpha=0.35, label="samples")
-            ax.plot(curve.size, curve.cost_ms, "-o", markersize=3, color="tab:orange", linewidth=1.2, label="median")
-            sizes = np.arange(1, len(dense[col]))
-            ax.plot(sizes, dense[col][1:], color="black", linewidth=0.8, alpha=0.7, label="vLLM dense cost")
-            top = max([float(np.max(y)) if len(y) else 0.0, float(np.max(curve.cost_ms)), float(np.max(dense[col]))])
-            if len(eager_x):
-                off = int((eager_y > top * 1.1).sum())
-                ax.scatter(eager_x, eager_y, s=8, marker="x", color="0.6", alpha=0.5,
-                           label="eager samples (unused)" + (f", {off} off-scale" if off else ""))
-                # Eager outliers (10x the graph cost) would flatten the curve vLLM actually uses.
-                ax.set_ylim(0, top * 1.1)
-            _style_axis(ax, kind, ctx, [fp.cudagraph_limit])
-    fig.suptitle(f"{fp.target_model} + {fp.draft_model}, {fp.gpu_name}, vllm {fp.vllm_version} [{table.short_hash}]")
-    return _save_png(fig, path)
-
-
-def plot_diff(old: "CostTable", new: "CostTable", path: str | os.PathLike, *, old_context: int | None = None,
-              new_context: int | None = None, result: "DiffResult | None" = None) -> str:
-    """Old and new medians overlaid, and the relative change per size (filled: significant)."""
-    from dspark_calib.compare import compare_tables
-
-    if result is None:
-        result = compare_tables(old, new, old_context=old_context, new_context=new_context)
-    oc, nc = result.old_context, result.new_context
-    fig, axes = _new_figure(2, 2, 8)
-    limits = [old.fingerprint.cudagraph_limit, new.fingerprint.cudagraph_limit]
-    for col, kind in enumerate(CURVE_KINDS):
-        ax = axes[0][col]
-        graph_only = True if kind == DRAFT else None
-        for table, ctx, color, label in ((old, oc, "tab:blue", "old"), (new, nc, "tab:orange", "new")):
-            x, y = _raw_points(table, kind, ctx, graph_only)
-            if len(x):
-                ax.scatter(x, y, s=6, color=color, alpha=0.25)
-            curve = table.curves[ctx].curve(kind)
-            ax.plot(curve.size, curve.cost_ms, "-o", markersize=3, color=color, linewidth=1.2,
-                    label=f"{label} [{table.short_hash}] ctx {ctx}")
-        _style_axis(ax, kind, oc if oc == nc else f"{oc}→{nc}", limits)
-        ax = axes[1][col]
-        pts = result.curves[kind].points
-        if pts:
-            x = np.array([p.size for p in pts])
-            rel = np.array([p.rel_change * 100 if math.isfinite(p.rel_change) else np.nan for p in pts])
-            sig = np.array([p.significant for p in pts])
-            ax.scatter(x[sig], rel[sig], s=18, color="tab:red", label="significant (p < 0.01)")
-            ax.scatter(x[~sig], rel[~sig], s=18, facecolors="none", edgecolors="0.4", label="not significant / untested")
-        ax.axhline(0, color="black", linewidth=0.8)
-        _style_axis(ax, kind, "", limits)
-        ax.set_ylabel("change, %")
-        ax.set_title(f"{kind}: new vs old")
-    fig.suptitle(f"diff {result.old_hash} → {result.new_hash}")
-    return _save_png(fig, path)
+def render_check(result: "CheckResult", console: Console) -> None:
+    chosen = result.chosen
+    if chosen:
+        _show(console, Text(f"would load: {chosen.path} (hash {chosen.content_hash[:12]})", style="bold green"))
+    else:
+        _show(console, Text(f"would load: nothing from {result.source}; vLLM profiles at start-up as usual",
+                            style="bold yellow"))
+    rows = [((t.status, t.content_hash[:12] or "—", t.path, t.reason or "—"), CHECK_STYLE.get(t.status) or None)
+            for t in result.tables]
+    if rows:
+        console.print()
+        _show(console, grid("tables, newest first (reason: the first key that does not fit)",
+                            ("status", "hash", "table", "reason"), rows, left=(0, 1, 2, 3)))
+    console.print()
+    checked = ", ".join(f"{k}={_short(v)}" for k, v in sorted(result.engine.items())) or "—"
+    console.print(Text(f"checked: {checked}", style="dim"), no_wrap=False)
+    if result.unchecked:
+        console.print(Text(f"not checked (not given): {', '.join(result.unchecked)}", style="dim"))
+    if result.ignored:
+        console.print(Text(f"given but not a load check (the plugin does not compare it): {', '.join(result.ignored)}",
+                           style="dim"))
+    console.print()
+    console.print(Text("plugin log:", style="bold"))
+    for line in result.lines:
+        console.print(Text(line), no_wrap=True, crop=False, overflow="ignore")

@@ -1,0 +1,141 @@
+"""The CLI's paths: outputs (--plot, --out) checked before any work, never onto an input;
+inputs given twice refused.
+
+Every rule here runs before a table is read or a curve is fitted, so a bad path costs
+nothing and names the path the user typed (never a temp file). A path that resolves to
+an input (same file after realpath, or os.path.samefile through hard links) is refused:
+`inspect T --plot T` or `merge A B --out A` would otherwise replace the input. Parent
+directories are never created: a typo must not grow a tree from /.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+from dspark_calib.errors import CalibError
+from dspark_calib.render.plots import FORMATS, plot_format
+
+TABLE_SUFFIX = ".parquet"
+
+
+def same_file(a: str, b: str) -> bool:
+    """a and b name one file: equal after realpath, or the same inode (hard link, bind mount)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist (yet): realpath already said all there is
+        return False
+
+
+def refuse_inputs(path: str, inputs: Sequence[str], option: str) -> None:
+    for source in inputs:
+        if same_file(path, source):
+            raise CalibError(f"{option} would overwrite the input {source}; choose another path", path=path)
+
+
+def _check_parent(path: str, option: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist (not created: make it first)"
+        raise CalibError(f"{option}: directory {parent} {what}", path=path)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CalibError(f"{option}: directory {parent} is not writable", path=path)
+
+
+def _not_empty(path: str, option: str) -> None:
+    if not path.strip():
+        raise CalibError(f"{option}: empty path")
+
+
+def plot_path(path: str | None, inputs: Sequence[str], option: str = "--plot") -> str | None:
+    """The plot file to write (None: no plot). Its suffix names the format."""
+    if path is None:
+        return None
+    _not_empty(path, option)
+    refuse_inputs(path, inputs, option)  # first: the worst mistake gets the clearest message
+    if not plot_format(path):
+        suffix = os.path.splitext(path)[1] or "no suffix"
+        raise CalibError(f"{option}: unknown plot format ({suffix}); use {', '.join('.' + f for f in FORMATS)}",
+                         path=path)
+    if os.path.isdir(path):
+        raise CalibError(f"{option}: is a directory; give a file name", path=path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise CalibError(f"{option}: exists and is not a regular file", path=path)
+    _check_parent(path, option)
+    return path
+
+
+@dataclass(frozen=True)
+class TableOut:
+    """A checked --out: a file, or a directory the table's default file name goes into."""
+
+    given: str
+    is_dir: bool
+    inputs: tuple[str, ...]
+    option: str = "--out"
+
+    def file_for(self, default_name: str) -> str:
+        """The file to write, once the table (and so its default name) is known; still before
+        anything is written. Creates the --out directory itself (never its parents)."""
+        if not self.is_dir:
+            return self.given
+        path = os.path.join(self.given, default_name)
+        refuse_inputs(path, self.inputs, self.option)
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise CalibError(f"{self.option}: exists and is not a regular file", path=path)
+        if not os.path.isdir(self.given):
+            try:
+                os.mkdir(self.given)
+            except OSError as exc:
+                raise CalibError(f"{self.option}: cannot make the directory ({exc.strerror})", path=self.given) from None
+        return path
+
+
+def table_out(out: str, inputs: Sequence[str], option: str = "--out") -> TableOut:
+    """--out FILE|DIR: an existing directory, a path ending in '/', or a new name without
+    .parquet is a directory (the table's default file name goes inside); anything else is
+    the file. The directory itself may be new; its parent must exist."""
+    _not_empty(out, option)
+    inputs = tuple(inputs)
+    is_dir = out.endswith(("/", os.sep)) or os.path.isdir(out) or (
+        not os.path.lexists(out) and not out.endswith(TABLE_SUFFIX))
+    if is_dir:
+        if os.path.isdir(out):
+            if not os.access(out, os.W_OK | os.X_OK):
+                raise CalibError(f"{option}: directory is not writable", path=out)
+        elif os.path.exists(out):
+            raise CalibError(f"{option}: is not a directory", path=out)
+        else:
+            _check_parent(out.rstrip("/" + os.sep) or out, option)
+        return TableOut(out, True, inputs, option)
+    if os.path.exists(out) and not os.path.isfile(out):
+        raise CalibError(f"{option}: exists and is not a regular file", path=out)
+    _check_parent(out, option)
+    refuse_inputs(out, inputs, option)
+    return TableOut(out, False, inputs, option)
+
+
+def write_error(exc: OSError, path: str, option: str) -> CalibError:
+    """An OSError while writing, said about the user's path (the temp file is ours, not theirs)."""
+    return CalibError(f"{option}: cannot write ({exc.strerror or type(exc).__name__})", path=path)
+
+
+def refuse_duplicate_inputs(paths: Sequence[str], what: str = "input") -> None:
+    """The same file twice (by name, link or inode) would double its samples: faked precision."""
+    for i, path in enumerate(paths):
+        for earlier in paths[:i]:
+            if same_file(path, earlier):
+                raise CalibError(f"is the same file as {earlier}; give each {what} once", path=path)
+
+
+def refuse_same_tables(paths: Sequence[str], hashes: Sequence[str]) -> None:
+    """Two copies of one table (same content hash: same fingerprint and curves) are one run."""
+    seen: dict[str, str] = {}
+    for path, digest in zip(paths, hashes):
+        if digest in seen:
+            raise CalibError(f"has the same content as {seen[digest]} (hash {digest[:12]}); "
+                             "merging a run with itself doubles its samples", path=path)
+        seen[digest] = path

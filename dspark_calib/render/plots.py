@@ -1,0 +1,139 @@
+"""Plots (matplotlib) of inspect and diff results: drawing only.
+
+Figure + Agg canvas directly, not pyplot: no global backend state. matplotlib is
+imported inside the functions so commands without --plot never pay for it. Files
+are written through atomic_write, which alone decides their mode.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any, Iterable
+
+import numpy as np
+
+from dspark_calib.fit import CURVE_KINDS, DRAFT
+
+if TYPE_CHECKING:
+    from dspark_calib.compare import DiffResult
+    from dspark_calib.table import CostTable
+
+SIZE_LABEL = {DRAFT: "num_reqs", "verify": "num_target_tokens"}
+FORMATS = ("png", "svg", "pdf")  # what --plot writes, chosen by the file's suffix
+
+
+def _new_figure(rows: int, cols: int, height: float):
+    # Figure + Agg canvas directly, not pyplot: no global backend state, nothing to close.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    return fig, axes
+
+
+def plot_format(path: str | os.PathLike) -> str:
+    """The format a plot path's suffix names ('' when it names none we write)."""
+    fmt = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    return fmt if fmt in FORMATS else ""
+
+
+def _save(fig: Any, path: str | os.PathLike) -> str:
+    """Temp file + rename (atomic_write): a viewer or CI artifact never sees half a plot."""
+    from dspark_calib.atomic import atomic_write
+
+    fmt = plot_format(path)
+    if not fmt:
+        raise ValueError(f"{os.fspath(path)}: a plot must end in .png, .svg or .pdf")
+    return atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=110))
+
+
+def _raw_points(table: "CostTable", kind: str, ctx: int, graph_only: bool | None) -> tuple[np.ndarray, np.ndarray]:
+    s = table.samples
+    if len(s) == 0:
+        return np.array([]), np.array([])
+    s = s[s["context_len"] == ctx]
+    if graph_only is not None:
+        s = s[s["full_cudagraph"].astype(bool) == graph_only]
+    if kind == DRAFT:
+        return s["num_reqs"].to_numpy(), s["drafter_ms"].to_numpy(dtype=float)
+    return s["num_target_tokens"].to_numpy(), s["forward_ms"].to_numpy(dtype=float)
+
+
+def _style_axis(ax: Any, kind: str, ctx: int | str, limits: Iterable[int]) -> None:
+    for limit in sorted(set(limits)):
+        if limit:
+            ax.axvline(limit, color="tab:red", linestyle="--", linewidth=1, label=f"capture limit {limit}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(SIZE_LABEL[kind])
+    ax.set_ylabel("ms")
+    ax.set_title(f"{kind} @ctx {ctx}")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left")
+
+
+def plot_table(table: "CostTable", path: str | os.PathLike, *, context_len: int | None = None) -> str:
+    """Both curves per context length: raw samples as dots, medians, vLLM's dense cost, capture limit."""
+    ctxs = table.context_lens() if context_len is None else [table.nearest_context(context_len)]
+    fig, axes = _new_figure(len(ctxs), 2, 3.8 * len(ctxs))
+    fp = table.fingerprint
+    for row, ctx in enumerate(ctxs):
+        pair = table.curves[ctx]
+        dense = table.dense_tables(ctx)
+        for col, kind in enumerate(CURVE_KINDS):
+            ax = axes[row][col]
+            curve = pair.curve(kind)
+            eager_x, eager_y = (_raw_points(table, kind, ctx, graph_only=False) if kind == DRAFT
+                                else (np.array([]), np.array([])))
+            # vLLM prices the draft from graph replays only; eager draft samples are drawn apart.
+            x, y = _raw_points(table, kind, ctx, graph_only=True if kind == DRAFT else None)
+            if len(x):
+                ax.scatter(x, y, s=8, color="tab:blue", alpha=0.35, label="samples")
+            ax.plot(curve.size, curve.cost_ms, "-o", markersize=3, color="tab:orange", linewidth=1.2, label="median")
+            sizes = np.arange(1, len(dense[col]))
+            ax.plot(sizes, dense[col][1:], color="black", linewidth=0.8, alpha=0.7, label="vLLM dense cost")
+            top = max([float(np.max(y)) if len(y) else 0.0, float(np.max(curve.cost_ms)), float(np.max(dense[col]))])
+            if len(eager_x):
+                off = int((eager_y > top * 1.1).sum())
+                ax.scatter(eager_x, eager_y, s=8, marker="x", color="0.6", alpha=0.5,
+                           label="eager samples (unused)" + (f", {off} off-scale" if off else ""))
+                # Eager outliers (10x the graph cost) would flatten the curve vLLM actually uses.
+                ax.set_ylim(0, top * 1.1)
+            _style_axis(ax, kind, ctx, [fp.cudagraph_limit])
+    fig.suptitle(f"{fp.target_model} + {fp.draft_model}, {fp.gpu_name}, vllm {fp.vllm_version} [{table.short_hash}]")
+    return _save(fig, path)
+
+
+def plot_diff(old: "CostTable", new: "CostTable", path: str | os.PathLike, *, result: "DiffResult") -> str:
+    """Old and new medians overlaid, and the relative change per size (filled: significant);
+    `result` is compare_tables' answer for these two tables (the plot computes nothing)."""
+    oc, nc = result.old_context, result.new_context
+    fig, axes = _new_figure(2, 2, 8)
+    limits = [old.fingerprint.cudagraph_limit, new.fingerprint.cudagraph_limit]
+    for col, kind in enumerate(CURVE_KINDS):
+        ax = axes[0][col]
+        graph_only = True if kind == DRAFT else None
+        for table, ctx, color, label in ((old, oc, "tab:blue", "old"), (new, nc, "tab:orange", "new")):
+            x, y = _raw_points(table, kind, ctx, graph_only)
+            if len(x):
+                ax.scatter(x, y, s=6, color=color, alpha=0.25)
+            curve = table.curves[ctx].curve(kind)
+            ax.plot(curve.size, curve.cost_ms, "-o", markersize=3, color=color, linewidth=1.2,
+                    label=f"{label} [{table.short_hash}] ctx {ctx}")
+        _style_axis(ax, kind, oc if oc == nc else f"{oc}→{nc}", limits)
+        ax = axes[1][col]
+        pts = result.curves[kind].points
+        if pts:
+            x = np.array([p.size for p in pts])
+            rel = np.array([p.rel_change * 100 if math.isfinite(p.rel_change) else np.nan for p in pts])
+            sig = np.array([p.significant for p in pts])
+            ax.scatter(x[sig], rel[sig], s=18, color="tab:red", label="significant (p < 0.01)")
+            ax.scatter(x[~sig], rel[~sig], s=18, facecolors="none", edgecolors="0.4", label="not significant / untested")
+        ax.axhline(0, color="black", linewidth=0.8)
+        _style_axis(ax, kind, "", limits)
+        ax.set_ylabel("change, %")
+        ax.set_title(f"{kind}: new vs old")
+    fig.suptitle(f"diff {result.old_hash} → {result.new_hash}")
+    return _save(fig, path)

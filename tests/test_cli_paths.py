@@ -1,0 +1,205 @@
+"""Output paths never lose input, name the user's path, and are checked before any work;
+inputs given twice are refused. Each case failed on main 6558d4c (silent loss, exit 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import DRAFT, MODEL, fixture_json, one_line_error
+from dspark_calib.cli import app
+
+runner = CliRunner()
+IMPORT = ("--model", MODEL, "--draft", DRAFT, "--gpu-name", "NVIDIA H200", "--vllm-version", "0.33.0",
+          "--num-speculative-tokens", "7")
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def copies(tmp_path, table_files) -> dict[str, Path]:
+    """Private copies of two tables (tests overwrite-attempt them)."""
+    out = {}
+    for name in ("c1024", "c8192"):
+        out[name] = tmp_path / f"{name}.parquet"
+        shutil.copyfile(table_files[name], out[name])
+    return out
+
+
+def _unchanged(path: Path, before: bytes) -> None:
+    assert path.read_bytes() == before, f"{path} was overwritten"
+
+
+def test_inspect_plot_onto_its_table_is_refused(copies):
+    t = copies["c1024"]
+    before = t.read_bytes()
+    one_line_error(invoke("inspect", t, "--plot", t), str(t), "--plot would overwrite the input")
+    _unchanged(t, before)
+
+
+def test_plot_onto_an_input_through_another_name_is_refused(copies, tmp_path):
+    t = copies["c1024"]
+    before = t.read_bytes()
+    link = tmp_path / "link.png"
+    os.symlink(t, link)
+    one_line_error(invoke("inspect", t, "--plot", link), "would overwrite the input")
+    hard = tmp_path / "hard.png"
+    os.link(t, hard)
+    one_line_error(invoke("diff", copies["c8192"], t, "--plot", hard), "would overwrite the input")
+    _unchanged(t, before)
+
+
+def test_diff_plot_onto_new_is_refused(copies):
+    a, b = copies["c1024"], copies["c8192"]
+    before = b.read_bytes()
+    one_line_error(invoke("diff", a, b, "--plot", b), str(b), "would overwrite the input")
+    _unchanged(b, before)
+
+
+def test_merge_out_onto_an_input_is_refused(copies):
+    a, b = copies["c1024"], copies["c8192"]
+    before = a.read_bytes()
+    one_line_error(invoke("merge", a, b, "--out", a), str(a), "--out would overwrite the input")
+    _unchanged(a, before)
+
+
+def test_import_out_onto_its_json_is_refused(tmp_path):
+    src = tmp_path / "x.json"
+    shutil.copyfile(fixture_json(1024), src)
+    before = src.read_bytes()
+    one_line_error(invoke("import-vllm", src, *IMPORT, "--out", src), str(src), "would overwrite the input")
+    _unchanged(src, before)
+
+
+def test_directory_out_whose_default_name_is_an_input_is_refused(tmp_path):
+    from conftest import build_reference_table
+
+    name = build_reference_table([fixture_json(1024)]).default_filename()
+    trap = tmp_path / name  # a JSON input that happens to carry the table's default file name
+    shutil.copyfile(fixture_json(1024), trap)
+    before = trap.read_bytes()
+    one_line_error(invoke("import-vllm", trap, *IMPORT, "--out", tmp_path), "would overwrite the input")
+    _unchanged(trap, before)
+
+
+@pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG"), (".pdf", b"%PDF"), (".svg", b"<?xml")])
+def test_plot_format_follows_the_suffix(table_files, tmp_path, suffix, magic):
+    out = tmp_path / f"p{suffix}"
+    r = invoke("inspect", table_files["c1024"], "--plot", out)
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes()[:len(magic)] == magic
+    assert sorted(os.listdir(tmp_path)) == [out.name]  # no temp file left
+
+
+def test_plot_mode_is_an_ordinary_files(table_files, tmp_path):
+    out = tmp_path / "p.png"
+    assert invoke("inspect", table_files["c1024"], "--plot", out).exit_code == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out.stat().st_mode & 0o777) == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ("x.gif", "unknown plot format (.gif)"),
+    ("x", "unknown plot format (no suffix)"),
+    ("", "--plot: empty path"),
+])
+def test_bad_plot_paths(table_files, tmp_path, bad, fragment):
+    path = str(tmp_path / bad) if bad else bad
+    one_line_error(invoke("inspect", table_files["c1024"], "--plot", path), fragment)
+    assert os.listdir(tmp_path) == []
+
+
+def test_plot_parent_is_not_created(table_files, tmp_path):
+    out = tmp_path / "no" / "such" / "dir" / "p.png"
+    one_line_error(invoke("inspect", table_files["c1024"], "--plot", out), str(out), "does not exist (not created")
+    assert not (tmp_path / "no").exists()
+
+
+def test_output_problems_are_found_before_reading_inputs(tmp_path):
+    missing = tmp_path / "missing.parquet"
+    # The table does not exist either: the plot path is what is reported, so it was checked first.
+    one_line_error(invoke("inspect", missing, "--plot", tmp_path / "x.gif"), "x.gif")
+    one_line_error(invoke("merge", missing, missing.with_name("m2.parquet"), "--out", tmp_path / "no" / "m.parquet"),
+                   "does not exist (not created")
+
+
+def test_write_failure_names_the_users_path_not_a_temp_file(table_files):
+    r = invoke("inspect", table_files["c1024"], "--plot", "/proc/x.png")
+    line = one_line_error(r, "/proc/x.png")
+    assert ".dspark-calib" not in line and ".tmp" not in line
+
+
+def test_out_directory_is_made_but_not_its_parents(tmp_path):
+    r = invoke("import-vllm", fixture_json(1024), *IMPORT, "--out", tmp_path / "a" / "b")
+    one_line_error(r, "does not exist (not created")
+    assert not (tmp_path / "a").exists()
+    r = invoke("import-vllm", fixture_json(1024), *IMPORT, "--out", tmp_path / "a")
+    assert r.exit_code == 0, r.output
+    assert Path(r.stdout.splitlines()[0]).parent == tmp_path / "a"
+
+
+# -- inputs given twice ------------------------------------------------------------------------
+def test_merge_refuses_the_same_table_twice(copies, tmp_path):
+    a = copies["c1024"]
+    one_line_error(invoke("merge", a, a, "--out", tmp_path / "m.parquet"), "is the same file as")
+    copy = tmp_path / "copy.parquet"
+    shutil.copyfile(a, copy)
+    one_line_error(invoke("merge", a, copy, "--out", tmp_path / "m.parquet"), str(copy), "same content as")
+    assert not (tmp_path / "m.parquet").exists()
+
+
+def test_import_refuses_the_same_profile_twice(tmp_path):
+    src = fixture_json(1024)
+    one_line_error(invoke("import-vllm", src, src, *IMPORT, "--out", tmp_path), "is the same file as")
+    copy = tmp_path / "copy.json"
+    shutil.copyfile(src, copy)
+    one_line_error(invoke("import-vllm", src, copy, *IMPORT, "--out", tmp_path), str(copy), "same content as")
+    assert not list(tmp_path.glob("*.parquet"))
+
+
+def test_empty_import_names_the_file(tmp_path):
+    data = json.loads(Path(fixture_json(1024)).read_text())
+    data["rows"], data["batches"] = [], []
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(data))
+    one_line_error(invoke("import-vllm", empty, *IMPORT, "--out", tmp_path), str(empty), "has no samples")
+
+
+def test_import_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    one_line_error(invoke("import-vllm", fifo, *IMPORT, "--out", tmp_path), str(fifo), "not a regular file")
+
+
+@pytest.mark.parametrize("option, value, fragment", [
+    ("--gpu-name", "H200", "torch.cuda.get_device_name"),
+    ("--vllm-version", "banana", "vllm.__version__"),
+])
+def test_import_warns_on_unlikely_identity(tmp_path, option, value, fragment):
+    args = list(IMPORT)
+    args[args.index(option) + 1] = value
+    r = invoke("import-vllm", fixture_json(1024), *args, "--out", tmp_path)
+    assert r.exit_code == 0, r.output
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("dspark-calib: warning:")]
+    assert len(warnings) == 1 and fragment in warnings[0] and value in warnings[0]
+
+
+def test_import_refuses_an_unusable_identity(tmp_path):
+    args = list(IMPORT)
+    args[args.index("--gpu-name") + 1] = " "
+    one_line_error(invoke("import-vllm", fixture_json(1024), *args, "--out", tmp_path), "--gpu-name")
+
+
+def test_empty_out_and_directory_plot_are_refused(table_files, tmp_path):
+    one_line_error(invoke("merge", table_files["c1024"], table_files["c8192"], "--out", ""), "--out: empty path")
+    d = tmp_path / "d.png"
+    d.mkdir()
+    one_line_error(invoke("inspect", table_files["c1024"], "--plot", d), str(d), "is a directory")
