@@ -327,9 +327,12 @@ def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
     source = E._get(None, E.TABLE) or ""
     vllm_ctx = current_context_len()
 
+    # Object-store requests give up before the deadline, so the thread ends soon after it.
+    limits = replace(SERVE_LIMITS, io_timeout_s=min(SERVE_LIMITS.io_timeout_s, 0.8 * timeout))
+
     def run() -> Decision:
         return decide(source, engine_description(manager, capture_sizes), policy=policy, allow_reference=allow,
-                      context_len=ctx, vllm_context_len=vllm_ctx, pins=pins, probe=probe)
+                      context_len=ctx, vllm_context_len=vllm_ctx, pins=pins, probe=probe, limits=limits)
 
     return decide_within(timeout, policy, source, run)
 
