@@ -48,17 +48,17 @@ def dp_all_gather(obj: Any) -> list | None:
     return out
 
 
-def agree_across_dp(what: str, mine: tuple) -> tuple[bool, str]:
-    """(all replicas agree, one line naming each replica's value when they do not)."""
+def agree_across_dp(what: str, mine: tuple) -> tuple[bool, str, list]:
+    """(all replicas agree, one line naming each replica's value when they do not, the values)."""
     try:
         everyone = dp_all_gather(mine)
     except Exception as exc:  # noqa: BLE001 - a failed collective is a disagreement, said as such
-        return False, f"data-parallel replicas could not agree on the {what} ({type(exc).__name__})"
+        return False, f"data-parallel replicas could not agree on the {what} ({type(exc).__name__})", [mine]
     if everyone is None or all(v == everyone[0] for v in everyone):
-        return True, ""
+        return True, "", everyone or [mine]
     shown = ", ".join(f"replica {i}: {_show(v)}" for i, v in enumerate(everyone[:8]))
     more = f", +{len(everyone) - 8} more" if len(everyone) > 8 else ""
-    return False, f"data-parallel replicas decided differently on the {what} ({shown}{more})"
+    return False, f"data-parallel replicas decided differently on the {what} ({shown}{more})", everyone
 
 
 def _show(value: tuple) -> str:
@@ -89,10 +89,11 @@ class LoadMode:
                 log.log(decision.level, line)
         decision = broadcast_from_rank0(decision)
         manager._dspark_strip = 0
-        agreed, why = agree_across_dp("table", (decision.load, decision.content_hash, bool(decision.refuse),
-                                                decision.load and decision.probe))
-        if not agreed:
-            line, level, refuse = _policy_line("strict" if decision.refuse else decision.policy, why)
+        agreed, why, everyone = agree_across_dp("table", (decision.load, decision.content_hash, bool(decision.refuse),
+                                                          decision.load and decision.probe))
+        if not agreed:  # one replica refusing makes every replica refuse: none may wait on it
+            strict = decision.policy == "strict" or any(v[2] for v in everyone if isinstance(v, tuple) and len(v) > 2)
+            line, level, refuse = _policy_line("strict" if strict else decision.policy, why)
             if rank0:
                 log.log(level, line)
             decision = replace(decision, load=False, refuse=line if refuse else "", lines=(line,))
@@ -116,7 +117,7 @@ class LoadMode:
         yield from probes
         verdict = P.judge(decision.pair, P.resolve(collector, start), len(probes)) if rank0 else None
         verdict = broadcast_from_rank0(verdict)  # TP ranks continue (or not) together
-        agreed, why = agree_across_dp("probe", (verdict.ok,))
+        agreed, why, _ = agree_across_dp("probe", (verdict.ok,))
         if verdict.ok and agreed:
             if rank0:
                 log.info("dspark-calib: %s; keeping %s", verdict.summary(), decision.chosen.label)
