@@ -139,7 +139,7 @@ def _list_local(path: str, limits: Limits) -> Listing:
         return Listing((path,))
     if not stat.S_ISDIR(st.st_mode):
         raise CalibError("not a regular file or directory (refused without opening)", path=escape(path))
-    found, refused, seen = [], [], 0
+    found, refused, seen, inodes = [], [], 0, set()
     with os.scandir(path) as it:
         for entry in it:
             seen += 1
@@ -154,7 +154,10 @@ def _list_local(path: str, limits: Limits) -> Listing:
                 continue
             if not stat.S_ISREG(est.st_mode):
                 refused.append((entry.path, "not a regular file (refused without opening)"))
+            elif (est.st_dev, est.st_ino) in inodes:  # hard links / symlinks to one file: read it once
+                refused.append((entry.path, "another name of a file already listed"))
             else:
+                inodes.add((est.st_dev, est.st_ino))
                 found.append((est.st_mtime_ns, entry.path))
     return _cap(found, refused, limits, max(0, seen - limits.max_scan))
 

@@ -130,28 +130,22 @@ def _implausible(table: Any) -> str:
 
 
 def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: frozenset[str] | None,
-             effective: int, limits: Limits) -> _Examined:
-    """One file, read once; every error stays with this file."""
+             effective: int, limits: Limits, beat: tuple | None = None) -> _Examined:
+    """One file, read once; every error stays with this file. The curves are parsed (from the
+    same bytes) only when the metadata says this file could beat `beat`, the best key so far."""
     shown = escape(path, PATH_LIMIT)
     try:
         data = read_bytes(path, fs, limits)
         check_footer(data, limits)
         meta = read_meta(data)
         content_hash, created = str(meta["content_hash"]), str(meta.get("created_at", ""))
+        fp = Fingerprint.from_dict(meta["fingerprint"])
     except Exception as exc:  # noqa: BLE001 - RecursionError from nested JSON, MemoryError, pyarrow...
         return _Examined(CandidateReport(shown, status="unreadable", reason=_why(exc)), [])
     base = dict(path=shown, content_hash=escape(content_hash, 64), created_at=escape(created, 40))
     if pins is not None and content_hash.lower() not in pins:
         return _Examined(CandidateReport(**base, status="unpinned", reason=f"hash {escape(content_hash, 16)} is not "
                                          f"pinned by {E.TABLE_SHA256}"), [])
-    try:
-        table = read_costs(data)  # the same bytes: verifies the content hash of exactly what was read
-        fp = table.fingerprint
-        bad = _implausible(table)
-        if bad:
-            raise CalibError(bad)
-    except Exception as exc:  # noqa: BLE001
-        return _Examined(CandidateReport(**base, status="unreadable", reason=_why(exc)), [])
     mismatches = load_mismatches(fp, engine)
     if fp.backend != BACKEND_VLLM and not (fp.backend == BACKEND_REFERENCE and allow_reference):
         want = f"{BACKEND_VLLM!r} ({E.ALLOW_REFERENCE}=1 also allows {BACKEND_REFERENCE!r})"
@@ -159,14 +153,25 @@ def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: f
     problems = [escape(m, 200) for m in mismatches]
     from dspark_calib.table import nearest  # TODO(integrator): C1's CostTable.nearest_context
 
-    ctx = nearest(table.context_lens(), effective)
+    ctx = nearest(fp.context_lens, effective) if fp.context_lens else 0
     if effective > 0 and abs(ctx - effective) > MAX_CONTEXT_GAP * effective:
         mml = engine.get("max_model_len")
         problems.append(f"context_len: table's nearest profiled context {ctx} is {abs(ctx - effective) / effective:.0%}"
                         f" from the effective context {effective}" + (f" (engine max_model_len {mml})" if mml else ""))
     status = "mismatch" if problems else "fits"
-    return _Examined(CandidateReport(**base, status=status, reason=problems[0] if problems else ""), problems,
-                     (-len(problems), created_at_key(created), path), table, ctx, fp, tuple(mismatches))
+    ex = _Examined(CandidateReport(**base, status=status, reason=problems[0] if problems else ""), problems,
+                   (-len(problems), created_at_key(created)), None, ctx, fp, tuple(mismatches))
+    if beat is not None and ex.sort_key <= beat:
+        return ex  # cannot be chosen: its curves are never parsed
+    try:
+        ex.table = read_costs(data)  # the same bytes: verifies the content hash of exactly what was read
+        bad = _implausible(ex.table)
+        if bad:
+            raise CalibError(bad)
+    except Exception as exc:  # noqa: BLE001
+        ex.table = None
+        ex.report = replace(ex.report, status="unreadable", reason=_why(exc))
+    return ex
 
 
 def _why(exc: BaseException) -> str:
@@ -208,8 +213,9 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
             for p, w in listing.refused]
     best: _Examined | None = None  # highest sort key: fewest problems, then newest created_at
     for path in listing.paths:
-        ex = _examine(path, fs, engine, allow_reference=allow_reference, pins=pins, effective=effective, limits=limits)
-        seen.append(ex)
+        ex = _examine(path, fs, engine, allow_reference=allow_reference, pins=pins, effective=effective, limits=limits,
+                      beat=best.sort_key if best else None)
+        seen.append(ex)  # ties keep the earlier file: the newest modification
         if ex.table is not None and (best is None or ex.sort_key > best.sort_key):
             if best is not None:
                 best.table = None  # hold one parsed table at a time
