@@ -264,10 +264,11 @@ def _others(reports: list[CandidateReport], skipped: int, limits: Limits) -> str
     for status, items in groups.items():
         shown = []
         for r in items[: max(0, MAX_NAMED - named)]:
-            shown.append(f"{r.label}: {r.reason[:160]}")
+            shown.append(f"{r.label}: {r.reason[:160]}" if r.reason else r.label)
             named += 1
         more = f", +{len(items) - len(shown)} more" if len(items) > len(shown) and shown else ""
-        parts.append(f"{len(items)} {status}" + (f" ({'; '.join(shown)}{more})" if shown else ""))
+        word = "older fitting" if status == "fits" else status  # the chosen one is the newest fit
+        parts.append(f"{len(items)} {word}" + (f" ({'; '.join(shown)}{more})" if shown else ""))
     if skipped:
         parts.append(f"{skipped} not read (over the {limits.max_candidates}-candidate limit, newest kept)")
     return "; skipping other files: " + ", ".join(parts)
