@@ -325,3 +325,28 @@ def test_future_created_at_does_not_win(tmp_path, reference_table, engine):
                 tmp_path / "future.parquet")
     d = run(tmp_path, engine)
     assert d.load and real in d.lines[0] and d.content_hash == reference_table.content_hash
+
+
+def test_fingerprint_that_breaks_comparison_stays_with_its_file(monkeypatch, tmp_path, reference_table, engine):
+    write_table(reference_table, tmp_path / "good.parquet")
+    write_table(forged(reference_table, scale=1.01), tmp_path / "odd.parquet")
+    real, calls = L.load_mismatches, []
+
+    def explode_once(fp, eng):
+        calls.append(fp)
+        if len(calls) == 1:
+            raise TypeError("'>=' not supported between instances of 'str' and 'int'")
+        return real(fp, eng)
+
+    monkeypatch.setattr(L, "load_mismatches", explode_once)
+    d = run(tmp_path, engine)
+    assert d.load and "fingerprint: TypeError" in d.lines[0]
+
+
+def test_examine_keeps_working(tmp_path, reference_table, engine):
+    write_table(reference_table, tmp_path)
+    (tmp_path / "junk.parquet").write_bytes(b"x")
+    _, found = L.examine(str(tmp_path), engine, True)
+    assert sorted(bool(c.error) for c in found) == [False, True]
+    good = next(c for c in found if not c.error)
+    assert good.content_hash == reference_table.content_hash and good.mismatches == ()

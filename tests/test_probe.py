@@ -251,3 +251,42 @@ def test_one_refusing_replica_makes_all_refuse(monkeypatch, caplog, tmp_path, re
     stub_dp(monkeypatch, 2, 0, lambda call, mine: [(False, "", True, False)])  # e.g. a bad policy value there
     with pytest.raises(RuntimeError, match="data-parallel replicas decided differently"):
         start(monkeypatch, caplog, tmp_path, reference_table, sizes, "fallback", 1.0)
+
+
+# -- the env path end to end (decision_from_env inside the patched generator) ----------------
+@pytest.mark.parametrize("policy", POLICIES)
+def test_silent_store_through_the_plugin_ends_in_the_policy(monkeypatch, caplog, sizes, reference_table, policy):
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)  # accepts into the backlog, never answers
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_EC2_METADATA_DISABLED": "true",
+                 "DSPARK_CALIB_POLICY": policy, "DSPARK_CALIB_LOAD_TIMEOUT": "1",
+                 "DSPARK_CALIB_TABLE": f"s3://b/t?endpoint_override=127.0.0.1:{server.getsockname()[1]}&scheme=http"}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+            if policy == "strict":
+                with pytest.raises(RuntimeError, match="policy strict"):
+                    run_engine(make_manager(), sizes, reference_table)
+                return
+            batches, _ = run_engine(make_manager(), sizes, reference_table)
+    finally:
+        server.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.dspark_calib"]
+    assert len(batches) == 280 and len(lines) == 1 and "profiling at start-up as usual" in lines[0]
+
+
+@pytest.mark.parametrize("name,value", [("DSPARK_CALIB_TABLE_SHA256", "abc"), ("DSPARK_CALIB_LOAD_TIMEOUT", "soon"),
+                                        ("DSPARK_CALIB_PROBE", "maybe"), ("DSPARK_CALIB_CONTEXT_LEN", "8k")])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_bad_env_value_is_one_line_and_the_policy(monkeypatch, caplog, tmp_path, reference_table, sizes, policy,
+                                                  name, value):
+    monkeypatch.setenv(name, value)
+    if policy == "strict":
+        with pytest.raises(RuntimeError, match=name):
+            start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, 1.0)
+        return
+    _, batches, _, records = start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, 1.0)
+    assert len(batches) == 280 and len(records) == 1 and name in records[0].getMessage()

@@ -146,7 +146,10 @@ def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: f
     if pins is not None and content_hash.lower() not in pins:
         return _Examined(CandidateReport(**base, status="unpinned", reason=f"hash {escape(content_hash, 16)} is not "
                                          f"pinned by {E.TABLE_SHA256}"), [])
-    mismatches = load_mismatches(fp, engine)
+    try:
+        mismatches = load_mismatches(fp, engine)
+    except Exception as exc:  # noqa: BLE001 - a value of a type no engine has: this file's problem only
+        return _Examined(CandidateReport(**base, status="unreadable", reason=f"fingerprint: {_why(exc)}"), [])
     if fp.backend != BACKEND_VLLM and not (fp.backend == BACKEND_REFERENCE and allow_reference):
         want = f"{BACKEND_VLLM!r} ({E.ALLOW_REFERENCE}=1 also allows {BACKEND_REFERENCE!r})"
         mismatches.insert(0, Mismatch("backend", fp.backend, want))
@@ -240,15 +243,18 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     reports = tuple(chosen if r is best.report else r for r in reports)
     ctx = best.context_len
     draft, verify = best.table.curves[ctx].as_vllm()
-    unchecked = [key for key, _ in LOAD_CHECKS if key not in engine]
+    unchecked, recorded = _unchecked_and_recorded(best.fingerprint, engine)
     line = (f"dspark-calib: loaded cost table {label}, context {ctx} for effective context {effective} "
             f"(engine max_model_len {mml if mml else 'unknown'}), {len(draft)} draft / {len(verify)} verify points; "
             "start-up profiling skipped")
     if best.problems:
         line += f"; despite mismatch {'; '.join(best.problems[:4])} (policy warn)"
+    if recorded:
+        line += f"; recorded only, differs: {'; '.join(recorded[:4])}"
     if unchecked:
         line += f"; not checked (engine did not report): {', '.join(unchecked)}"
-    return Decision(True, (line + others,), logging.WARNING if best.problems else logging.INFO, draft_curve=draft,
+    risky = best.problems or recorded
+    return Decision(True, (line + others,), logging.WARNING if risky else logging.INFO, draft_curve=draft,
                     verify_curve=verify, candidates=reports, chosen=chosen, context_len=ctx,
                     pair=best.table.curves[ctx], policy=policy, probe=probe)
 
@@ -272,6 +278,21 @@ def _others(reports: list[CandidateReport], skipped: int, limits: Limits) -> str
     if skipped:
         parts.append(f"{skipped} not read (over the {limits.max_candidates}-candidate limit, newest kept)")
     return "; skipping other files: " + ", ".join(parts)
+
+
+def _unchecked_and_recorded(fp: Any, engine: dict) -> tuple[list[str], list[str]]:
+    """Keys the engine did not report, and recorded-only keys that differ (WARNING, never blocking).
+    Uses C2's registry functions when present. TODO(integrator): drop the fallbacks after the merge."""
+    from dspark_calib import fingerprint as F
+
+    try:
+        unchecked = list(F.unchecked_keys(engine)) if hasattr(F, "unchecked_keys") else \
+            [key for key, _ in LOAD_CHECKS if key not in engine]
+        recorded = [escape(m, 160) for m in F.recorded_differences(fp, engine)] \
+            if hasattr(F, "recorded_differences") else []
+    except Exception:  # noqa: BLE001 - a report, never a reason to fail the load
+        return [], []
+    return unchecked, recorded
 
 
 def _no_table(policy: str, why: str, reports: tuple = ()) -> Decision:
