@@ -350,3 +350,16 @@ def test_examine_keeps_working(tmp_path, reference_table, engine):
     assert sorted(bool(c.error) for c in found) == [False, True]
     good = next(c for c in found if not c.error)
     assert good.content_hash == reference_table.content_hash and good.mismatches == ()
+
+
+def test_object_store_filesystems_are_built_with_bounded_waits():
+    import pyarrow.fs as pafs
+
+    fs, path = C.filesystem_for("s3://bucket/dir/?region=us-east-1&endpoint_override=127.0.0.1:9&scheme=http",
+                                C.Limits(io_timeout_s=1.5))
+    assert isinstance(fs, pafs.S3FileSystem) and path == "bucket/dir"
+    fs, path = C.filesystem_for("gs://bucket/dir", C.Limits(io_timeout_s=1.5))
+    assert isinstance(fs, pafs.GcsFileSystem) and path == "bucket/dir"
+    assert C.filesystem_for("file:///tmp/x.parquet") == (None, "/tmp/x.parquet")  # local: stat before open
+    with pytest.raises(C.CalibError, match="unsupported S3 URI option"):
+        C.filesystem_for("s3://bucket/dir?proxy_options=evil")
