@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, LOAD_CHECKS, Fingerprint, Mismatch, load_mismatches
