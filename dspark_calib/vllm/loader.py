@@ -1,47 +1,85 @@
 """Load mode (DSPARK_CALIB_TABLE=PATH): install a saved table instead of profiling.
 
 Decides, on TP rank 0, whether a table fits the running engine (fingerprint
-LOAD_CHECKS plus the backend rule), and applies DSPARK_CALIB_POLICY:
+LOAD_CHECKS, the backend rule, pins, the profiled context) and applies
+DSPARK_CALIB_POLICY:
 
 * fallback (default): no fitting table -> log why in one line, profile as vLLM does;
-* strict: no fitting table -> refuse to start, naming each mismatching key and both values;
-* warn: no fitting table -> load the closest one anyway, logging each mismatch.
+* strict: no fitting table -> refuse to start, naming the first problem;
+* warn: no fitting table -> load the closest one anyway, logging its mismatches.
+
+Tables are untrusted input (issue 12): candidates.py lists and reads them with
+bounds, each file once; decide() isolates each file's errors; decide_within()
+puts a deadline on the whole decision. Every string from a table or a file name
+is escaped before it reaches a log line, and the decision is one line whatever
+the directory holds.
 
 When a table loads, batches_to_profile yields one warm-up run per size above the
-capture limit (those runs JIT the piecewise shapes; skipping them would move that
-cost to the first real request) and set_initial_cost_curves hands the table's
-curves to vLLM's own set_cost_curves, so the TP broadcast and the dense tables
-stay vLLM's.
+capture limit (those runs JIT the piecewise shapes), then the probe (probe.py):
+at most 2 timed steps compared with the table's medians. set_initial_cost_curves
+hands the table's curves to vLLM's own set_cost_curves, so the TP broadcast and
+the dense tables stay vLLM's. With data parallel, replicas agree before any step
+count can differ (agree_across_dp).
+
+Importable without torch or vLLM: the `check` command calls decide() offline.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, LOAD_CHECKS, Fingerprint, Mismatch, load_mismatches
+from dspark_calib.vllm import env as E
+from dspark_calib.vllm.candidates import (SERVE_LIMITS, Limits, check_footer, created_at_key, escape, list_candidates,
+                                          read_bytes, read_costs, read_meta)
 
-ENV_TABLE = "DSPARK_CALIB_TABLE"
-ENV_POLICY = "DSPARK_CALIB_POLICY"
-ENV_CONTEXT_LEN = "DSPARK_CALIB_CONTEXT_LEN"
-ENV_ALLOW_REFERENCE = "DSPARK_CALIB_ALLOW_REFERENCE"
-POLICIES = ("fallback", "strict", "warn")
+# Kept for callers of the old names; env.py is the one home of every variable.
+ENV_TABLE, ENV_POLICY, ENV_CONTEXT_LEN, ENV_ALLOW_REFERENCE = E.TABLE, E.POLICY, E.CONTEXT_LEN, E.ALLOW_REFERENCE
+POLICIES = E.POLICIES
+# Verify cost grows with context (8192 vs 4096: 1.6-1.8x, issue 7), so ~0.7 per doubling;
+# 10 % of context is then ~5-7 % of cost: the probe's own 5 % floor. Farther is a mismatch.
+MAX_CONTEXT_GAP = 0.10
+MAX_NAMED = 3  # files named per decision line; the rest are counted
+PATH_LIMIT = 160
+MIN_COST_MS, MAX_COST_MS = 1e-3, 60_000.0  # 1 us .. 60 s per step
 
 # Under "vllm." so the line lands in vLLM's own log, with its format and level.
 log = logging.getLogger("vllm.dspark_calib")
 
 
+def profile_context_len(context_len: int, max_model_len: int, query_len: int = 1) -> int:
+    """vLLM's clamp of the dummy-run context (v1/worker/gpu/input_batch.py).
+    TODO(integrator): use C2's dspark_calib.fit.profile_context_len and delete this copy."""
+    return max(min(int(context_len), int(max_model_len) - int(query_len)), 0)
+
+
 @dataclass(frozen=True)
-class Candidate:
+class CandidateReport:
+    """One file the decision looked at: C3's per-candidate record (first blocking problem)."""
+
+    path: str  # escaped for display
+    content_hash: str = ""
+    created_at: str = ""
+    status: str = ""  # chosen | fits | mismatch | unpinned | unreadable | refused
+    reason: str = ""  # the first blocking problem, one escaped line
+
+    @property
+    def label(self) -> str:
+        return f"{self.path} (hash {self.content_hash[:12]})" if self.content_hash else self.path
+
+
+@dataclass(frozen=True)
+class Candidate:  # the old examine() record, kept for callers
     path: str
     created_at: str = ""
     content_hash: str = ""
     fingerprint: Fingerprint | None = None
     mismatches: tuple[Mismatch, ...] = ()
-    error: str = ""  # unreadable: why
+    error: str = ""
 
     @property
     def label(self) -> str:
@@ -51,174 +89,280 @@ class Candidate:
 @dataclass(frozen=True)
 class Decision:
     load: bool
-    lines: tuple[str, ...]  # what to log, one decision per line
+    lines: tuple[str, ...]  # what to log: one line per outcome
     level: int = logging.INFO
     draft_curve: list = field(default_factory=list)
     verify_curve: list = field(default_factory=list)
     refuse: str = ""  # strict policy: the reason the engine must not start
+    candidates: tuple[CandidateReport, ...] = ()
+    chosen: CandidateReport | None = None
+    context_len: int = 0  # the table context loaded
+    pair: Any = None  # its CurvePair (the probe compares with its spread)
+    policy: str = "fallback"
+    probe: bool = True
+
+    @property
+    def content_hash(self) -> str:
+        return self.chosen.content_hash if self.chosen and self.load else ""
 
 
-def _filesystem(source: str) -> tuple[Any, str]:
-    if "://" in source:
-        import pyarrow.fs
+@dataclass
+class _Examined:
+    report: CandidateReport
+    problems: list[str]
+    sort_key: tuple = ()
+    table: Any = None
+    context_len: int = 0
+    fingerprint: Any = None
+    mismatches: tuple = ()
 
-        return pyarrow.fs.FileSystem.from_uri(source)
-    return None, source
+
+def _implausible(table: Any) -> str:
+    """Costs no real step has. TODO(integrator): C1's read-time plausibility checks supersede this."""
+    import math
+
+    for ctx, pair in table.curves.items():
+        for kind, curve in (("draft", pair.draft), ("verify", pair.verify)):
+            for size, cost in zip(curve.size.tolist(), curve.cost_ms.tolist()):
+                if not (math.isfinite(cost) and MIN_COST_MS <= cost <= MAX_COST_MS):
+                    return f"implausible {kind} cost {cost!r} ms at size {size}, context {ctx}"
+    return ""
 
 
-def list_candidates(source: str) -> tuple[Any, list[str]]:
-    """Table files at `source`: the file itself, or every *.parquet in the directory."""
-    fs, path = _filesystem(source)
-    if fs is None:
-        if os.path.isfile(path):
-            return None, [path]
-        if os.path.isdir(path):
-            return None, sorted(os.path.join(path, f) for f in os.listdir(path)
-                                if f.endswith(".parquet") and not f.startswith("."))
-        raise CalibError("no such file or directory", path=source)
-    import pyarrow.fs
+def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: frozenset[str] | None,
+             effective: int, limits: Limits, beat: tuple | None = None) -> _Examined:
+    """One file, read once; every error stays with this file. The curves are parsed (from the
+    same bytes) only when the metadata says this file could beat `beat`, the best key so far."""
+    shown = escape(path, PATH_LIMIT)
+    try:
+        data = read_bytes(path, fs, limits)
+        check_footer(data, limits)
+        meta = read_meta(data)
+        content_hash, created = str(meta["content_hash"]), str(meta.get("created_at", ""))
+        fp = Fingerprint.from_dict(meta["fingerprint"])
+    except Exception as exc:  # noqa: BLE001 - RecursionError from nested JSON, MemoryError, pyarrow...
+        return _Examined(CandidateReport(shown, status="unreadable", reason=_why(exc)), [])
+    base = dict(path=shown, content_hash=escape(content_hash, 64), created_at=escape(created, 40))
+    if pins is not None and content_hash.lower() not in pins:
+        return _Examined(CandidateReport(**base, status="unpinned", reason=f"hash {escape(content_hash, 16)} is not "
+                                         f"pinned by {E.TABLE_SHA256}"), [])
+    try:
+        mismatches = load_mismatches(fp, engine)
+    except Exception as exc:  # noqa: BLE001 - a value of a type no engine has: this file's problem only
+        return _Examined(CandidateReport(**base, status="unreadable", reason=f"fingerprint: {_why(exc)}"), [])
+    if fp.backend != BACKEND_VLLM and not (fp.backend == BACKEND_REFERENCE and allow_reference):
+        want = f"{BACKEND_VLLM!r} ({E.ALLOW_REFERENCE}=1 also allows {BACKEND_REFERENCE!r})"
+        mismatches.insert(0, Mismatch("backend", fp.backend, want))
+    problems = [escape(m, 200) for m in mismatches]
+    from dspark_calib.table import nearest  # TODO(integrator): C1's CostTable.nearest_context
 
-    info = fs.get_file_info(path)
-    if info.type == pyarrow.fs.FileType.File:
-        return fs, [path]
-    if info.type == pyarrow.fs.FileType.Directory:
-        infos = fs.get_file_info(pyarrow.fs.FileSelector(path))
-        return fs, sorted(i.path for i in infos if i.path.endswith(".parquet") and not i.base_name.startswith("."))
-    raise CalibError("no such file or directory", path=source)
+    ctx = nearest(fp.context_lens, effective) if fp.context_lens else 0
+    if effective > 0 and abs(ctx - effective) > MAX_CONTEXT_GAP * effective:
+        mml = engine.get("max_model_len")
+        problems.append(f"context_len: table's nearest profiled context {ctx} is {abs(ctx - effective) / effective:.0%}"
+                        f" from the effective context {effective}" + (f" (engine max_model_len {mml})" if mml else ""))
+    status = "mismatch" if problems else "fits"
+    ex = _Examined(CandidateReport(**base, status=status, reason=problems[0] if problems else ""), problems,
+                   (-len(problems), created_at_key(created)), None, ctx, fp, tuple(mismatches))
+    if beat is not None and ex.sort_key <= beat:
+        return ex  # cannot be chosen: its curves are never parsed
+    try:
+        ex.table = read_costs(data)  # the same bytes: verifies the content hash of exactly what was read
+        bad = _implausible(ex.table)
+        if bad:
+            raise CalibError(bad)
+    except Exception as exc:  # noqa: BLE001
+        ex.table = None
+        ex.report = replace(ex.report, status="unreadable", reason=_why(exc))
+    return ex
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "metadata nested too deeply"
+    if isinstance(exc, MemoryError):
+        return "out of memory while reading"
+    text = str(exc).removeprefix("<read>: ") if isinstance(exc, CalibError) else f"{type(exc).__name__}: {exc}"
+    return escape(first_line(Exception(text), 300), 200)
 
 
 def examine(source: str, engine: dict[str, Any], allow_reference: bool) -> tuple[Any, list[Candidate]]:
-    from dspark_calib.table import read_metadata
-
-    fs, paths = list_candidates(source)
-    out = []
-    for path in paths:
-        try:
-            meta = read_metadata(path, filesystem=fs)
-            fp = Fingerprint.from_dict(meta["fingerprint"])
-        except CalibError as exc:
-            out.append(Candidate(path=path, error=str(exc)))
-            continue
-        bad = load_mismatches(fp, engine)
-        if fp.backend != BACKEND_VLLM and not (fp.backend == BACKEND_REFERENCE and allow_reference):
-            want = f"{BACKEND_VLLM!r} ({ENV_ALLOW_REFERENCE}=1 also allows {BACKEND_REFERENCE!r})"
-            bad.insert(0, Mismatch("backend", fp.backend, want))
-        out.append(Candidate(path=path, created_at=str(meta.get("created_at", "")), content_hash=str(meta["content_hash"]),
-                             fingerprint=fp, mismatches=tuple(bad)))
+    """Every candidate with its fingerprint mismatches (the old API; decide() is the new one)."""
+    fs, listing = list_candidates(source)
+    out = [Candidate(path=escape(p, PATH_LIMIT), error=why) for p, why in listing.refused]
+    for path in listing.paths:
+        ex = _examine(path, fs, engine, allow_reference=allow_reference, pins=None, effective=0, limits=SERVE_LIMITS)
+        r = ex.report
+        out.append(Candidate(r.path, r.created_at, r.content_hash, ex.fingerprint, ex.mismatches,
+                             r.reason if r.status == "unreadable" else ""))
     return fs, out
 
 
 def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", allow_reference: bool = False,
-           context_len: int | None = None, vllm_context_len: int = 8192) -> Decision:
-    """Pick the table to load (newest fitting one that reads), or say why none is loaded."""
-    from dspark_calib.table import nearest, read_table
-
+           context_len: int | None = None, vllm_context_len: int = 8192, pins: frozenset[str] | None = None,
+           limits: Limits = SERVE_LIMITS, probe: bool = True) -> Decision:
+    """Pick the table to load (the newest fitting one that reads), or say why none is loaded. One line."""
     if policy not in POLICIES:
-        msg = f"dspark-calib: {ENV_POLICY}={policy!r} is not one of {', '.join(POLICIES)}; refusing to start"
-        return Decision(False, (msg,), logging.ERROR, refuse=msg)
+        msg = f"dspark-calib: {E.POLICY}={escape(policy, 40)!r} is not one of {', '.join(POLICIES)}; refusing to start"
+        return Decision(False, (msg,), logging.ERROR, refuse=msg, policy="strict")
+    wanted = context_len if context_len is not None else vllm_context_len
+    mml = engine.get("max_model_len")
+    effective = profile_context_len(wanted, mml) if mml else wanted
     try:
-        fs, candidates = examine(source, engine, allow_reference)
-    except CalibError as exc:
-        return _no_table(policy, f"{ENV_TABLE}: {exc}")
-    readable = [c for c in candidates if not c.error]
-    if not readable:
-        why = "; ".join(c.error for c in candidates) or "no *.parquet tables there"
-        return _no_table(policy, f"{ENV_TABLE}={source}: no usable table ({why})")
-    newest_first = sorted(readable, key=lambda c: c.created_at, reverse=True)
-    fitting = [c for c in newest_first if not c.mismatches]
-    lines: list[str] = []
-    level = logging.INFO
-    if fitting:
-        choices = fitting
-    else:
-        closest = sorted(newest_first, key=lambda c: len(c.mismatches))  # stable: newest first among equals
-        summary = "; ".join(str(m) for m in closest[0].mismatches)
+        fs, listing = list_candidates(source, limits)
+    except Exception as exc:  # noqa: BLE001 - no such path, an unknown URI scheme, credentials...
+        return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: {_why(exc)}")
+    seen = [_Examined(CandidateReport(escape(p, PATH_LIMIT), status="refused", reason=escape(w, 120)), [])
+            for p, w in listing.refused]
+    best: _Examined | None = None  # highest sort key: fewest problems, then newest created_at
+    for path in listing.paths:
+        ex = _examine(path, fs, engine, allow_reference=allow_reference, pins=pins, effective=effective, limits=limits,
+                      beat=best.sort_key if best else None)
+        seen.append(ex)  # ties keep the earlier file: the newest modification
+        if ex.table is not None and (best is None or ex.sort_key > best.sort_key):
+            if best is not None:
+                best.table = None  # hold one parsed table at a time
+            best = ex
+        else:
+            ex.table = None
+    reports = tuple(e.report for e in seen)
+    others = _others([e.report for e in seen if e is not best], listing.skipped, limits)
+    if best is None:
+        return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: no usable table{others or ' (no *.parquet tables there)'}",
+                         reports)
+    label = best.report.label
+    if best.problems:
+        summary = "; ".join(best.problems[:4]) + ("; ..." if len(best.problems) > 4 else "")
         if policy == "strict":
-            msg = f"dspark-calib: table {closest[0].label} does not fit this engine: {summary} (policy strict)"
-            return Decision(False, (msg,), logging.ERROR, refuse=msg)
+            msg = f"dspark-calib: table {label} does not fit this engine: {summary} (policy strict){others}"
+            return Decision(False, (msg,), logging.ERROR, refuse=msg, candidates=reports, policy=policy)
         if policy == "fallback":
-            return Decision(False, (f"dspark-calib: not loading {closest[0].label}: {summary}; "
-                                    "profiling at start-up as usual (policy fallback)",), logging.WARNING)
-        level = logging.WARNING
-        choices = closest
-    unchecked = [key for key, _ in LOAD_CHECKS if key not in engine]
-    for chosen in choices:  # a damaged newest table must not hide an intact older one
-        try:
-            table = read_table(chosen.path, filesystem=fs)
-        except CalibError as exc:
-            level = logging.WARNING
-            lines.append(f"dspark-calib: skipping {chosen.label}: {exc}")
-            continue
-        if not fitting:
-            lines += [f"dspark-calib: loading {chosen.label} despite mismatch {m} (policy warn)" for m in chosen.mismatches]
-        wanted = context_len if context_len is not None else vllm_context_len
-        ctx = nearest(table.context_lens(), wanted)
-        draft, verify = table.curves[ctx].as_vllm()
-        note = f"; not checked (engine did not report): {', '.join(unchecked)}" if unchecked else ""
-        lines.append(f"dspark-calib: loaded cost table {chosen.label}, context {ctx} (wanted {wanted}), "
-                     f"{len(draft)} draft / {len(verify)} verify points; start-up profiling skipped{note}")
-        return Decision(True, tuple(lines), level, draft_curve=draft, verify_curve=verify)
-    no = _no_table(policy, "no table could be read")
-    return Decision(False, tuple(lines) + no.lines, logging.ERROR if no.refuse else logging.WARNING, refuse=no.refuse)
+            return Decision(False, (f"dspark-calib: not loading {label}: {summary}; profiling at start-up as usual "
+                                    f"(policy fallback){others}",), logging.WARNING, candidates=reports, policy=policy)
+    chosen = replace(best.report, status="chosen")
+    reports = tuple(chosen if r is best.report else r for r in reports)
+    ctx = best.context_len
+    draft, verify = best.table.curves[ctx].as_vllm()
+    unchecked, recorded = _unchecked_and_recorded(best.fingerprint, engine)
+    line = (f"dspark-calib: loaded cost table {label}, context {ctx} for effective context {effective} "
+            f"(engine max_model_len {mml if mml else 'unknown'}), {len(draft)} draft / {len(verify)} verify points; "
+            "start-up profiling skipped")
+    if best.problems:
+        line += f"; despite mismatch {'; '.join(best.problems[:4])} (policy warn)"
+    if recorded:
+        line += f"; recorded only, differs: {'; '.join(recorded[:4])}"
+    if unchecked:
+        line += f"; not checked (engine did not report): {', '.join(unchecked)}"
+    risky = best.problems or recorded
+    return Decision(True, (line + others,), logging.WARNING if risky else logging.INFO, draft_curve=draft,
+                    verify_curve=verify, candidates=reports, chosen=chosen, context_len=ctx,
+                    pair=best.table.curves[ctx], policy=policy, probe=probe)
 
 
-def _no_table(policy: str, why: str) -> Decision:
+def _others(reports: list[CandidateReport], skipped: int, limits: Limits) -> str:
+    """'; skipping other files: 2 mismatch (a.parquet: why), 1 unreadable (...), 9996 skipped' - bounded length."""
+    if not reports and not skipped:
+        return ""
+    groups: dict[str, list[CandidateReport]] = {}
+    for r in reports:
+        groups.setdefault(r.status, []).append(r)
+    parts, named = [], 0
+    for status, items in groups.items():
+        shown = []
+        for r in items[: max(0, MAX_NAMED - named)]:
+            shown.append(f"{r.label}: {r.reason[:160]}" if r.reason else r.label)
+            named += 1
+        more = f", +{len(items) - len(shown)} more" if len(items) > len(shown) and shown else ""
+        word = "older fitting" if status == "fits" else status  # the chosen one is the newest fit
+        parts.append(f"{len(items)} {word}" + (f" ({'; '.join(shown)}{more})" if shown else ""))
+    if skipped:
+        parts.append(f"{skipped} not read (over the {limits.max_candidates}-candidate limit, newest kept)")
+    return "; skipping other files: " + ", ".join(parts)
+
+
+def _unchecked_and_recorded(fp: Any, engine: dict) -> tuple[list[str], list[str]]:
+    """Keys the engine did not report, and recorded-only keys that differ (WARNING, never blocking).
+    Uses C2's registry functions when present. TODO(integrator): drop the fallbacks after the merge."""
+    from dspark_calib import fingerprint as F
+
+    try:
+        unchecked = list(F.unchecked_keys(engine)) if hasattr(F, "unchecked_keys") else \
+            [key for key, _ in LOAD_CHECKS if key not in engine]
+        recorded = [escape(m, 160) for m in F.recorded_differences(fp, engine)] \
+            if hasattr(F, "recorded_differences") else []
+    except Exception:  # noqa: BLE001 - a report, never a reason to fail the load
+        return [], []
+    return unchecked, recorded
+
+
+def _no_table(policy: str, why: str, reports: tuple = ()) -> Decision:
     if policy == "strict":
         msg = f"dspark-calib: {why} (policy strict)"
-        return Decision(False, (msg,), logging.ERROR, refuse=msg)
-    return Decision(False, (f"dspark-calib: {why}; profiling at start-up as usual (policy {policy})",), logging.WARNING)
+        return Decision(False, (msg,), logging.ERROR, refuse=msg, candidates=reports, policy=policy)
+    return Decision(False, (f"dspark-calib: {why}; profiling at start-up as usual (policy {policy})",),
+                    logging.WARNING, candidates=reports, policy=policy)
+
+
+def decide_within(timeout_s: float, policy: str, source: str, fn: Callable[[], Decision]) -> Decision:
+    """fn() on a daemon thread, waited for at most timeout_s: a stalled store or file system
+    (reads that ignore their own timeouts) costs the engine the deadline, never a hang."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - reported below in one line
+            box.append(exc)
+
+    worker = threading.Thread(target=run, name="dspark-calib-decide", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not box:
+        return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: no decision within {timeout_s:g} s "
+                                 f"({E.LOAD_TIMEOUT}); the table source is too slow or not answering")
+    if isinstance(box[0], BaseException):
+        return _no_table(policy, f"{E.TABLE}: {_why(box[0])}")
+    return box[0]
+
+
+def engine_description(manager: Any, capture_sizes: list[int]) -> dict[str, Any]:
+    """describe_engine plus max_model_len (the context clamp needs it).
+    TODO(integrator): C2's describe_engine reports max_model_len itself."""
+    from dspark_calib.vllm.engine_info import describe_engine
+
+    config = getattr(manager, "_dspark_vllm_config", None)
+    engine = describe_engine(manager, capture_sizes, config)
+    mml = getattr(getattr(config, "model_config", None), "max_model_len", None)
+    if isinstance(mml, int) and mml > 0:
+        engine["max_model_len"] = mml
+    return engine
 
 
 def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
-    """Everything the env asks for, decided on this rank; never raises (the engine must not die of it)."""
-    from dspark_calib.vllm.engine_info import current_context_len, describe_engine
+    """Everything the env asks for, decided on this rank within the deadline; never raises."""
+    from dspark_calib.vllm.engine_info import current_context_len
 
-    policy = (os.environ.get(ENV_POLICY, "") or "fallback").strip().lower()
-    # decide() refuses a bad policy itself; on the early exits below it is treated as strict.
-    early = policy if policy in POLICIES else "strict"
     try:
-        raw_ctx = os.environ.get(ENV_CONTEXT_LEN)
-        try:
-            ctx = int(raw_ctx) if raw_ctx else None
-        except ValueError:
-            return _no_table(early, f"{ENV_CONTEXT_LEN}={raw_ctx!r} is not an integer")
-        engine = describe_engine(manager, capture_sizes, getattr(manager, "_dspark_vllm_config", None))
-        return decide(os.environ[ENV_TABLE], engine, policy=policy,
-                      allow_reference=os.environ.get(ENV_ALLOW_REFERENCE, "").strip().lower() in ("1", "true", "yes"),
-                      context_len=ctx, vllm_context_len=current_context_len())
-    except Exception as exc:  # noqa: BLE001 - S3 without credentials, an unknown URI scheme, permissions...
-        return _no_table(early, f"{ENV_TABLE}: {type(exc).__name__}: {first_line(exc, 300)}")
+        policy = E.policy()
+    except CalibError as exc:
+        msg = f"dspark-calib: {exc}; refusing to start"
+        return Decision(False, (msg,), logging.ERROR, refuse=msg, policy="strict")
+    try:
+        ctx, allow, pins = E.context_len(), E.allow_reference(), E.pinned_hashes()
+        timeout, probe = E.load_timeout(), E.probe_enabled()
+    except CalibError as exc:
+        return _no_table(policy, str(exc))
+    source = E._get(None, E.TABLE) or ""
+    vllm_ctx = current_context_len()
+
+    # Object-store requests give up before the deadline, so the thread ends soon after it.
+    limits = replace(SERVE_LIMITS, io_timeout_s=min(SERVE_LIMITS.io_timeout_s, 0.8 * timeout))
+
+    def run() -> Decision:
+        return decide(source, engine_description(manager, capture_sizes), policy=policy, allow_reference=allow,
+                      context_len=ctx, vllm_context_len=vllm_ctx, pins=pins, probe=probe, limits=limits)
+
+    return decide_within(timeout, policy, source, run)
 
 
-class LoadMode:
-    name = "load"
-
-    def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]:
-        from dspark_calib.vllm.engine_info import broadcast_from_rank0, tp_rank_and_size
-
-        decision = None
-        if tp_rank_and_size()[0] == 0:
-            decision = decision_from_env(manager, capture_sizes)
-            for line in decision.lines:
-                log.log(decision.level, line)
-        decision = broadcast_from_rank0(decision)
-        manager._dspark_decision = decision
-        if decision.refuse:
-            raise RuntimeError(decision.refuse)
-        if not decision.load:
-            yield from vllm_batches
-            return
-        # One untimed-in-effect warm-up per size vLLM does not capture (JIT for piecewise shapes).
-        limit = manager._cudagraph_limit
-        seen: set[int] = set()
-        for batch in vllm_batches:
-            if batch["num_tokens"] > limit and batch["num_tokens"] not in seen:
-                seen.add(batch["num_tokens"])
-                yield batch
-
-    def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
-        decision: Decision | None = getattr(manager, "_dspark_decision", None)
-        if decision is None or not decision.load:
-            original(samples)
-            return
-        manager.set_cost_curves(list(decision.draft_curve), list(decision.verify_curve))
+from dspark_calib.vllm.serve import LoadMode, agree_across_dp, install_hooks, remove_hooks  # noqa: E402,F401

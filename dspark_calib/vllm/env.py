@@ -1,0 +1,124 @@
+"""Every DSPARK_CALIB_* variable: its name and how it is parsed, in one place.
+
+Standard library only: the plugin entry point imports this in every vLLM process
+(API server included) before it knows whether it has anything to do.
+
+Parsers raise CalibError with one line naming the variable and its value
+(escaped: an env value is operator input, but it still reaches a log line).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Mapping
+
+from dspark_calib.errors import CalibError
+
+CAPTURE = "DSPARK_CALIB_CAPTURE"  # capture mode: the capture directory (used by `dspark-calib profile`)
+TABLE = "DSPARK_CALIB_TABLE"  # load mode: a table file, a directory of tables, or a pyarrow.fs URI
+POLICY = "DSPARK_CALIB_POLICY"  # fallback (default) | strict | warn
+CONTEXT_LEN = "DSPARK_CALIB_CONTEXT_LEN"  # context to price (default: vLLM's profile context)
+ALLOW_REFERENCE = "DSPARK_CALIB_ALLOW_REFERENCE"  # 1: also accept tables converted from vLLM logs
+LOAD_TIMEOUT = "DSPARK_CALIB_LOAD_TIMEOUT"  # seconds for the whole load decision (default 5)
+TABLE_SHA256 = "DSPARK_CALIB_TABLE_SHA256"  # comma list of pinned content hashes (64 hex each)
+PROBE = "DSPARK_CALIB_PROBE"  # 0: skip the load-time probe (default 1)
+
+ALL = (CAPTURE, TABLE, POLICY, CONTEXT_LEN, ALLOW_REFERENCE, LOAD_TIMEOUT, TABLE_SHA256, PROBE)
+POLICIES = ("fallback", "strict", "warn")
+DEFAULT_LOAD_TIMEOUT_S = 5.0
+MAX_LOAD_TIMEOUT_S = 600.0  # an engine start waits on it; longer is a typo, not a wish
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def shown(value: str, limit: int = 40) -> str:
+    """An env value as a log line may show it: escaped, truncated (local: no import of candidates)."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in value)
+    return repr(text[:limit] + ("..." if len(text) > limit else ""))
+
+
+def _get(env: Mapping[str, str] | None, name: str) -> str | None:
+    return (os.environ if env is None else env).get(name)
+
+
+def is_active(env: Mapping[str, str] | None = None) -> bool:
+    """Does any variable ask the plugin for work? (nothing else is imported until it does)"""
+    return bool(_get(env, CAPTURE) or _get(env, TABLE))
+
+
+def policy(env: Mapping[str, str] | None = None) -> str:
+    raw = _get(env, POLICY) or ""
+    value = raw.strip().lower() or "fallback"
+    if value not in POLICIES:
+        raise CalibError(f"{POLICY}={shown(raw)} is not one of {', '.join(POLICIES)}")
+    return value
+
+
+def context_len(env: Mapping[str, str] | None = None) -> int | None:
+    raw = (_get(env, CONTEXT_LEN) or "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise CalibError(f"{CONTEXT_LEN}={shown(raw)} is not an integer") from None
+    if value <= 0:
+        raise CalibError(f"{CONTEXT_LEN}={value} must be positive")
+    return value
+
+
+def _flag(env: Mapping[str, str] | None, name: str, default: bool) -> bool:
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise CalibError(f"{name}={shown(raw)} is not a boolean (1/0, true/false, yes/no)")
+
+
+def allow_reference(env: Mapping[str, str] | None = None) -> bool:
+    return _flag(env, ALLOW_REFERENCE, False)
+
+
+def probe_enabled(env: Mapping[str, str] | None = None) -> bool:
+    return _flag(env, PROBE, True)
+
+
+def load_timeout(env: Mapping[str, str] | None = None) -> float:
+    raw = (_get(env, LOAD_TIMEOUT) or "").strip()
+    if not raw:
+        return DEFAULT_LOAD_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise CalibError(f"{LOAD_TIMEOUT}={shown(raw)} is not a number of seconds") from None
+    if not 0 < value <= MAX_LOAD_TIMEOUT_S:  # also refuses nan and inf
+        raise CalibError(f"{LOAD_TIMEOUT}={shown(raw)} must be > 0 and <= {MAX_LOAD_TIMEOUT_S:g} seconds")
+    return value
+
+
+def pinned_hashes(env: Mapping[str, str] | None = None) -> frozenset[str] | None:
+    """The pinned content hashes, or None when nothing is pinned.
+
+    A set but malformed pin list is an error, never "no pin": an operator who pins
+    has said the bucket is not trusted, so a typo must not open it to every table.
+    """
+    raw = _get(env, TABLE_SHA256)
+    if raw is None or not raw.strip():
+        return None
+    pins = set()
+    for item in raw.split(","):
+        item = item.strip().lower().removeprefix("sha256:")
+        if not item:
+            continue
+        if not _HEX64.fullmatch(item):
+            raise CalibError(f"{TABLE_SHA256}: {shown(item, 20)} is not a full 64-hex content hash "
+                             "(`dspark-calib inspect TABLE` prints it)")
+        pins.add(item)
+    if not pins:
+        raise CalibError(f"{TABLE_SHA256}={shown(raw)} names no hash")
+    return frozenset(pins)

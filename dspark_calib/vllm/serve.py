@@ -1,0 +1,157 @@
+"""Load mode inside the engine: the batches it runs, the probe, and data-parallel agreement.
+
+Every rank of every replica must run the same number of dummy steps (each step has
+TP collectives, and with DP > 1 a DP collective too), so every choice that changes
+the step count is made once and shared: the table decision on TP rank 0
+(broadcast in the TP group), then agreed across the DP group; the probe verdict
+likewise. A disagreement is resolved the same way on every replica (all fall back,
+or all refuse under strict): never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any, Callable, Iterator
+
+from dspark_calib.vllm import probe as P
+
+log = logging.getLogger("vllm.dspark_calib")
+
+
+def install_hooks() -> None:
+    """THE HOOK plugin.py must call once it patches vLLM (next to _wrap_factory): lets the probe
+    find the StepTimingCollector timing the dummy runs. Idempotent; without it, no probe."""
+    P.hook_collector()
+
+
+def remove_hooks() -> None:
+    """plugin.unpatch's counterpart (tests)."""
+    P.unhook_collector()
+
+
+def dp_all_gather(obj: Any) -> list | None:
+    """obj from every DP replica (None when DP is 1 or not initialised)."""
+    try:
+        from vllm.distributed.parallel_state import get_dp_group
+
+        group = get_dp_group()
+        size = int(group.world_size)
+    except Exception:  # noqa: BLE001 - no DP group: tests, single engine
+        return None
+    if size <= 1:
+        return None
+    import torch.distributed as dist
+
+    out: list = [None] * size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
+def agree_across_dp(what: str, mine: tuple) -> tuple[bool, str, list]:
+    """(all replicas agree, one line naming each replica's value when they do not, the values)."""
+    try:
+        everyone = dp_all_gather(mine)
+    except Exception as exc:  # noqa: BLE001 - a failed collective is a disagreement, said as such
+        return False, f"data-parallel replicas could not agree on the {what} ({type(exc).__name__})", [mine]
+    if everyone is None or all(v == everyone[0] for v in everyone):
+        return True, "", everyone or [mine]
+    shown = ", ".join(f"replica {i}: {_show(v)}" for i, v in enumerate(everyone[:8]))
+    more = f", +{len(everyone) - 8} more" if len(everyone) > 8 else ""
+    return False, f"data-parallel replicas decided differently on the {what} ({shown}{more})", everyone
+
+
+def _show(value: tuple) -> str:
+    from dspark_calib.vllm.candidates import escape
+
+    return escape(" ".join(str(v)[:12] for v in value), 60)
+
+
+def _policy_line(policy: str, why: str) -> tuple[str, int, bool]:
+    """(line, level, refuse) for a failed agreement or probe."""
+    if policy == "strict":
+        return f"dspark-calib: {why}; refusing to start (policy strict)", logging.ERROR, True
+    return f"dspark-calib: {why}; profiling at start-up as usual (policy {policy})", logging.WARNING, False
+
+
+class LoadMode:
+    name = "load"
+
+    def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]:
+        from dspark_calib.vllm.engine_info import broadcast_from_rank0, tp_rank_and_size
+        from dspark_calib.vllm.loader import decision_from_env
+
+        rank0 = tp_rank_and_size()[0] == 0
+        decision = None
+        if rank0:
+            decision = decision_from_env(manager, capture_sizes)
+            for line in decision.lines:
+                log.log(decision.level, line)
+        decision = broadcast_from_rank0(decision)
+        manager._dspark_strip = 0
+        agreed, why, everyone = agree_across_dp("table", (decision.load, decision.content_hash, bool(decision.refuse),
+                                                          decision.load and decision.probe))
+        if not agreed:  # one replica refusing makes every replica refuse: none may wait on it
+            strict = decision.policy == "strict" or any(v[2] for v in everyone if isinstance(v, tuple) and len(v) > 2)
+            line, level, refuse = _policy_line("strict" if strict else decision.policy, why)
+            if rank0:
+                log.log(level, line)
+            decision = replace(decision, load=False, refuse=line if refuse else "", lines=(line,))
+        manager._dspark_decision = decision
+        if decision.refuse:
+            raise RuntimeError(decision.refuse)
+        if not decision.load:
+            yield from vllm_batches
+            return
+        limit = manager._cudagraph_limit
+        warmups = list({b["num_tokens"]: b for b in vllm_batches if b["num_tokens"] > limit}.values())
+        yield from warmups  # one per piecewise shape: its first run includes one-time work
+        collector = P.active_collector() if decision.probe else None
+        start = P.timed_count(collector) if collector is not None else None
+        if start is None:
+            if rank0 and decision.probe:
+                log.debug("dspark-calib: load-time probe not run (vLLM's step timer is not reachable: "
+                         "plugin hook not installed)")
+            return
+        probes = self._probe_batches(vllm_batches, limit, warmups, decision.context_len)
+        yield from probes
+        verdict = P.judge(decision.pair, P.resolve(collector, start), len(probes)) if rank0 else None
+        verdict = broadcast_from_rank0(verdict)  # TP ranks continue (or not) together
+        agreed, why, _ = agree_across_dp("probe", (verdict.ok,))
+        if verdict.ok and agreed:
+            if rank0:
+                log.info("dspark-calib: %s; keeping %s", verdict.summary(), decision.chosen.label)
+            return
+        why = why or f"{verdict.summary()}: table {decision.chosen.label} does not match this GPU's measured costs"
+        if decision.policy == "warn" and not why.startswith("data-parallel"):
+            if rank0:
+                log.warning("dspark-calib: %s; loading it anyway (policy warn)", why)
+            return
+        line, level, refuse = _policy_line(decision.policy, why)
+        if rank0:
+            log.log(level, line)
+        if refuse:
+            manager._dspark_decision = replace(decision, load=False, refuse=line, lines=(line,))
+            raise RuntimeError(line)
+        # fallback: vLLM's full profile, in this same generator; its samples only reach vLLM.
+        manager._dspark_strip = P.timed_count(collector) or 0
+        manager._dspark_decision = replace(decision, load=False, lines=(line,))
+        yield from vllm_batches
+
+    @staticmethod
+    def _probe_batches(vllm_batches: list[dict], limit: int, warmups: list[dict], ctx: int) -> list[dict]:
+        """At most 2 steps at the table's context: the capture limit (full graph: verify and draft
+        curves) and the largest tail size (piecewise, warmed up above). vLLM's dicts, passed through."""
+        out = []
+        at_limit = next((b for b in vllm_batches if b["num_tokens"] == limit), None)
+        for batch in (at_limit, max(warmups, key=lambda b: b["num_tokens"], default=None)):
+            if batch is not None:
+                out.append({**batch, "context_len": ctx})
+        return out
+
+    def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
+        decision = getattr(manager, "_dspark_decision", None)
+        if decision is None or not decision.load:
+            original(samples[getattr(manager, "_dspark_strip", 0):])  # warm-up and probe steps are not vLLM's
+            return
+        manager.set_cost_curves(list(decision.draft_curve), list(decision.verify_curve))

@@ -1,0 +1,292 @@
+"""The load-time probe and data-parallel agreement, on the real vLLM classes (CPU).
+
+The engine is simulated as vLLM's capture_model runs it: the real (hooked)
+StepTimingCollector.collect() block around the patched batches_to_profile of a real
+AdaptiveVerificationManager, one timed entry per dummy step (events whose
+elapsed_time returns chosen times), then set_initial_cost_curves(timings).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch.distributed
+
+import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+from vllm.distributed import parallel_state
+from vllm.v1.worker.gpu import model_runner
+from vllm.v1.worker.gpu.async_utils import StepTimingCollector
+
+from dspark_calib.table import write_table
+from dspark_calib.vllm import loader, plugin
+from dspark_calib.vllm import probe as P
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
+DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
+POLICIES = ("fallback", "strict", "warn")
+LIMIT = 512
+
+
+class SingleRank:
+    rank_in_group, world_size = 0, 1
+
+    def broadcast_object(self, obj, src=0):
+        return obj
+
+
+@pytest.fixture(autouse=True)
+def patched(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("DSPARK_CALIB_") or key == "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN":
+            monkeypatch.delenv(key)
+    monkeypatch.setattr(av, "get_tp_group", lambda: SingleRank())
+    plugin.patch(av.AdaptiveVerificationManager, model_runner)
+    loader.install_hooks()  # what plugin.py will call next to _wrap_factory
+    yield
+    loader.remove_hooks()
+    plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
+
+
+def make_manager():
+    m = object.__new__(av.AdaptiveVerificationManager)
+    m.req_states = SimpleNamespace(max_num_reqs=256, max_num_batched_tokens=8192)
+    m.num_speculative_steps, m._cudagraph_limit, m.cost_tables = 7, 0, None
+    m._dspark_vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(dtype="bfloat16", quantization=None, model=MODEL, max_model_len=32768),
+        cache_config=SimpleNamespace(cache_dtype="auto"), speculative_config=SimpleNamespace(model=DRAFT))
+    return m
+
+
+class Event:
+    def __init__(self, ms=0.0):
+        self.ms, self.synced = ms, 0
+
+    def elapsed_time(self, end):
+        return end.ms
+
+    def synchronize(self):
+        self.synced += 1
+
+
+def point(curve, size):
+    return float(curve.cost_ms[list(curve.size).index(size)]) if size in list(curve.size) else 1.0
+
+
+def run_engine(manager, capture_sizes, table, ratio=1.0):
+    """capture_model's loop; probe steps (context = the table's) cost `ratio` x the table's medians."""
+    collector = StepTimingCollector()
+    batches = []
+    with collector.collect() as timings:
+        assert P.active_collector() is collector
+        for batch in manager.batches_to_profile(capture_sizes):
+            batches.append(batch)
+            n = batch["num_tokens"]
+            r, full = min(n, 256), n <= LIMIT
+            pair = table.curves[table.nearest_context(batch["context_len"])]
+            scale = ratio if len(batches) > 5 else 1.0  # warm-ups are never judged
+            events = SimpleNamespace(forward_start=Event(), forward_end=Event(point(pair.verify, n) * scale),
+                                     drafter_start=Event(), drafter_end=Event(point(pair.draft, r) * scale))
+            collector._timed.append((events, (full, n, r)))
+    manager.set_initial_cost_curves(timings)
+    return batches, timings
+
+
+def start(monkeypatch, caplog, tmp_path, table, recorded_sizes, policy, ratio, **env):
+    monkeypatch.setenv("DSPARK_CALIB_TABLE", write_table(table, tmp_path))
+    monkeypatch.setenv("DSPARK_CALIB_ALLOW_REFERENCE", "1")
+    monkeypatch.setenv("DSPARK_CALIB_POLICY", policy)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    m = make_manager()
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        batches, timings = run_engine(m, recorded_sizes, table, ratio)
+    return m, batches, timings, [r for r in caplog.records if r.name == "vllm.dspark_calib"]
+
+
+@pytest.fixture(scope="module")
+def sizes(reference_table):
+    return list(reference_table.fingerprint.cudagraph_capture_sizes)
+
+
+def test_matching_costs_load_with_the_worst_ratio_at_info(monkeypatch, caplog, tmp_path, reference_table, sizes):
+    m, batches, _, records = start(monkeypatch, caplog, tmp_path, reference_table, sizes, "strict", 1.0)
+    assert [b["num_tokens"] for b in batches] == [768, 1024, 2048, 4096, 8192, LIMIT, 8192]
+    assert all(b["context_len"] == 8192 for b in batches[5:])
+    probe_line = records[-1]
+    assert probe_line.levelno == logging.INFO and "worst" in probe_line.getMessage()
+    assert "verify@512 1.00x" in probe_line.getMessage() and "draft@256 1.00x" in probe_line.getMessage()
+    draft, verify = reference_table.curves[8192].as_vllm()
+    want = av.build_cost_tables_from_curves(draft, verify, 256, 8192, LIMIT)
+    assert np.array_equal(m.cost_tables[1], want[1]) and np.array_equal(m.cost_tables[0], want[0])
+
+
+@pytest.mark.parametrize("ratio", [1.3, 0.7])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_costs_off_by_more_than_the_tolerance(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, ratio):
+    if policy == "strict":
+        with pytest.raises(RuntimeError) as err:
+            start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, ratio)
+        assert f"{ratio:.2f}x" in str(err.value) and "policy strict" in str(err.value)
+        return
+    m, batches, timings, records = start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, ratio)
+    line = records[-1].getMessage()
+    assert records[-1].levelno == logging.WARNING and f"verify@512 {ratio:.2f}x" in line
+    assert f"draft@256 {ratio:.2f}x" in line and f"verify@8192 {ratio:.2f}x" in line
+    if policy == "warn":
+        assert len(batches) == 7 and "loading it anyway" in line
+        draft, verify = reference_table.curves[8192].as_vllm()
+        assert np.array_equal(m.cost_tables[1], av.build_cost_tables_from_curves(draft, verify, 256, 8192, LIMIT)[1])
+        return
+    # fallback: vLLM's full profile ran in the same generator; vLLM saw only its own samples
+    stock = list(av.AdaptiveVerificationManager.batches_to_profile.__wrapped__(make_manager(), sizes))
+    assert batches[7:] == stock and "profiling at start-up as usual" in line
+    reference = make_manager()
+    reference._cudagraph_limit = LIMIT
+    av.AdaptiveVerificationManager.set_initial_cost_curves.__wrapped__(reference, timings[7:])
+    assert np.array_equal(m.cost_tables[1], reference.cost_tables[1])
+    assert np.array_equal(m.cost_tables[0], reference.cost_tables[0])
+
+
+def test_probe_can_be_disabled(monkeypatch, caplog, tmp_path, reference_table, sizes):
+    _, batches, _, _ = start(monkeypatch, caplog, tmp_path, reference_table, sizes, "strict", 1.3,
+                             DSPARK_CALIB_PROBE="0")
+    assert len(batches) == 5
+
+
+def test_judge_tolerance_uses_the_tables_spread(reference_table):
+    pair = reference_table.curves[8192]
+    i = list(pair.verify.size).index(8192)
+    median = float(pair.verify.cost_ms[i])
+    m = P.Measured(median * 1.04, 0.0, 8192, 256, False)
+    assert P.judge(pair, [m], 1).ok
+    assert not P.judge(pair, [P.Measured(median * 1.06, 0.0, 8192, 256, False)], 1).ok
+    assert not P.judge(pair, [], 2).ok and "0 of 2" in P.judge(pair, [], 2).summary()
+    assert not P.judge(pair, [P.Measured(1.0, 1.0, 3, 3, True)], 1).ok  # no point there: inconclusive
+
+
+# -- data parallel ------------------------------------------------------------------------
+class DPGroup:
+    def __init__(self, size, rank):
+        self.world_size, self.rank_in_group, self.cpu_group = size, rank, object()
+
+
+def stub_dp(monkeypatch, size, rank, others):
+    """others(call, mine) -> the other replicas' tuples for this all-gather."""
+    group, calls = DPGroup(size, rank), []
+
+    def all_gather_object(out, obj, group=None):
+        assert group is not None
+        values = others(len(calls), obj)
+        calls.append(obj)
+        out[:] = values[:rank] + [obj] + values[rank:]
+
+    monkeypatch.setattr(parallel_state, "get_dp_group", lambda: group)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    return calls
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_dp_replicas_that_agree_load(monkeypatch, caplog, tmp_path, reference_table, sizes, size, policy):
+    calls = stub_dp(monkeypatch, size, 1, lambda call, mine: [mine] * (size - 1))
+    m, batches, _, _ = start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, 1.0)
+    assert len(batches) == 7 and len(calls) == 2  # the table, then the probe verdict
+    assert calls[0][1] == reference_table.content_hash
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("stage", ["table", "probe"])
+def test_dp_replicas_that_disagree_all_take_the_same_path(monkeypatch, caplog, tmp_path, reference_table, sizes,
+                                                          size, policy, stage):
+    def others(call, mine):
+        if (stage == "table" and call == 0) or (stage == "probe" and call == 1):
+            other = (False, "", False, False) if call == 0 else (False,)  # a replica fell back / failed its probe
+            return [mine] * (size - 2) + [other]
+        return [mine] * (size - 1)
+
+    stub_dp(monkeypatch, size, 0, others)
+    if policy == "strict":
+        with pytest.raises(RuntimeError, match="data-parallel replicas|probe"):
+            start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, 1.0)
+        return
+    m, batches, _, records = start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, 1.0)
+    line = records[-1].getMessage()
+    assert "data-parallel replicas decided differently" in line and f"replica {size - 1}: False" in line
+    assert "profiling at start-up as usual" in line
+    n_ours = 0 if stage == "table" else 7
+    assert len(batches) == n_ours + 280  # the full profile, as on the replica that fell back
+
+
+def test_dp_replicas_reach_the_same_step_count(monkeypatch, caplog, tmp_path, reference_table, sizes):
+    """Replica 0 finds the table, replica 1 does not: both must end in vLLM's full profile."""
+    good = write_table(reference_table, tmp_path)
+    views = {0: (True, reference_table.content_hash, False, True), 1: (False, "", False, False)}
+    counts = []
+    for rank, table_env in ((0, good), (1, str(tmp_path / "missing"))):
+        stub_dp(monkeypatch, 2, rank, lambda call, mine, r=rank: [views[1 - r]] if call == 0 else [mine])
+        monkeypatch.setenv("DSPARK_CALIB_TABLE", table_env)
+        monkeypatch.setenv("DSPARK_CALIB_ALLOW_REFERENCE", "1")
+        batches, _ = run_engine(make_manager(), sizes, reference_table)
+        counts.append(len(batches))
+    assert counts == [280, 280]
+
+
+def test_failed_dp_collective_is_a_disagreement(monkeypatch, caplog, tmp_path, reference_table, sizes):
+    def broken(call, mine):
+        raise RuntimeError("gloo timeout")
+
+    stub_dp(monkeypatch, 2, 0, broken)
+    with pytest.raises(RuntimeError, match="could not agree"):
+        start(monkeypatch, caplog, tmp_path, reference_table, sizes, "strict", 1.0)
+
+
+def test_one_refusing_replica_makes_all_refuse(monkeypatch, caplog, tmp_path, reference_table, sizes):
+    stub_dp(monkeypatch, 2, 0, lambda call, mine: [(False, "", True, False)])  # e.g. a bad policy value there
+    with pytest.raises(RuntimeError, match="data-parallel replicas decided differently"):
+        start(monkeypatch, caplog, tmp_path, reference_table, sizes, "fallback", 1.0)
+
+
+# -- the env path end to end (decision_from_env inside the patched generator) ----------------
+@pytest.mark.parametrize("policy", POLICIES)
+def test_silent_store_through_the_plugin_ends_in_the_policy(monkeypatch, caplog, sizes, reference_table, policy):
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)  # accepts into the backlog, never answers
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_EC2_METADATA_DISABLED": "true",
+                 "DSPARK_CALIB_POLICY": policy, "DSPARK_CALIB_LOAD_TIMEOUT": "1",
+                 "DSPARK_CALIB_TABLE": f"s3://b/t?endpoint_override=127.0.0.1:{server.getsockname()[1]}&scheme=http"}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+            if policy == "strict":
+                with pytest.raises(RuntimeError, match="policy strict"):
+                    run_engine(make_manager(), sizes, reference_table)
+                return
+            batches, _ = run_engine(make_manager(), sizes, reference_table)
+    finally:
+        server.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.dspark_calib"]
+    assert len(batches) == 280 and len(lines) == 1 and "profiling at start-up as usual" in lines[0]
+
+
+@pytest.mark.parametrize("name,value", [("DSPARK_CALIB_TABLE_SHA256", "abc"), ("DSPARK_CALIB_LOAD_TIMEOUT", "soon"),
+                                        ("DSPARK_CALIB_PROBE", "maybe"), ("DSPARK_CALIB_CONTEXT_LEN", "8k")])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_bad_env_value_is_one_line_and_the_policy(monkeypatch, caplog, tmp_path, reference_table, sizes, policy,
+                                                  name, value):
+    monkeypatch.setenv(name, value)
+    if policy == "strict":
+        with pytest.raises(RuntimeError, match=name):
+            start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, 1.0)
+        return
+    _, batches, _, records = start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, 1.0)
+    assert len(batches) == 280 and len(records) == 1 and name in records[0].getMessage()
