@@ -280,15 +280,29 @@ def _read_one(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         col = arrow.column(name)
         if col.type != types[typ]:
             raise CalibError(f"column {name} has type {col.type}, expected {types[typ]}", path=path)
-        if col.null_count:
-            if name not in NULLABLE:
-                raise CalibError(f"column {name} has {col.null_count} null values", path=path)
-            col = col.fill_null(ABSENT)
-        cols[name] = np.asarray(col.to_numpy(zero_copy_only=False)).copy()
+        if col.null_count and name not in NULLABLE:
+            raise CalibError(f"column {name} has {col.null_count} null values", path=path)
+        cols[name] = _numpy(col.combine_chunks(), typ)
     problem = _column_problem(cols)
     if problem:
         raise CalibError(problem, path=path)
     return cols, meta
+
+
+def _numpy(arr: Any, typ: str) -> np.ndarray:
+    """An arrow array as numpy (nulls: ABSENT), from its buffers: pyarrow's to_numpy imports
+    pandas, which would be most of `validate`'s start-up."""
+    n, off = len(arr), arr.offset
+    if n == 0:
+        return np.zeros(0, dtype=bool if typ == BOOL else typ)
+    validity, data = arr.buffers()[:2]
+    if typ == BOOL:
+        return np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")[off:off + n].astype(bool)
+    out = np.frombuffer(data, dtype=typ)[off:off + n].copy()
+    if arr.null_count:  # nullable budgets: ABSENT where null
+        valid = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")[off:off + n].astype(bool)
+        out[~valid] = ABSENT
+    return out
 
 
 def _parse_meta(raw: bytes, path: str) -> dict[str, Any]:
