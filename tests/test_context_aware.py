@@ -201,3 +201,35 @@ def test_batch_context_sum_both_paths(reference_table):
         num_tokens, _ = schedule(m, contexts, [0] * n, rng)
         total = ca.batch_context_sum(m.req_states, num_tokens)
         assert total == int(contexts.astype(np.int64).sum()) and type(total) is int
+
+
+# -- observe mode's capture at budget time (dspark_calib.vllm.observe_step) ----------------------
+@SETTINGS
+@given(batch=batches, mid_prefill=st.floats(0, 0.5))
+def test_capture_step_matches_vllms_choice_and_the_other_pricing(grid_3ctx, reference_table, batch, mid_prefill):
+    from dspark_calib.vllm.observe_step import capture_step, to_observed
+
+    num_reqs, centre, seed = batch
+    rng = np.random.default_rng(seed)
+    static = reference_table.dense_tables(8192)
+    m = make_manager(static, rng=rng)
+    contexts = np.maximum(0, centre + rng.integers(-400, 400, num_reqs)).astype(np.int32)
+    drafts = rng.integers(0, STEPS + 1, num_reqs)
+    num_tokens, draft_tokens = schedule(m, contexts, drafts, rng)
+    slots = np.array([m.req_states.req_id_to_index[r] for r in num_tokens])
+    prefilling = rng.random(num_reqs) < mid_prefill  # these do not sample this step
+    m.req_states.prefill_len.np[slots[prefilling]] = contexts[prefilling] + 100
+    state = ca.install(m, grid_3ctx)
+    total = m.get_num_tokens(num_tokens, draft_tokens)
+    cap = capture_step(m, num_tokens, draft_tokens, priced_context=state.last_context, alt_tables=static)
+    assert cap.num_target_tokens == total and cap.draft_budget == m._batch_budget[2]
+    assert (cap.context_sum, cap.context_max) == (int(contexts.astype(np.int64).sum()), int(contexts.max()))
+    assert cap.scheduled_drafts == int(drafts.sum()) and cap.priced_context == ceil_mean(cap.context_sum, num_reqs)
+    gd, gv = grid_3ctx.tables_for(cap.priced_context)
+    assert cap.predicted_draft_ms == gd[num_reqs] and cap.predicted_verify_ms == gv[total]
+    # the other pricing's budget is what vLLM's own rule picks with those tables
+    assert cap.alt_budget == vllm_with_tables(static, m, num_tokens, draft_tokens)[1][2]
+    rec = to_observed(cap, step=3, forward_ms=1.5, drafter_ms=0.5, num_target_tokens=total, full_cudagraph=True,
+                      context_aware=True)
+    assert (rec.budget_context_aware, rec.budget_static) == (cap.draft_budget, cap.alt_budget)
+    assert rec.context_mean == cap.context_sum / num_reqs
