@@ -233,3 +233,8 @@ def test_capture_step_matches_vllms_choice_and_the_other_pricing(grid_3ctx, refe
                       context_aware=True)
     assert (rec.budget_context_aware, rec.budget_static) == (cap.draft_budget, cap.alt_budget)
     assert rec.context_mean == cap.context_sum / num_reqs
+
+
+def test_grid_without_broadcast_makes_no_collective(reference_table, single_rank):
+    grid = ca.grid_for_manager(make_manager(), reference_table.curves, broadcast=False)
+    assert single_rank.calls == 0 and grid.contexts == (1024, 8192, 16384)

@@ -129,17 +129,22 @@ def curves_for_broadcast(curves: Mapping[int, Any]) -> dict[int, tuple[list, lis
     return out
 
 
-def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, tolerance: float = DEFAULT_TOLERANCE,
-                     max_bytes: int = DEFAULT_MAX_BYTES) -> ContextGrid:
+def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = True,
+                     tolerance: float = DEFAULT_TOLERANCE, max_bytes: int = DEFAULT_MAX_BYTES) -> ContextGrid:
     """The grid for this engine: curves from TP rank 0, sizes from the manager.
 
     Call it where the loader installs curves (after batches_to_profile has set
     ``_cudagraph_limit``): a profiled context's grid row then equals what vLLM's
-    set_cost_curves builds from that context's curves, bit for bit.
+    set_cost_curves builds from that context's curves, bit for bit. With
+    broadcast (a collective: every TP rank must call it) the curves are rank 0's;
+    pass broadcast=False only for curves that already came from rank 0 (the
+    loader's Decision is broadcast before install).
     """
-    import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+    curves = curves_for_broadcast(curves)
+    if broadcast:
+        import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
 
-    curves = av.get_tp_group().broadcast_object(curves_for_broadcast(curves), src=0)
+        curves = av.get_tp_group().broadcast_object(curves, src=0)
     rs = manager.req_states
     costs = ContextCosts(curves, rs.max_num_reqs, rs.max_num_batched_tokens, manager._cudagraph_limit)
     return ContextGrid(costs, tolerance=tolerance, max_bytes=max_bytes)
