@@ -141,7 +141,11 @@ class ObservedWriter:
         if rows_per_file < 1 or max_files < 1:
             raise CalibError("observe: rows_per_file and max_files must be >= 1")
         self.directory = os.fspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:
+            raise CalibError(f"observe: cannot create the directory ({exc.strerror or first_line(exc)})",
+                             path=self.directory) from None
         meta = dict(metadata or {})
         try:
             json.dumps(meta)
@@ -172,7 +176,11 @@ class ObservedWriter:
         rows, self._buffer = self._buffer, []
         path = os.path.join(self.directory, f"{FILE_PREFIX}{self.name}-{self._seq:06d}.parquet")
         self._seq += 1
-        _write(path, rows, self.metadata)
+        try:
+            _write(path, rows, self.metadata)
+        except OSError as exc:  # disk full, directory removed...: the rows are dropped, the caller decides
+            raise CalibError(f"observe: cannot write ({exc.strerror or first_line(exc)}); "
+                             f"{len(rows)} observed steps dropped", path=path) from None
         self.files.append(path)
         while len(self.files) > self.max_files:
             try:

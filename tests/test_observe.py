@@ -69,9 +69,18 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(pq, "write_table", broken)
-    with pytest.raises(OSError):
+    with pytest.raises(CalibError) as err:
         w.append(step(1))
+    assert "disk full" in str(err.value) and "2 observed steps dropped" in str(err.value)
     assert os.listdir(tmp_path) == []
+
+
+def test_an_unusable_directory_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CalibError) as err:
+        ObservedWriter(blocker / "sub")
+    assert str(blocker / "sub") in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("bad", [dict(forward_ms=-1.0), dict(forward_ms=float("nan")), dict(num_reqs=0),
