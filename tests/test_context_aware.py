@@ -238,3 +238,17 @@ def test_capture_step_matches_vllms_choice_and_the_other_pricing(grid_3ctx, refe
 def test_grid_without_broadcast_makes_no_collective(reference_table, single_rank):
     grid = ca.grid_for_manager(make_manager(), reference_table.curves, broadcast=False)
     assert single_rank.calls == 0 and grid.contexts == (1024, 8192, 16384)
+
+
+def test_enable_installs_for_several_contexts_only(reference_table, reference_table_8192):
+    base = reference_table.dense_tables(8192)
+    m = make_manager(base)
+    line = ca.enable(m, reference_table.curves)
+    assert ca.is_installed(m) and "context-aware costs on" in line and "\n" not in line
+    assert ca.installed_state(m).grid.contexts == (1024, 8192, 16384)
+    single = make_manager(base)
+    assert "off" in ca.enable(single, reference_table_8192.curves) and not ca.is_installed(single)
+    broken = make_manager(base)
+    broken.req_states = SimpleNamespace()  # no sizes: the grid cannot be built
+    line = ca.enable(broken, reference_table.curves)
+    assert "off (AttributeError" in line and not ca.is_installed(broken) and broken.cost_tables is base

@@ -148,3 +148,21 @@ def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, broadcast: bool
     rs = manager.req_states
     costs = ContextCosts(curves, rs.max_num_reqs, rs.max_num_batched_tokens, manager._cudagraph_limit)
     return ContextGrid(costs, tolerance=tolerance, max_bytes=max_bytes)
+
+
+def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False) -> str:
+    """What load mode calls after installing its curves: context-aware when the table has two or
+    more contexts. Returns the one line to log; never raises (the engine keeps the static tables)."""
+    if len(curves) < 2:
+        return "dspark-calib: context-aware costs off: the table profiles one context"
+    try:
+        grid = grid_for_manager(manager, curves, broadcast=broadcast)
+        install(manager, grid)
+    except Exception as exc:  # noqa: BLE001 - a serving engine must not die of an optional mode
+        from dspark_calib.errors import first_line
+
+        return f"dspark-calib: context-aware costs off ({type(exc).__name__}: {first_line(exc)}); static tables kept"
+    lo, hi = grid.contexts[0], grid.contexts[-1]
+    return (f"dspark-calib: context-aware costs on: contexts {lo}..{hi} ({len(grid.contexts)} profiled), grid "
+            f"{len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, within {100 * grid.max_rel_error:.2f}% of the "
+            f"interpolation; steps outside {lo}..{hi} are priced at the nearest profiled context")
