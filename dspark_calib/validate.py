@@ -132,6 +132,15 @@ def bucket_label(lo: int, floor: int) -> str:
     return f"{lo}-{2 * lo - 1}"
 
 
+def _recorded(observed: ObservedSteps, key: str, default: int) -> int:
+    values = {m.get(key) for m in observed.metadata}
+    if len(values) == 1:
+        (value,) = values
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return int(default)
+
+
 def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None,
              grid_tolerance: float = DEFAULT_TOLERANCE, context_floor: int = 1024) -> ValidationResult:
     """Compare the table's predictions with observed steps (see the module docstring)."""
@@ -139,8 +148,11 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
         raise CalibError("no observed steps to validate against")
     fp = table.fingerprint
     c = observed.columns
-    max_reqs = max(int(fp.max_num_seqs), int(c["num_reqs"].max()))
-    max_tokens = max(int(fp.max_num_batched_tokens), int(c["num_target_tokens"].max()))
+    # The engine's sizes when the files recorded them (its grid is then this one, point for point),
+    # else the table's; never below an observed step.
+    max_reqs = max(_recorded(observed, "max_num_reqs", fp.max_num_seqs), int(c["num_reqs"].max()))
+    max_tokens = max(_recorded(observed, "max_num_batched_tokens", fp.max_num_batched_tokens),
+                     int(c["num_target_tokens"].max()))
     costs = ContextCosts(table.curves, max_reqs, max_tokens, int(fp.cudagraph_limit))
     grid = ContextGrid(costs, tolerance=grid_tolerance)
     wanted = VLLM_DEFAULT_CONTEXT if single_context is None else int(single_context)

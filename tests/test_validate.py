@@ -146,3 +146,36 @@ def test_validate_imports_no_torch_or_vllm(observed_dir, table_file):
             "assert r.num_steps == 900\n"
             "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_steps_measured_exactly_as_the_grid_predicts_have_zero_error(reference_table, tmp_path):
+    """No noise, contexts anywhere (inside and outside the profiled range): context-aware pricing is
+    the engine's own prediction, so its error is exactly 0; single-context's is not."""
+    grid = ContextGrid.from_table(reference_table)
+    rng = np.random.default_rng(11)
+    with ObservedWriter(tmp_path) as w:
+        for i in range(300):
+            reqs, tokens = int(rng.integers(1, 257)), int(rng.integers(1, 8193))
+            ctxs = rng.integers(0, 20000, reqs)
+            total = int(ctxs.sum())
+            gd, gv = grid.tables_for(-(-total // reqs))
+            w.append(ObservedStep(step=i, forward_ms=float(gv[tokens]), drafter_ms=float(gd[reqs]),
+                                  num_target_tokens=tokens, num_reqs=reqs, full_cudagraph=True,
+                                  context_mean=total / reqs, context_max=int(ctxs.max()), context_sum=total,
+                                  scheduled_drafts=0, draft_budget=0, priced_context=0, predicted_draft_ms=1.0,
+                                  predicted_verify_ms=1.0))
+    res = validate(reference_table, read_observed([tmp_path]))
+    assert res.budget_change.compared == 0 and res.budget_change.share is None
+    for g in res.groups + res.by_context + res.overall:
+        assert g.errors[AWARE].median_pct == 0.0 and g.errors[AWARE].p90_pct == 0.0
+    assert res.overall[1].errors[SINGLE].median_pct > 5
+
+
+def test_engine_sizes_recorded_in_the_files_size_the_tables(reference_table, tmp_path):
+    meta = {"max_num_reqs": 300, "max_num_batched_tokens": 9000}
+    with ObservedWriter(tmp_path, metadata=meta) as w:
+        for s in synthetic_steps(reference_table, (8192,), per_context=5):
+            w.append(s)
+    res = validate(reference_table, read_observed([tmp_path]))
+    want = ContextGrid.from_table(reference_table, max_num_reqs=300, max_num_batched_tokens=9000)
+    assert res.grid["bytes"] == want.nbytes and res.grid["points"] == len(want)
