@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
