@@ -1,0 +1,296 @@
+"""Cost tables priced at any context length, from a table's per-context curves.
+
+vLLM prices every step with curves profiled at one context length. A table may
+hold several; this module turns them into the dense (draft, verify) tables vLLM
+indexes, at any context L:
+
+* ``ContextCosts.at(L)``: per size, linear interpolation in context between the
+  dense tables of the two nearest profiled contexts (attention reads every
+  request's KV cache, so the verify cost is close to linear in context). Each
+  profiled context's dense table comes from ``fit.build_cost_tables`` (vLLM's
+  own rule), so the step function below the capture limit, the interpolation
+  above it and the extrapolation past the last size all stay vLLM's. At a
+  profiled context the result IS that table (bit-identical); outside the
+  profiled range it is the nearest context's table plus an ``OutOfRange``
+  warning object (never a print: the caller decides where it goes).
+* ``ContextGrid``: the same, precomputed at load on a grid of contexts, so a
+  serving step gets its tables with one integer array lookup (no allocation).
+
+Grid choice (see ``ContextGrid``): points are placed so that rounding a context
+up to the next point changes no table entry by more than ``tolerance`` (0.5 %
+by default) relative to the exact interpolation. A uniform grid cannot do that
+cheaply: on the H200 Qwen3-8B curves a 256-token step is a 12 % cost change at
+context 1024 (verify at 256 tokens costs 16.8 ms there and rises ~8 us per
+context token) but 1.5 % at 16384. Error-driven spacing is dense where the
+cost is small and sparse where it is large: 1024..16384 takes 435 points
+(28.1 MiB at max_num_batched_tokens 8192, built in 0.1-0.3 s; a 1 % tolerance
+would halve both). Memory is capped by ``max_bytes`` (64 MiB by default): past
+it the tolerance is loosened to fit and ``max_rel_error`` says what was achieved.
+
+Only numpy here: ``validate`` prices observed steps with this and must not
+import torch or vllm.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from dspark_calib.errors import CalibError
+from dspark_calib.fit import build_cost_tables
+
+DEFAULT_TOLERANCE = 0.005  # grid rounding error bound, relative to the exact interpolation
+DEFAULT_MAX_BYTES = 64 << 20
+
+Tables = tuple[np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class OutOfRange:
+    """A context outside the profiled range: priced at the nearest profiled context."""
+
+    context_len: int
+    used_context: int
+    profiled: tuple[int, ...]
+
+    def __str__(self) -> str:
+        side = "below" if self.context_len < self.used_context else "above"
+        return (f"context {self.context_len} is {side} the profiled range {self.profiled[0]}..{self.profiled[-1]}: "
+                f"priced at context {self.used_context}")
+
+
+@dataclass(frozen=True, eq=False)
+class PricedTables:
+    """Dense tables at one context: ``weight`` of ``upper`` blended with ``lower``."""
+
+    draft: np.ndarray
+    verify: np.ndarray
+    context_len: int
+    lower: int
+    upper: int
+    weight: float  # 0: lower's table, 1: upper's
+    warning: OutOfRange | None = None
+
+    def as_tuple(self) -> Tables:
+        return self.draft, self.verify
+
+
+def _vllm_curves(pair: Any) -> tuple[list, list]:
+    """A CurvePair (table.curves values) or vLLM's (draft, verify) list pair."""
+    if hasattr(pair, "as_vllm"):
+        return pair.as_vllm()
+    draft, verify = pair
+    return list(draft), list(verify)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def blend(lower: np.ndarray, upper: np.ndarray, weight: float) -> np.ndarray:
+    """lower + weight * (upper - lower), kept within [min, max] of the two per entry.
+
+    This form (not (1-w)*lo + w*hi) is monotone in ``weight`` entry by entry under
+    float rounding, and the clip keeps every entry between its neighbours, so a
+    grid over increasing contexts is increasing wherever the profiled tables are.
+    """
+    out = upper - lower
+    out *= weight
+    out += lower
+    np.clip(out, np.minimum(lower, upper), np.maximum(lower, upper), out=out)
+    return out
+
+
+class ContextCosts:
+    """The dense tables of every profiled context, for one engine's table sizes.
+
+    ``curves``: context_len -> CurvePair (``CostTable.curves``) or vLLM's
+    (draft, verify) list pair. The sizes are the engine's (the manager's
+    req_states and ``_cudagraph_limit``), so a profiled context's tables are
+    exactly what vLLM's set_cost_curves would build from its curves.
+    """
+
+    def __init__(self, curves: Mapping[int, Any], max_num_reqs: int, max_num_batched_tokens: int,
+                 cudagraph_limit: int = 0):
+        if not curves:
+            raise CalibError("no curves to price contexts with")
+        self.contexts: tuple[int, ...] = tuple(sorted(int(c) for c in curves))
+        if self.contexts[0] < 0:
+            raise CalibError(f"negative context length {self.contexts[0]}")
+        self.max_num_reqs = int(max_num_reqs)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.cudagraph_limit = int(cudagraph_limit)
+        by_ctx = {int(c): p for c, p in curves.items()}
+        self.tables: dict[int, Tables] = {}
+        for ctx in self.contexts:
+            draft, verify = build_cost_tables(*_vllm_curves(by_ctx[ctx]), self.max_num_reqs,
+                                              self.max_num_batched_tokens, self.cudagraph_limit)
+            self.tables[ctx] = (_readonly(draft), _readonly(verify))
+
+    @classmethod
+    def from_table(cls, table: Any, *, max_num_reqs: int | None = None, max_num_batched_tokens: int | None = None,
+                   cudagraph_limit: int | None = None) -> "ContextCosts":
+        """A CostTable's curves at its own engine's sizes (or the given ones, as CostTable.dense_tables)."""
+        fp = table.fingerprint
+        return cls(table.curves, max_num_reqs or fp.max_num_seqs, max_num_batched_tokens or fp.max_num_batched_tokens,
+                   fp.cudagraph_limit if cudagraph_limit is None else cudagraph_limit)
+
+    def bracket(self, context_len: int) -> tuple[int, int, float]:
+        """(lower, upper, weight) for context_len, clamped to the profiled range."""
+        ctxs = self.contexts
+        if context_len <= ctxs[0]:
+            return ctxs[0], ctxs[0], 0.0
+        if context_len >= ctxs[-1]:
+            return ctxs[-1], ctxs[-1], 0.0
+        hi = int(np.searchsorted(ctxs, context_len, side="left"))
+        lo_ctx, hi_ctx = ctxs[hi - 1], ctxs[hi]
+        if context_len == hi_ctx:
+            return hi_ctx, hi_ctx, 0.0
+        return lo_ctx, hi_ctx, (context_len - lo_ctx) / (hi_ctx - lo_ctx)
+
+    def at(self, context_len: int) -> PricedTables:
+        """Dense (draft, verify) tables priced at context_len (read-only arrays)."""
+        context_len = int(context_len)
+        lo, hi, w = self.bracket(context_len)
+        warning = None
+        if not self.contexts[0] <= context_len <= self.contexts[-1]:
+            warning = OutOfRange(context_len, lo, self.contexts)
+        if lo == hi:  # a profiled context (or clamped to one): its own tables, bit for bit
+            draft, verify = self.tables[lo]
+        else:
+            (d0, v0), (d1, v1) = self.tables[lo], self.tables[hi]
+            draft, verify = _readonly(blend(d0, d1, w)), _readonly(blend(v0, v1, w))
+        return PricedTables(draft, verify, context_len, lo, hi, w, warning)
+
+
+def dense_tables(table: Any, context_len: int, **sizes: int | None) -> PricedTables:
+    """``CostTable.dense_tables(context_len=L)`` with interpolation (issue 9 item 2)."""
+    return ContextCosts.from_table(table, **sizes).at(context_len)
+
+
+class ContextGrid:
+    """Dense tables precomputed at grid contexts; ``tables_for(L)`` is one array lookup.
+
+    Points: every profiled context, plus, inside each profiled segment, points
+    spaced so that the largest relative change of any table entry between two
+    neighbours is at most ``tolerance`` (error-driven: spacing grows with the
+    cost). ``tables_for(L)`` rounds L UP to the next point: the step's attention
+    reads its computed tokens plus the ones it schedules, so the true context is
+    above ``num_computed_tokens`` and rounding up moves the price toward it; and
+    where costs rise with context (every H200 size) a rounded price is never
+    below the exact one. ``max_rel_error`` is the achieved bound: no entry of
+    ``tables_for(L)`` differs from ``ContextCosts.at(L)`` by more than that
+    fraction, for any L.
+    """
+
+    def __init__(self, costs: ContextCosts, *, tolerance: float = DEFAULT_TOLERANCE,
+                 max_bytes: int = DEFAULT_MAX_BYTES):
+        if not tolerance > 0:
+            raise CalibError(f"grid tolerance must be > 0, got {tolerance}")
+        self.costs = costs
+        row_bytes = 8 * (costs.max_num_reqs + costs.max_num_batched_tokens + 2)
+        max_points = max(len(costs.contexts), max_bytes // row_bytes)
+        points = self._place(costs, tolerance)
+        while len(points) > max_points:  # point count ~ 1/tolerance: loosen until it fits
+            tolerance *= 1.25 * len(points) / max_points
+            points = self._place(costs, tolerance)
+        self.tolerance = tolerance
+        self.points: tuple[int, ...] = tuple(points)
+        n = len(points)
+        self.draft = np.empty((n, costs.max_num_reqs + 1))
+        self.verify = np.empty((n, costs.max_num_batched_tokens + 1))
+        for i, p in enumerate(points):
+            priced = costs.at(p)
+            self.draft[i], self.verify[i] = priced.draft, priced.verify
+        _readonly(self.draft), _readonly(self.verify)
+        # Prebuilt tuples of row views: a step assigns one, allocating nothing.
+        self._tables: list[Tables] = [(self.draft[i], self.verify[i]) for i in range(n)]
+        self._lo, self._hi = points[0], points[-1]
+        # _slot[L - lo] = index of the first point >= L, for every integer L in the range.
+        slots = np.searchsorted(np.asarray(points), np.arange(self._lo, self._hi + 1), side="left")
+        self._slot = array("I", slots.astype(np.uint32).tobytes())
+        self.max_rel_error = self._achieved_error()
+
+    @staticmethod
+    def _place(costs: ContextCosts, tolerance: float) -> list[int]:
+        ctxs = costs.contexts
+        points = [ctxs[0]]
+        for c0, c1 in zip(ctxs, ctxs[1:]):
+            (d0, v0), (d1, v1) = costs.tables[c0], costs.tables[c1]
+            lo, hi = np.concatenate([d0, v0]), np.concatenate([d1, v1])
+            delta = np.abs(hi - lo)
+            p = c0
+            while p < c1:
+                # From p to q the entries change by (q - p)/(c1 - c0) * delta; relative to
+                # min(T(p), T(q)), which is >= min(T(p), hi), that must stay <= tolerance.
+                floor = np.minimum(blend(lo, hi, (p - c0) / (c1 - c0)), hi)
+                rate = np.max(np.divide(delta, floor, out=np.zeros_like(delta), where=floor > 0)) / (c1 - c0)
+                step = c1 - p if rate == 0 else max(1, math.floor(tolerance / rate))
+                p = min(c1, p + step)
+                points.append(p)
+        return points
+
+    def _achieved_error(self) -> float:
+        worst = 0.0
+        for table in (self.draft, self.verify):
+            if len(table) < 2:
+                continue
+            a, b = table[:-1], table[1:]
+            low = np.minimum(a, b)
+            diff = np.abs(b - a)
+            rel = np.divide(diff, low, out=np.where(diff > 0, np.inf, 0.0), where=low > 0)
+            worst = max(worst, float(rel.max()))
+        return worst
+
+    @classmethod
+    def from_table(cls, table: Any, **kw: Any) -> "ContextGrid":
+        sizes = {k: kw.pop(k) for k in ("max_num_reqs", "max_num_batched_tokens", "cudagraph_limit") if k in kw}
+        return cls(ContextCosts.from_table(table, **sizes), **kw)
+
+    @property
+    def contexts(self) -> tuple[int, ...]:
+        return self.costs.contexts
+
+    @property
+    def nbytes(self) -> int:
+        return self.draft.nbytes + self.verify.nbytes + self._slot.itemsize * len(self._slot)
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def index(self, context_len: int) -> int:
+        """Grid row for a context: the first point >= it, clamped to the profiled range."""
+        i = context_len - self._lo
+        if i <= 0:
+            return 0
+        if context_len >= self._hi:
+            return len(self._tables) - 1
+        return self._slot[i]
+
+    def tables_for(self, context_len: int) -> Tables:
+        """The (draft, verify) tables for a step at this (integer) context: O(1), no allocation."""
+        i = context_len - self._lo
+        if i <= 0:
+            return self._tables[0]
+        if context_len >= self._hi:
+            return self._tables[-1]
+        return self._tables[self._slot[i]]
+
+    def indices(self, context_lens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Vectorised ``index`` (for pricing many observed steps at once)."""
+        ctx = np.clip(np.asarray(context_lens, dtype=np.int64), self._lo, self._hi)
+        return np.searchsorted(np.asarray(self.points), ctx, side="left")
+
+    def describe(self) -> dict[str, Any]:
+        return {"contexts": list(self.contexts), "points": len(self.points), "bytes": self.nbytes,
+                "tolerance": self.tolerance, "max_rel_error": self.max_rel_error}
+
+
+def ceil_mean(total: int, count: int) -> int:
+    """ceil(total / count) in integers: the batch's mean context, rounded up (exact, no floats)."""
+    return -(-int(total) // int(count))

@@ -1,0 +1,106 @@
+"""Drawing only: the terminal view and PNG of a validate result (numbers from validate.py).
+
+matplotlib is imported inside plot_validation, so `validate` without --plot never pays for it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dspark_calib.atomic import atomic_write
+from dspark_calib.validate import AWARE, PRICINGS, SINGLE, GroupErrors, ValidationResult
+
+LABEL = {SINGLE: "single-context", AWARE: "context-aware"}
+MAX_GROUP_ROWS = 60
+
+
+def _pct(value: float) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}%"
+
+
+def _style(value: float, limit: float | None) -> str:
+    if limit is None or value is None or math.isnan(value):
+        return ""
+    return "red" if value > limit else "green"
+
+
+def _errors_table(title: str, groups: tuple[GroupErrors, ...], *, limit: float | None, sizes: bool) -> Table:
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("kind")
+    if sizes:
+        table.add_column("size", justify="right")
+    table.add_column("context", justify="right")
+    table.add_column("steps", justify="right")
+    for p in PRICINGS:
+        table.add_column(f"{LABEL[p]} median", justify="right")
+        table.add_column("p90", justify="right")
+        table.add_column("bias", justify="right")
+    for g in groups:
+        s = g.errors[PRICINGS[0]]
+        cells: list[Any] = [g.kind] + ([g.size_bucket] if sizes else []) + [g.context_bucket, str(s.n)]
+        for p in PRICINGS:
+            e = g.errors[p]
+            median = _pct(e.median_pct)
+            cells += [f"[{_style(e.median_pct, limit)}]{median}[/]" if _style(e.median_pct, limit) else median,
+                      _pct(e.p90_pct), ("+" if e.median_signed_pct > 0 else "") + _pct(e.median_signed_pct)]
+        table.add_row(*cells)
+    return table
+
+
+def render_validation(result: ValidationResult, console: Console | None = None, *, max_error: float | None = None,
+                      all_groups: bool = False) -> None:
+    """Header, per-kind and per-context errors, then the size x context detail (capped unless all_groups)."""
+    console = console or Console()
+    ctxs = ", ".join(str(c) for c in result.profiled_contexts)
+    console.print(f"[bold]validate[/] table {result.table_hash[:12] or '—'}: {result.num_steps} observed steps "
+                  f"from {len(result.files)} file(s)")
+    console.print(f"profiled contexts {ctxs}; single-context pricing at {result.single_context}; "
+                  f"context-aware grid {result.grid['points']} points (error bound "
+                  f"{100 * result.grid['max_rel_error']:.2f}%)")
+    if result.out_of_range_steps:
+        console.print(f"[yellow]{result.out_of_range_steps} steps outside the profiled contexts "
+                      f"{result.profiled_contexts[0]}..{result.profiled_contexts[-1]}: priced at the nearest[/]")
+    change = result.budget_change
+    if change.compared:
+        console.print(f"budget would change in {change.changed} of {change.compared} steps "
+                      f"({100 * change.share:.1f}%) between the two pricings")
+    else:
+        console.print("budget change: not recorded in these files (needs budget_static and budget_context_aware)")
+    console.print(_errors_table("absolute % error by kind", result.overall, limit=max_error, sizes=False))
+    console.print(_errors_table("by context", result.by_context, limit=max_error, sizes=False))
+    groups = result.groups if all_groups else result.groups[:MAX_GROUP_ROWS]
+    console.print(_errors_table("by size and context", groups, limit=max_error, sizes=True))
+    if len(groups) < len(result.groups):
+        console.print(f"({len(result.groups) - len(groups)} more groups: --all or --json)")
+
+
+def plot_validation(result: ValidationResult, path: str | os.PathLike) -> str:
+    """Median absolute % error by context bucket, per kind, both pricings side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
+    for ax, kind in zip(axes[0], ("draft", "verify")):
+        groups = [g for g in result.by_context if g.kind == kind]
+        labels = [g.context_bucket for g in groups]
+        width = 0.4
+        for i, p in enumerate(PRICINGS):
+            values = [g.errors[p].median_pct for g in groups]
+            ax.bar([x + (i - 0.5) * width for x in range(len(groups))], values, width, label=LABEL[p])
+        ax.set_xticks(range(len(groups)), labels, rotation=30)
+        ax.set_title(f"{kind}: median |predicted - measured| / measured")
+        ax.set_xlabel("mean context (tokens)")
+        ax.set_ylabel("%")
+        ax.legend()
+    fig.tight_layout()
+    try:  # atomically: never a half-written PNG
+        return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110), durable=False)
+    finally:
+        plt.close(fig)

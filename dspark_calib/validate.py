@@ -1,0 +1,211 @@
+"""How right are the costs? Predicted vs measured step cost on observed serving steps.
+
+``validate(table, observed)`` prices every observed step two ways from the
+table's curves and compares with what the step measured:
+
+* single-context: the dense tables of one profiled context (what a table
+  loaded without context-aware mode, or vLLM's own start-up profile, prices
+  every step at; by default the context nearest vLLM's profile default 8192);
+* context-aware: the ContextGrid row for the step's mean context (exactly what
+  context-aware mode installs for that step).
+
+Step kinds follow vLLM's fit: "verify" = forward_ms against the verify table at
+num_target_tokens (every step); "draft" = drafter_ms against the draft table at
+num_reqs (full-CUDA-graph steps only, as vLLM prices drafts from graph replays
+only). Errors are absolute % of the measured cost, median and p90, per kind x
+size bucket x context bucket (powers of two), per kind x context bucket, and per
+kind. Also: the share of observed steps whose budget the two pricings choose
+differently (from the engine's budget_static / budget_context_aware columns:
+a budget needs the step's draft confidences, which only the engine has).
+
+Analysis only: numpy, no torch, no vllm. The tables are sized to cover every
+observed step (a dense table's entry at a size does not depend on its length),
+so a step is priced exactly as the engine would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dspark_calib.context import DEFAULT_TOLERANCE, ContextCosts, ContextGrid
+from dspark_calib.errors import CalibError
+from dspark_calib.observe import ABSENT, ObservedSteps
+
+SINGLE, AWARE = "single_context", "context_aware"
+PRICINGS = (SINGLE, AWARE)
+KINDS = ("draft", "verify")
+VLLM_DEFAULT_CONTEXT = 8192
+ALL = "all"
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    """Absolute % errors of one group of steps under one pricing."""
+
+    n: int
+    median_pct: float
+    p90_pct: float
+    median_signed_pct: float  # > 0: the pricing over-predicts the cost
+
+    @classmethod
+    def of(cls, predicted: np.ndarray, measured: np.ndarray) -> "ErrorStats":
+        if len(measured) == 0:
+            return cls(0, math.nan, math.nan, math.nan)
+        signed = (predicted - measured) / measured * 100.0
+        err = np.abs(signed)
+        return cls(len(err), float(np.median(err)), float(np.percentile(err, 90)), float(np.median(signed)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class GroupErrors:
+    kind: str
+    size_bucket: str  # "all" or "lo-hi" (num_reqs for draft, num_target_tokens for verify)
+    context_bucket: str  # "all" or "lo-hi" tokens of mean computed context
+    errors: dict[str, ErrorStats]  # pricing -> stats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "size_bucket": self.size_bucket, "context_bucket": self.context_bucket,
+                **{p: s.to_dict() for p, s in self.errors.items()}}
+
+
+@dataclass(frozen=True)
+class BudgetChange:
+    compared: int  # steps with both budgets recorded
+    changed: int
+
+    @property
+    def share(self) -> float | None:
+        return self.changed / self.compared if self.compared else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compared": self.compared, "changed": self.changed, "share": self.share}
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    table_hash: str
+    files: tuple[str, ...]
+    num_steps: int
+    profiled_contexts: tuple[int, ...]
+    single_context: int
+    out_of_range_steps: int  # mean context outside the profiled range: priced at the nearest context
+    grid: dict[str, Any]
+    overall: tuple[GroupErrors, ...]  # per kind
+    by_context: tuple[GroupErrors, ...]  # per kind x context bucket
+    groups: tuple[GroupErrors, ...]  # per kind x size bucket x context bucket
+    budget_change: BudgetChange
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "table_hash": self.table_hash, "files": list(self.files), "num_steps": self.num_steps,
+            "profiled_contexts": list(self.profiled_contexts), "single_context": self.single_context,
+            "out_of_range_steps": self.out_of_range_steps, "grid": self.grid,
+            "overall": [g.to_dict() for g in self.overall],
+            "by_context": [g.to_dict() for g in self.by_context],
+            "groups": [g.to_dict() for g in self.groups],
+            "budget_change": self.budget_change.to_dict(),
+        }
+
+
+def pow2_bucket(values: np.ndarray, floor: int = 1) -> np.ndarray:
+    """Lower bound of each value's power-of-two bucket [2^k, 2^(k+1)); values below floor: 0."""
+    v = np.asarray(values, dtype=np.int64)
+    out = np.zeros(len(v), dtype=np.int64)
+    pos = v >= max(floor, 1)
+    out[pos] = 1 << (np.log2(v[pos]).astype(np.int64))
+    # float log2 can land one below at exact powers of two for huge ints: fix up
+    low = out[pos] * 2 <= v[pos]
+    out[np.flatnonzero(pos)[low]] *= 2
+    return out
+
+
+def bucket_label(lo: int, floor: int) -> str:
+    if lo == 0:
+        return f"0-{floor - 1}"
+    return f"{lo}-{2 * lo - 1}"
+
+
+def _recorded(observed: ObservedSteps, key: str, default: int) -> int:
+    values = {m.get(key) for m in observed.metadata}
+    if len(values) == 1:
+        (value,) = values
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return int(default)
+
+
+def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None,
+             grid_tolerance: float = DEFAULT_TOLERANCE, context_floor: int = 1024) -> ValidationResult:
+    """Compare the table's predictions with observed steps (see the module docstring)."""
+    if len(observed) == 0:
+        raise CalibError("no observed steps to validate against")
+    fp = table.fingerprint
+    c = observed.columns
+    # The engine's sizes when the files recorded them (its grid is then this one, point for point),
+    # else the table's; never below an observed step.
+    max_reqs = max(_recorded(observed, "max_num_reqs", fp.max_num_seqs), int(c["num_reqs"].max()))
+    max_tokens = max(_recorded(observed, "max_num_batched_tokens", fp.max_num_batched_tokens),
+                     int(c["num_target_tokens"].max()))
+    costs = ContextCosts(table.curves, max_reqs, max_tokens, int(fp.cudagraph_limit))
+    grid = ContextGrid(costs, tolerance=grid_tolerance)
+    wanted = VLLM_DEFAULT_CONTEXT if single_context is None else int(single_context)
+    single = min(costs.contexts, key=lambda x: (abs(x - wanted), -x))  # ties: the longer, as the loader
+    single_draft, single_verify = costs.tables[single]
+
+    num_reqs, num_tokens = c["num_reqs"], c["num_target_tokens"]
+    ctx = -(-c["context_sum"] // num_reqs)  # ceil(mean), exactly as context-aware mode prices a step
+    rows = grid.indices(ctx)
+    predicted = {
+        "draft": {SINGLE: single_draft[num_reqs], AWARE: grid.draft[rows, num_reqs]},
+        "verify": {SINGLE: single_verify[num_tokens], AWARE: grid.verify[rows, num_tokens]},
+    }
+    measured = {"draft": c["drafter_ms"], "verify": c["forward_ms"]}
+    sizes = {"draft": num_reqs, "verify": num_tokens}
+    steps = {"draft": c["full_cudagraph"] & (c["drafter_ms"] > 0), "verify": c["forward_ms"] > 0}
+    ctx_bucket = pow2_bucket(c["context_mean"].astype(np.int64), context_floor)
+
+    overall, by_context, groups = [], [], []
+    for kind in KINDS:
+        keep = steps[kind]
+        size_bucket = pow2_bucket(sizes[kind])
+
+        def stats(mask: np.ndarray) -> dict[str, ErrorStats]:
+            sel = keep & mask
+            return {p: ErrorStats.of(predicted[kind][p][sel], measured[kind][sel]) for p in PRICINGS}
+
+        overall.append(GroupErrors(kind, ALL, ALL, stats(np.ones(len(keep), dtype=bool))))
+        for cb in np.unique(ctx_bucket[keep]):
+            label = bucket_label(int(cb), context_floor)
+            by_context.append(GroupErrors(kind, ALL, label, stats(ctx_bucket == cb)))
+            for sb in np.unique(size_bucket[keep & (ctx_bucket == cb)]):
+                groups.append(GroupErrors(kind, bucket_label(int(sb), 1), label,
+                                          stats((ctx_bucket == cb) & (size_bucket == sb))))
+
+    both = (c["budget_static"] != ABSENT) & (c["budget_context_aware"] != ABSENT)
+    changed = int((c["budget_static"][both] != c["budget_context_aware"][both]).sum())
+    lo, hi = costs.contexts[0], costs.contexts[-1]
+    return ValidationResult(
+        table_hash=str(getattr(table, "content_hash", "")), files=observed.files, num_steps=len(observed),
+        profiled_contexts=costs.contexts, single_context=single,
+        out_of_range_steps=int(((ctx < lo) | (ctx > hi)).sum()), grid=grid.describe(),
+        overall=tuple(overall), by_context=tuple(by_context), groups=tuple(groups),
+        budget_change=BudgetChange(int(both.sum()), changed),
+    )
+
+
+def max_error_exceeded(result: ValidationResult, pct: float, *, pricing: str = AWARE) -> bool:
+    """The CI / fleet verdict: is any kind's median error at any context bucket above pct?
+
+    Per context bucket, not overall: a pricing that is right on average can be far
+    off at short or long contexts, which is exactly what context-awareness fixes.
+    """
+    if pricing not in PRICINGS:
+        raise CalibError(f"pricing must be one of {', '.join(PRICINGS)}, got {pricing!r}")
+    return any(g.errors[pricing].n and g.errors[pricing].median_pct > pct for g in result.by_context)

@@ -1,0 +1,168 @@
+"""Context-aware mode: every step's draft budget priced at the batch's own context.
+
+vLLM's ``AdaptiveVerificationManager.get_num_tokens`` prices a step with
+``self.cost_tables``, built once from curves profiled at one context length.
+``install(manager, grid)`` puts a per-instance wrapper in front of it that, each
+step, reads the mean ``num_computed_tokens`` of the scheduled requests (the
+manager's ``req_states`` holds them; vLLM's rule reads the same array), sets
+``manager.cost_tables`` to the grid's tables for that context (one lookup, no
+allocation, see context.ContextGrid) and then calls vLLM's own get_num_tokens,
+so the budget rule itself stays vLLM's.
+
+Tensor parallelism: every rank's req_states holds the same scheduler state, so
+every rank computes the same context and picks the same grid row: no collective
+per step. The grid itself must be the same on every rank: ``grid_for_manager``
+broadcasts the curves from TP rank 0 once at load (as vLLM's set_cost_curves
+does for its one pair), so ranks that read the table file separately cannot
+drift.
+
+Imports vLLM only inside grid_for_manager (the broadcast); install works on any
+object shaped like the manager.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from dspark_calib.context import DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, ContextCosts, ContextGrid
+
+_STATE = "_dspark_calib_context_aware"
+# Below this many requests a Python sum beats numpy's fixed costs (measured on CPU,
+# see benchmarks/bench_context_aware.py); above it the array path wins.
+_SMALL_BATCH = 48
+
+
+class ContextAwareState:
+    """What install() keeps on the manager: enough to run the step and to undo it."""
+
+    __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context")
+
+    def __init__(self, grid: ContextGrid, base_tables: Any, original: Callable, wrapper: Callable | None = None):
+        self.grid = grid
+        self.base_tables = base_tables
+        self.original = original
+        self.wrapper = wrapper
+        self.last_context = -1  # the context the last step was priced at (for observe mode)
+
+
+def batch_context_sum(req_states: Any, num_tokens_per_req: Mapping[str, int]) -> int:
+    """Sum of num_computed_tokens over the scheduled requests (the dict's keys)."""
+    n = len(num_tokens_per_req)
+    index = req_states.req_id_to_index.__getitem__
+    computed = req_states.num_computed_tokens_np
+    if n <= _SMALL_BATCH:
+        return sum(map(computed.item, map(index, num_tokens_per_req)))
+    slots = np.fromiter(map(index, num_tokens_per_req), dtype=np.intp, count=n)
+    return int(computed[slots].sum(dtype=np.int64))
+
+
+def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dict], int]:
+    original = state.original
+    small = _SMALL_BATCH
+    intp = np.intp
+
+    def get_num_tokens(num_tokens_per_req: dict[str, int], draft_tokens: dict[str, list[int]]) -> int:
+        n = len(num_tokens_per_req)
+        if n:
+            # batch_context_sum, inlined: this runs every step.
+            req_states = manager.req_states
+            index = req_states.req_id_to_index.__getitem__
+            computed = req_states.num_computed_tokens_np
+            if n <= small:
+                total = sum(map(computed.item, map(index, num_tokens_per_req)))
+            else:
+                total = int(computed[np.fromiter(map(index, num_tokens_per_req), dtype=intp, count=n)].sum())
+            ctx = -(-total // n)  # ceil(mean): integers only, identical on every rank
+            state.last_context = ctx
+            manager.cost_tables = state.grid.tables_for(ctx)
+        return original(num_tokens_per_req, draft_tokens)
+
+    return get_num_tokens
+
+
+def install(manager: Any, grid: ContextGrid) -> ContextAwareState:
+    """Make this manager's get_num_tokens price each step at its batch's mean context.
+
+    Per instance (other managers in the process are untouched) and idempotent: a
+    second install replaces the grid and keeps the original method and tables.
+    """
+    state = getattr(manager, _STATE, None)
+    if state is not None:
+        state.grid = grid
+        return state
+    original = type(manager).get_num_tokens.__get__(manager)  # vLLM's, never a wrapper
+    state = ContextAwareState(grid, manager.cost_tables, original)
+    state.wrapper = _make_wrapper(manager, state)
+    setattr(manager, _STATE, state)
+    manager.get_num_tokens = state.wrapper
+    return state
+
+
+def uninstall(manager: Any) -> bool:
+    """Back to vLLM's get_num_tokens and the tables it had at install; False if not installed."""
+    state = getattr(manager, _STATE, None)
+    if state is None:
+        return False
+    if manager.__dict__.get("get_num_tokens") is state.wrapper:
+        del manager.get_num_tokens
+    manager.cost_tables = state.base_tables
+    delattr(manager, _STATE)
+    return True
+
+
+def is_installed(manager: Any) -> bool:
+    return getattr(manager, _STATE, None) is not None
+
+
+def installed_state(manager: Any) -> ContextAwareState | None:
+    return getattr(manager, _STATE, None)
+
+
+def curves_for_broadcast(curves: Mapping[int, Any]) -> dict[int, tuple[list, list]]:
+    """context -> (draft, verify) as vLLM's (size, cost) lists: plain objects to broadcast."""
+    out = {}
+    for ctx, pair in sorted(curves.items()):
+        draft, verify = pair.as_vllm() if hasattr(pair, "as_vllm") else pair
+        out[int(ctx)] = (list(draft), list(verify))
+    return out
+
+
+def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = True,
+                     tolerance: float = DEFAULT_TOLERANCE, max_bytes: int = DEFAULT_MAX_BYTES) -> ContextGrid:
+    """The grid for this engine: curves from TP rank 0, sizes from the manager.
+
+    Call it where the loader installs curves (after batches_to_profile has set
+    ``_cudagraph_limit``): a profiled context's grid row then equals what vLLM's
+    set_cost_curves builds from that context's curves, bit for bit. With
+    broadcast (a collective: every TP rank must call it) the curves are rank 0's;
+    pass broadcast=False only for curves that already came from rank 0 (the
+    loader's Decision is broadcast before install).
+    """
+    curves = curves_for_broadcast(curves)
+    if broadcast:
+        import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+
+        curves = av.get_tp_group().broadcast_object(curves, src=0)
+    rs = manager.req_states
+    costs = ContextCosts(curves, rs.max_num_reqs, rs.max_num_batched_tokens, manager._cudagraph_limit)
+    return ContextGrid(costs, tolerance=tolerance, max_bytes=max_bytes)
+
+
+def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False) -> str:
+    """What load mode calls after installing its curves: context-aware when the table has two or
+    more contexts. Returns the one line to log; never raises (the engine keeps the static tables)."""
+    if len(curves) < 2:
+        return "dspark-calib: context-aware costs off: the table profiles one context"
+    try:
+        grid = grid_for_manager(manager, curves, broadcast=broadcast)
+        install(manager, grid)
+    except Exception as exc:  # noqa: BLE001 - a serving engine must not die of an optional mode
+        from dspark_calib.errors import first_line
+
+        return f"dspark-calib: context-aware costs off ({type(exc).__name__}: {first_line(exc)}); static tables kept"
+    lo, hi = grid.contexts[0], grid.contexts[-1]
+    return (f"dspark-calib: context-aware costs on: contexts {lo}..{hi} ({len(grid.contexts)} profiled), grid "
+            f"{len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, within {100 * grid.max_rel_error:.2f}% of the "
+            f"interpolation; steps outside {lo}..{hi} are priced at the nearest profiled context")

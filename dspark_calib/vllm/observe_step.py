@@ -1,0 +1,88 @@
+"""What observe mode records about a step at budget time (host side, no device work).
+
+Right after vLLM's get_num_tokens chose a budget, ``capture_step`` reads from the
+manager what the observed-step record needs besides the timings: the batch's
+context (mean/max/sum of num_computed_tokens over the scheduled requests), the
+drafts scheduled and the budget chosen (``manager._batch_budget``), the costs
+the engine's tables predicted for that step, and, when given the other
+pricing's tables, the budget vLLM's rule would have chosen with them
+(fit.choose_draft_budget: the same rule, tested equal to vLLM's). The timings
+arrive later (observe.PendingSteps); ``to_observed`` joins the two.
+
+Sampled steps only: this costs about one more get_num_tokens (the alternative
+budget) on a sampled step, nothing on the others. Numpy only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from dspark_calib.fit import choose_draft_budget
+from dspark_calib.observe import ObservedStep
+
+
+@dataclass(frozen=True, slots=True)
+class StepCapture:
+    num_reqs: int
+    context_sum: int
+    context_max: int
+    scheduled_drafts: int
+    non_draft_tokens: int
+    draft_budget: int
+    priced_context: int
+    predicted_draft_ms: float
+    predicted_verify_ms: float
+    alt_budget: int | None  # the budget under the other pricing (None: not computed)
+
+    @property
+    def context_mean(self) -> float:
+        return self.context_sum / self.num_reqs
+
+    @property
+    def num_target_tokens(self) -> int:
+        return self.non_draft_tokens + self.draft_budget
+
+
+def capture_step(manager: Any, num_tokens_per_req: Mapping[str, int], draft_tokens: Mapping[str, list],
+                 *, priced_context: int, alt_tables: tuple[np.ndarray, np.ndarray] | None = None) -> StepCapture:
+    """Call right after manager.get_num_tokens(num_tokens_per_req, draft_tokens) returned."""
+    req_ids = list(num_tokens_per_req)
+    n = len(req_ids)
+    rs = manager.req_states
+    slots = np.fromiter(map(rs.req_id_to_index.__getitem__, req_ids), dtype=np.intp, count=n)
+    computed = rs.num_computed_tokens_np[slots].astype(np.int64)
+    drafts_per_req, non_draft_per_req, budget = manager._batch_budget
+    drafts = np.fromiter((drafts_per_req[r] for r in req_ids), dtype=np.int64, count=n)
+    non_draft = np.fromiter((non_draft_per_req[r] for r in req_ids), dtype=np.int64, count=n)
+    non_draft_total = int(non_draft.sum())
+    draft_table, verify_table = manager.cost_tables
+    alt = None
+    if alt_tables is not None:
+        # vLLM's inputs to the rule, read as get_num_tokens read them
+        conf = manager._stale_confidences[manager._stale_idx].np[slots]
+        sampling = int(np.count_nonzero(computed + non_draft >= rs.prefill_len.np[slots]))
+        alt = choose_draft_budget(alt_tables[0], alt_tables[1], conf, drafts, non_draft,
+                                  num_sampling_requests=sampling, max_total_logits=manager._max_total_logits,
+                                  num_bonus_tokens=manager.num_bonus_tokens)
+    return StepCapture(
+        num_reqs=n, context_sum=int(computed.sum()), context_max=int(computed.max()) if n else 0,
+        scheduled_drafts=int(drafts.sum()), non_draft_tokens=non_draft_total, draft_budget=int(budget),
+        priced_context=int(priced_context), predicted_draft_ms=float(draft_table[n]),
+        predicted_verify_ms=float(verify_table[non_draft_total + budget]), alt_budget=alt)
+
+
+def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_ms: float, num_target_tokens: int,
+                full_cudagraph: bool, context_aware: bool) -> ObservedStep:
+    """The observed record: the capture plus the step's resolved timings (vLLM's StepTimingSample
+    fields). context_aware: the engine priced with the grid (the alternative is single-context)."""
+    chosen, alt = capture.draft_budget, capture.alt_budget
+    return ObservedStep(
+        step=step, forward_ms=float(forward_ms), drafter_ms=float(drafter_ms),
+        num_target_tokens=int(num_target_tokens), num_reqs=capture.num_reqs, full_cudagraph=bool(full_cudagraph),
+        context_mean=capture.context_mean, context_max=capture.context_max, context_sum=capture.context_sum,
+        scheduled_drafts=capture.scheduled_drafts, draft_budget=chosen, priced_context=capture.priced_context,
+        predicted_draft_ms=capture.predicted_draft_ms, predicted_verify_ms=capture.predicted_verify_ms,
+        budget_static=alt if context_aware else chosen, budget_context_aware=chosen if context_aware else alt)

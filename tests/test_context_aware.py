@@ -1,0 +1,254 @@
+"""Context-aware mode against the installed vLLM's own AdaptiveVerificationManager (CPU).
+
+The manager is built with object.__new__ and the attributes get_num_tokens reads
+(as tests/test_fit_vllm.py does); its get_num_tokens is vLLM's real method.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+
+from dspark_calib.context import ContextGrid, ceil_mean
+from dspark_calib.fit import choose_draft_budget
+from dspark_calib.vllm import context_aware as ca
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                             HealthCheck.function_scoped_fixture])
+MAX_REQS, MAX_TOKENS, STEPS = 256, 8192, 7
+
+
+class SingleRank:
+    rank_in_group = 0
+    world_size = 1
+
+    def __init__(self):
+        self.calls = 0
+
+    def broadcast_object(self, obj, src=0):
+        self.calls += 1
+        return obj
+
+
+@pytest.fixture(autouse=True)
+def single_rank(monkeypatch):
+    rank = SingleRank()
+    monkeypatch.setattr(av, "get_tp_group", lambda: rank)
+    return rank
+
+
+def make_manager(cost_tables=None, *, rng=None, cudagraph_limit=512):
+    """vLLM's manager with a request-state buffer of MAX_REQS slots (confidences, contexts)."""
+    rng = rng or np.random.default_rng(0)
+    m = object.__new__(av.AdaptiveVerificationManager)
+    m.req_states = SimpleNamespace(
+        req_id_to_index={}, num_computed_tokens_np=np.zeros(MAX_REQS, np.int32),
+        prefill_len=SimpleNamespace(np=np.ones(MAX_REQS, np.int32)), max_num_reqs=MAX_REQS,
+        max_num_batched_tokens=MAX_TOKENS, num_speculative_steps=STEPS)
+    stale = SimpleNamespace(np=rng.uniform(0.2, 1.0, (MAX_REQS, STEPS)).astype(np.float32))
+    m._stale_confidences = [stale, stale]
+    m._stale_idx = 0
+    m.num_speculative_steps = STEPS
+    m.num_bonus_tokens = 1
+    m._max_total_logits = 1 << 30
+    m._cudagraph_limit = cudagraph_limit
+    m.cost_tables = cost_tables
+    m._batch_budget = None
+    return m
+
+
+def schedule(m, contexts, drafts, rng):
+    """Put a batch into the manager's req_states; returns get_num_tokens' two dicts."""
+    n = len(contexts)
+    slots = rng.permutation(MAX_REQS)[:n]
+    req_ids = [f"req-{i}" for i in range(n)]
+    m.req_states.req_id_to_index = dict(zip(req_ids, slots.tolist()))
+    m.req_states.num_computed_tokens_np[slots] = contexts
+    m.req_states.prefill_len.np[slots] = np.minimum(contexts, 1)  # decoding: every request samples
+    num_tokens = {r: 1 + d for r, d in zip(req_ids, drafts)}
+    draft_tokens = {r: list(range(d)) for r, d in zip(req_ids, drafts)}
+    return num_tokens, draft_tokens
+
+
+@pytest.fixture(scope="module")
+def grid_3ctx(reference_table):
+    with mock.patch.object(av, "get_tp_group", SingleRank):  # module scope: before the autouse fixture
+        return ca.grid_for_manager(make_manager(), reference_table.curves)
+
+
+def vllm_with_tables(tables, m, num_tokens, draft_tokens):
+    """vLLM's own get_num_tokens on a twin manager whose cost_tables were set by hand."""
+    twin = object.__new__(av.AdaptiveVerificationManager)
+    twin.__dict__.update({k: v for k, v in m.__dict__.items() if not k.startswith("_dspark") and k != "get_num_tokens"})
+    twin.cost_tables = tables
+    total = av.AdaptiveVerificationManager.get_num_tokens(twin, num_tokens, draft_tokens)
+    return total, twin._batch_budget
+
+
+batches = st.tuples(
+    st.integers(1, 256),  # requests
+    st.sampled_from([0, 500, 1024, 3000, 8192, 12000, 16384, 30000]),  # centre context
+    st.integers(0, 2**31 - 1),  # seed
+)
+
+
+@SETTINGS
+@given(batch=batches)
+def test_choice_equals_vllm_on_the_interpolated_tables(grid_3ctx, reference_table, batch):
+    num_reqs, centre, seed = batch
+    rng = np.random.default_rng(seed)
+    m = make_manager(reference_table.dense_tables(8192), rng=rng)
+    contexts = np.maximum(0, centre + rng.integers(-400, 400, num_reqs)).astype(np.int32)
+    drafts = rng.integers(0, STEPS + 1, num_reqs)
+    num_tokens, draft_tokens = schedule(m, contexts, drafts, rng)
+    ca.install(m, grid_3ctx)
+    got = m.get_num_tokens(num_tokens, draft_tokens)
+    ctx = ceil_mean(int(contexts.sum()), num_reqs)
+    want_tables = grid_3ctx.tables_for(ctx)
+    assert m.cost_tables is want_tables and ca.installed_state(m).last_context == ctx
+    want, want_budget = vllm_with_tables(want_tables, m, num_tokens, draft_tokens)
+    assert got == want and m._batch_budget == want_budget
+    # and it is the budget rule on those tables (dspark's copy agrees too)
+    slots = [m.req_states.req_id_to_index[r] for r in num_tokens]
+    assert m._batch_budget[2] == choose_draft_budget(*want_tables, m._stale_confidences[0].np[slots], drafts,
+                                                      [1] * num_reqs)
+
+
+def test_context_changes_the_choice_on_h200(grid_3ctx, reference_table):
+    """Not vacuous: some batches get another budget at 1k or 16k context than 8k pricing gives."""
+    changed = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        num_reqs = int(rng.integers(8, 200))
+        for ctx in (1024, 16384):
+            m = make_manager(reference_table.dense_tables(8192), rng=rng)
+            num_tokens, draft_tokens = schedule(m, np.full(num_reqs, ctx, np.int32), [STEPS] * num_reqs, rng)
+            static = m.get_num_tokens(num_tokens, draft_tokens)
+            ca.install(m, grid_3ctx)
+            changed += m.get_num_tokens(num_tokens, draft_tokens) != static
+    assert changed >= 5
+
+
+@SETTINGS
+@given(batch=batches)
+def test_single_context_table_leaves_behaviour_identical(reference_table_8192, batch):
+    num_reqs, centre, seed = batch
+    rng = np.random.default_rng(seed)
+    base = reference_table_8192.dense_tables(8192)
+    m = make_manager(base, rng=rng)
+    grid = ca.grid_for_manager(m, reference_table_8192.curves)
+    contexts = np.maximum(0, centre + rng.integers(-400, 400, num_reqs)).astype(np.int32)
+    num_tokens, draft_tokens = schedule(m, contexts, rng.integers(0, STEPS + 1, num_reqs), rng)
+    plain = m.get_num_tokens(num_tokens, draft_tokens), m._batch_budget
+    ca.install(m, grid)
+    assert (m.get_num_tokens(num_tokens, draft_tokens), m._batch_budget) == plain
+    assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, base))
+
+
+def test_grid_rows_at_profiled_contexts_equal_vllms_set_cost_curves(reference_table, single_rank):
+    m = make_manager()
+    grid = ca.grid_for_manager(m, reference_table.curves)
+    assert single_rank.calls == 1  # the curves came from TP rank 0, once
+    for ctx in reference_table.context_lens():
+        m.set_cost_curves(*reference_table.curves[ctx].as_vllm())  # vLLM builds its tables
+        for ours, theirs in zip(grid.tables_for(ctx), m.cost_tables, strict=True):
+            assert ours.tobytes() == theirs.tobytes()
+
+
+def test_grid_uses_rank_zeros_curves(reference_table, reference_table_8192, monkeypatch):
+    """A rank that read another table still builds rank 0's grid."""
+    rank0 = {c: p.as_vllm() for c, p in reference_table.curves.items()}
+
+    class OtherRank(SingleRank):
+        def broadcast_object(self, obj, src=0):
+            return rank0
+
+    monkeypatch.setattr(av, "get_tp_group", lambda: OtherRank())
+    grid = ca.grid_for_manager(make_manager(), reference_table_8192.curves)
+    assert grid.contexts == (1024, 8192, 16384)
+
+
+def test_install_is_per_instance_idempotent_and_undone(grid_3ctx, reference_table):
+    base = reference_table.dense_tables(8192)
+    m, other = make_manager(base), make_manager(base)
+    first = ca.install(m, grid_3ctx)
+    wrapper = m.get_num_tokens
+    grid2 = ContextGrid.from_table(reference_table, tolerance=0.05)
+    assert ca.install(m, grid2) is first and m.get_num_tokens is wrapper and first.grid is grid2
+    assert first.original.__func__ is av.AdaptiveVerificationManager.get_num_tokens
+    assert ca.is_installed(m) and not ca.is_installed(other)
+    assert other.get_num_tokens.__func__ is av.AdaptiveVerificationManager.get_num_tokens
+    rng = np.random.default_rng(1)
+    m.get_num_tokens(*schedule(m, np.full(4, 1024, np.int32), [7] * 4, rng))
+    assert m.cost_tables is not base
+    assert ca.uninstall(m) and not ca.uninstall(m)
+    assert m.cost_tables is base and "get_num_tokens" not in m.__dict__
+    assert m.get_num_tokens.__func__ is av.AdaptiveVerificationManager.get_num_tokens
+
+
+def test_batch_context_sum_both_paths(reference_table):
+    rng = np.random.default_rng(5)
+    for n in (1, ca._SMALL_BATCH, ca._SMALL_BATCH + 1, 256):
+        m = make_manager()
+        contexts = rng.integers(0, 2**31 // 256, n).astype(np.int32)
+        num_tokens, _ = schedule(m, contexts, [0] * n, rng)
+        total = ca.batch_context_sum(m.req_states, num_tokens)
+        assert total == int(contexts.astype(np.int64).sum()) and type(total) is int
+
+
+# -- observe mode's capture at budget time (dspark_calib.vllm.observe_step) ----------------------
+@SETTINGS
+@given(batch=batches, mid_prefill=st.floats(0, 0.5))
+def test_capture_step_matches_vllms_choice_and_the_other_pricing(grid_3ctx, reference_table, batch, mid_prefill):
+    from dspark_calib.vllm.observe_step import capture_step, to_observed
+
+    num_reqs, centre, seed = batch
+    rng = np.random.default_rng(seed)
+    static = reference_table.dense_tables(8192)
+    m = make_manager(static, rng=rng)
+    contexts = np.maximum(0, centre + rng.integers(-400, 400, num_reqs)).astype(np.int32)
+    drafts = rng.integers(0, STEPS + 1, num_reqs)
+    num_tokens, draft_tokens = schedule(m, contexts, drafts, rng)
+    slots = np.array([m.req_states.req_id_to_index[r] for r in num_tokens])
+    prefilling = rng.random(num_reqs) < mid_prefill  # these do not sample this step
+    m.req_states.prefill_len.np[slots[prefilling]] = contexts[prefilling] + 100
+    state = ca.install(m, grid_3ctx)
+    total = m.get_num_tokens(num_tokens, draft_tokens)
+    cap = capture_step(m, num_tokens, draft_tokens, priced_context=state.last_context, alt_tables=static)
+    assert cap.num_target_tokens == total and cap.draft_budget == m._batch_budget[2]
+    assert (cap.context_sum, cap.context_max) == (int(contexts.astype(np.int64).sum()), int(contexts.max()))
+    assert cap.scheduled_drafts == int(drafts.sum()) and cap.priced_context == ceil_mean(cap.context_sum, num_reqs)
+    gd, gv = grid_3ctx.tables_for(cap.priced_context)
+    assert cap.predicted_draft_ms == gd[num_reqs] and cap.predicted_verify_ms == gv[total]
+    # the other pricing's budget is what vLLM's own rule picks with those tables
+    assert cap.alt_budget == vllm_with_tables(static, m, num_tokens, draft_tokens)[1][2]
+    rec = to_observed(cap, step=3, forward_ms=1.5, drafter_ms=0.5, num_target_tokens=total, full_cudagraph=True,
+                      context_aware=True)
+    assert (rec.budget_context_aware, rec.budget_static) == (cap.draft_budget, cap.alt_budget)
+    assert rec.context_mean == cap.context_sum / num_reqs
+
+
+def test_grid_without_broadcast_makes_no_collective(reference_table, single_rank):
+    grid = ca.grid_for_manager(make_manager(), reference_table.curves, broadcast=False)
+    assert single_rank.calls == 0 and grid.contexts == (1024, 8192, 16384)
+
+
+def test_enable_installs_for_several_contexts_only(reference_table, reference_table_8192):
+    base = reference_table.dense_tables(8192)
+    m = make_manager(base)
+    line = ca.enable(m, reference_table.curves)
+    assert ca.is_installed(m) and "context-aware costs on" in line and "\n" not in line
+    assert ca.installed_state(m).grid.contexts == (1024, 8192, 16384)
+    single = make_manager(base)
+    assert "off" in ca.enable(single, reference_table_8192.curves) and not ca.is_installed(single)
+    broken = make_manager(base)
+    broken.req_states = SimpleNamespace()  # no sizes: the grid cannot be built
+    line = ca.enable(broken, reference_table.curves)
+    assert "off (AttributeError" in line and not ca.is_installed(broken) and broken.cost_tables is base

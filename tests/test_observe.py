@@ -1,0 +1,197 @@
+"""Observe files: round trip, rolling and atomic writes, one-line errors on bad input, PendingSteps."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dspark_calib import observe
+from dspark_calib.errors import CalibError
+from dspark_calib.observe import (ABSENT, COLUMNS, ObservedStep, ObservedWriter, PendingSteps, read_observed)
+
+
+def step(i=0, **kw):
+    base = dict(step=i, forward_ms=10.0 + i, drafter_ms=2.0, num_target_tokens=64, num_reqs=8, full_cudagraph=True,
+                context_mean=1500.5, context_max=2000, context_sum=12004, scheduled_drafts=56, draft_budget=40,
+                priced_context=1536, predicted_draft_ms=2.1, predicted_verify_ms=10.5, budget_static=None,
+                budget_context_aware=40)
+    base.update(kw)
+    return ObservedStep(**base)
+
+
+def test_round_trip_keeps_every_value(tmp_path):
+    steps = [step(i, budget_static=i % 3 if i % 2 else None, full_cudagraph=bool(i % 2)) for i in range(7)]
+    with ObservedWriter(tmp_path, metadata={"mode": "context_aware", "table_hash": "ab" * 32, "tp_rank": 1}) as w:
+        for s in steps:
+            w.append(s)
+    got = read_observed([tmp_path])
+    assert len(got) == 7 and got.metadata[0]["mode"] == "context_aware"
+    assert got.metadata[0]["schema_version"] == observe.OBSERVED_SCHEMA_VERSION
+    assert os.path.basename(got.files[0]).startswith("observed-r1-")
+    for name in COLUMNS:
+        want = [getattr(s, name) for s in steps]
+        want = [ABSENT if v is None else v for v in want]
+        assert got[name].tolist() == want, name
+
+
+def test_rolling_files_are_bounded_and_keep_the_newest(tmp_path):
+    w = ObservedWriter(tmp_path, rows_per_file=3, max_files=2)
+    written = [w.append(step(i)) for i in range(10)]
+    assert sum(p is not None for p in written) == 3  # after rows 3, 6, 9
+    w.close()  # the last row
+    names = sorted(os.listdir(tmp_path))
+    assert len(names) == 2 and not any(n.startswith(".") for n in names)
+    got = read_observed([tmp_path])
+    assert got["step"].tolist() == [6, 7, 8, 9]
+
+
+def test_buffer_age_flushes(tmp_path):
+    now = [0.0]
+    w = ObservedWriter(tmp_path, rows_per_file=1000, max_buffer_s=5.0, clock=lambda: now[0])
+    assert w.append(step(0)) is None
+    now[0] = 6.0
+    assert w.append(step(1)) is not None
+    assert read_observed([tmp_path])["step"].tolist() == [0, 1]
+
+
+def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    w = ObservedWriter(tmp_path, rows_per_file=2)
+    w.append(step(0))
+
+    def broken(table, fh, **kw):
+        fh.write(b"PAR1 half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pq, "write_table", broken)
+    with pytest.raises(CalibError) as err:
+        w.append(step(1))
+    assert "disk full" in str(err.value) and "2 observed steps dropped" in str(err.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_unusable_directory_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CalibError) as err:
+        ObservedWriter(blocker / "sub")
+    assert str(blocker / "sub") in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [dict(forward_ms=-1.0), dict(forward_ms=float("nan")), dict(num_reqs=0),
+                                 dict(draft_budget=57), dict(budget_static=-2), dict(context_mean=3.0),
+                                 dict(context_max=10), dict(full_cudagraph=1), dict(step=1.5)])
+def test_bad_steps_are_refused(bad):
+    with pytest.raises(CalibError) as err:
+        step(**bad)
+    assert "\n" not in str(err.value)
+
+
+# -- bad files -------------------------------------------------------------------------------
+def _good_file(tmp_path):
+    with ObservedWriter(tmp_path / "ok") as w:
+        for i in range(4):
+            w.append(step(i))
+    return w.files[0]
+
+
+def _rewrite(path, out, *, drop=None, cast=None, replace=None, meta=None):
+    t = pq.read_table(path)
+    if drop:
+        t = t.drop_columns([drop])
+    if cast:
+        name, typ = cast
+        t = t.set_column(t.column_names.index(name), name, t.column(name).cast(typ))
+    if replace:
+        name, values = replace
+        t = t.set_column(t.column_names.index(name), pa.field(name, t.schema.field(name).type), pa.array(values, t.schema.field(name).type))
+    md = dict(t.schema.metadata or {})
+    if meta is not None:
+        md[observe.METADATA_KEY] = meta
+    pq.write_table(t.replace_schema_metadata(md), out)
+    return str(out)
+
+
+def _bad_cases(tmp_path, good):
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"not parquet at all")
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(pa.table({"a": [1]}), plain)
+    (tmp_path / "empty").mkdir()
+    return {
+        "no such file": str(tmp_path / "missing.parquet"),
+        "holds no observed": str(tmp_path / "empty"),
+        "not a readable parquet": str(garbage),
+        "without dspark-calib observed metadata": str(plain),
+        "column drafter_ms is missing": _rewrite(good, tmp_path / "a.parquet", drop="drafter_ms"),
+        "column num_reqs has type": _rewrite(good, tmp_path / "b.parquet", cast=("num_reqs", pa.float64())),
+        "column forward_ms has 1 null": _rewrite(good, tmp_path / "c.parquet", replace=("forward_ms", [1.0, None, 2.0, 3.0])),
+        "row 2: forward_ms must be finite": _rewrite(good, tmp_path / "d.parquet", replace=("forward_ms", [1.0, 2.0, -3.0, 4.0])),
+        "row 0: draft_budget outside": _rewrite(good, tmp_path / "e.parquet", replace=("draft_budget", [99, 1, 1, 1])),
+        "row 1: budget_static outside": _rewrite(good, tmp_path / "f.parquet", replace=("budget_static", [None, 70, None, None])),
+        "observed schema 2.0 is not readable": _rewrite(good, tmp_path / "g.parquet",
+                                                        meta=json.dumps({"schema_version": "2.0"}).encode()),
+        "malformed observed metadata": _rewrite(good, tmp_path / "h.parquet", meta=b"{not json"),
+    }
+
+
+def test_bad_files_are_one_line_errors_naming_the_file(tmp_path):
+    good = _good_file(tmp_path)
+    assert len(read_observed([good])) == 4
+    for expected, path in _bad_cases(tmp_path, good).items():
+        with pytest.raises(CalibError) as err:
+            read_observed([path])
+        msg = str(err.value)
+        assert expected in msg and path in msg and "\n" not in msg, (expected, msg)
+
+
+def test_a_newer_minor_with_extra_columns_is_read(tmp_path):
+    good = _good_file(tmp_path)
+    t = pq.read_table(good)
+    meta = json.loads(t.schema.metadata[observe.METADATA_KEY])
+    meta["schema_version"] = "1.7"
+    t = t.append_column("future", pa.array([1, 2, 3, 4])).replace_schema_metadata(
+        {observe.METADATA_KEY: json.dumps(meta).encode()})
+    pq.write_table(t, tmp_path / "newer.parquet")
+    assert len(read_observed([tmp_path / "newer.parquet"])) == 4
+
+
+# -- PendingSteps ----------------------------------------------------------------------------
+class FakeEvent:
+    def __init__(self, t):
+        self.t, self.done = t, False
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, end):
+        assert self.done and end.done, "elapsed_time on an unfinished event would synchronise"
+        return end.t - self.t
+
+
+def fake_step(t0):
+    return dataclasses.make_dataclass("E", ["forward_start", "forward_end", "drafter_start", "drafter_end"])(
+        FakeEvent(t0), FakeEvent(t0 + 5), FakeEvent(t0 + 5.5), FakeEvent(t0 + 7))
+
+
+def finish(ev):
+    for e in (ev.forward_start, ev.forward_end, ev.drafter_start, ev.drafter_end):
+        e.done = True
+
+
+def test_pending_steps_resolve_in_order_without_waiting():
+    p = PendingSteps(max_pending=3)
+    steps = [fake_step(10.0 * i) for i in range(4)]
+    assert [p.add(ev, i) for i, ev in enumerate(steps)] == [True, True, True, False]
+    assert p.dropped == 1 and p.resolve_ready() == []
+    finish(steps[1])  # a later step done first: still waits for step 0 (same stream order)
+    assert p.resolve_ready() == []
+    finish(steps[0])
+    assert p.resolve_ready() == [(5.0, 1.5, 0), (5.0, 1.5, 1)]
+    assert len(p) == 1
+    finish(steps[2])
+    assert [info for *_, info in p.resolve_ready()] == [2] and len(p) == 0

@@ -1,0 +1,181 @@
+"""validate on synthetic observed files made from the real H200 curves plus noise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from dspark_calib.context import ContextCosts, ContextGrid
+from dspark_calib.errors import CalibError
+from dspark_calib.observe import ObservedStep, ObservedWriter, read_observed
+from dspark_calib.render_validate import plot_validation, render_validation
+from dspark_calib.validate import AWARE, SINGLE, max_error_exceeded, pow2_bucket, validate
+
+NOISE = 0.002  # 0.2 % multiplicative noise: the repeat spread of an H200 profile
+
+
+def synthetic_steps(table, contexts, *, per_context=300, seed=0, spread=0):
+    """Steps measured as the context's own tables say (plus noise); the two pricings' budgets
+    differ in every third step (step 0, 3, ...)."""
+    rng = np.random.default_rng(seed)
+    costs = ContextCosts.from_table(table)
+    grid = ContextGrid(costs)
+    sizes = table.curves[8192].verify.size
+    out, i = [], 0
+    for ctx in contexts:
+        truth = costs.at(ctx)
+        for _ in range(per_context):
+            reqs = int(rng.integers(1, 257))
+            tokens = int(rng.choice(sizes[sizes >= reqs]))
+            ctxs = np.full(reqs, ctx) + (rng.integers(0, spread + 1, reqs) if spread else 0)
+            total = int(ctxs.sum())
+            gd, gv = grid.tables_for(-(-total // reqs))
+            budget = int(rng.integers(0, 7 * reqs + 1))
+            out.append(ObservedStep(
+                step=i, forward_ms=float(truth.verify[tokens] * (1 + rng.normal(0, NOISE))),
+                drafter_ms=float(truth.draft[reqs] * (1 + rng.normal(0, NOISE))), num_target_tokens=tokens,
+                num_reqs=reqs, full_cudagraph=tokens <= 512, context_mean=total / reqs, context_max=int(ctxs.max()),
+                context_sum=total, scheduled_drafts=7 * reqs, draft_budget=budget, priced_context=ctx,
+                predicted_draft_ms=float(gd[reqs]), predicted_verify_ms=float(gv[tokens]),
+                budget_static=budget if i % 3 else (budget + 1 if budget < 7 * reqs else budget - 1),
+                budget_context_aware=budget))
+            i += 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def observed_dir(tmp_path_factory, reference_table):
+    d = tmp_path_factory.mktemp("observed")
+    with ObservedWriter(d, rows_per_file=250, metadata={"mode": "context_aware"}) as w:
+        for s in synthetic_steps(reference_table, (1024, 8192, 16384)):
+            w.append(s)
+    return d
+
+
+@pytest.fixture(scope="module")
+def result(observed_dir, reference_table):
+    return validate(reference_table, read_observed([observed_dir]))
+
+
+def _by_context(result, kind, bucket):
+    (g,) = [g for g in result.by_context if g.kind == kind and g.context_bucket == bucket]
+    return g.errors
+
+
+def test_context_aware_is_right_at_every_profiled_context(result):
+    assert result.num_steps == 900 and len(result.files) == 4 and result.out_of_range_steps == 0
+    assert result.single_context == 8192
+    for kind in ("draft", "verify"):
+        for bucket in ("1024-2047", "8192-16383", "16384-32767"):
+            e = _by_context(result, kind, bucket)[AWARE]
+            assert e.n > 0 and e.median_pct < 0.5 and e.p90_pct < 1.0, (kind, bucket, e)
+    assert not max_error_exceeded(result, 2.0)
+
+
+def test_single_context_pricing_is_far_off_away_from_its_context(result):
+    at_8k = _by_context(result, "verify", "8192-16383")
+    assert at_8k[SINGLE].median_pct == pytest.approx(at_8k[AWARE].median_pct)  # same tables there
+    short, long = _by_context(result, "verify", "1024-2047"), _by_context(result, "verify", "16384-32767")
+    assert short[SINGLE].median_pct > 20 and short[SINGLE].median_signed_pct > 0  # 8k prices 1k steps too high
+    assert long[SINGLE].median_pct > 20 and long[SINGLE].median_signed_pct < 0
+    assert max_error_exceeded(result, 2.0, pricing=SINGLE)
+    assert not max_error_exceeded(result, 1000.0, pricing=SINGLE)
+
+
+def test_between_profiled_contexts_the_grid_predicts_the_interpolation(reference_table, tmp_path):
+    """Steps at 4000 and 12000 measured as the interpolation says: context-aware stays within the
+    grid's 0.5 % bound plus noise, single-context does not."""
+    with ObservedWriter(tmp_path) as w:
+        for s in synthetic_steps(reference_table, (4000, 12000), per_context=200, seed=2, spread=40):
+            w.append(s)
+    res = validate(reference_table, read_observed([tmp_path]))
+    for g in res.by_context:
+        assert g.errors[AWARE].median_pct < 0.8
+    assert any(g.errors[SINGLE].median_pct > 10 for g in res.by_context if g.kind == "verify")
+
+
+def test_groups_and_budget_change(result):
+    assert result.budget_change.compared == 900 and result.budget_change.changed == 300
+    assert {g.kind for g in result.groups} == {"draft", "verify"}
+    assert sum(g.errors[AWARE].n for g in result.groups if g.kind == "verify") == 900
+    graph_steps = sum(g.errors[AWARE].n for g in result.overall if g.kind == "draft")
+    assert 0 < graph_steps < 900  # drafts priced from full-graph steps only
+
+
+def test_single_context_can_be_chosen(observed_dir, reference_table):
+    res = validate(reference_table, read_observed([observed_dir]), single_context=1000)
+    assert res.single_context == 1024
+    assert _by_context(res, "verify", "1024-2047")[SINGLE].median_pct < 0.5
+
+
+def test_to_dict_is_json_and_rendering_draws(result, tmp_path):
+    d = json.loads(json.dumps(result.to_dict()))
+    assert d["budget_change"]["share"] == pytest.approx(300 / 900)
+    assert d["by_context"][0]["context_aware"]["median_pct"] >= 0
+    console = Console(record=True, width=200)
+    render_validation(result, console, max_error=2.0)
+    text = console.export_text()
+    assert "context-aware median" in text and "16384-32767" in text and "300 of 900" in text
+    png = plot_validation(result, tmp_path / "v.png")
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_empty_and_bad_pricing_are_calib_errors(result, reference_table, observed_dir):
+    with pytest.raises(CalibError):
+        max_error_exceeded(result, 2.0, pricing="nope")
+    steps = read_observed([observed_dir])
+    empty = type(steps)({k: v[:0] for k, v in steps.columns.items()}, steps.files, steps.metadata)
+    with pytest.raises(CalibError):
+        validate(reference_table, empty)
+
+
+def test_pow2_bucket():
+    assert pow2_bucket(np.array([1, 2, 3, 4, 1023, 1024, 2**40])).tolist() == [1, 2, 2, 4, 512, 1024, 2**40]
+    assert pow2_bucket(np.array([0, 500, 1024, 1500]), floor=1024).tolist() == [0, 0, 1024, 1024]
+
+
+def test_validate_imports_no_torch_or_vllm(observed_dir, table_file):
+    code = ("import sys\nfrom dspark_calib.table import read_table\nfrom dspark_calib.observe import read_observed\n"
+            "from dspark_calib.validate import validate\nfrom dspark_calib.render_validate import render_validation\n"
+            f"r = validate(read_table({str(table_file)!r}), read_observed([{str(observed_dir)!r}]))\n"
+            "assert r.num_steps == 900\n"
+            "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_steps_measured_exactly_as_the_grid_predicts_have_zero_error(reference_table, tmp_path):
+    """No noise, contexts anywhere (inside and outside the profiled range): context-aware pricing is
+    the engine's own prediction, so its error is exactly 0; single-context's is not."""
+    grid = ContextGrid.from_table(reference_table)
+    rng = np.random.default_rng(11)
+    with ObservedWriter(tmp_path) as w:
+        for i in range(300):
+            reqs, tokens = int(rng.integers(1, 257)), int(rng.integers(1, 8193))
+            ctxs = rng.integers(0, 20000, reqs)
+            total = int(ctxs.sum())
+            gd, gv = grid.tables_for(-(-total // reqs))
+            w.append(ObservedStep(step=i, forward_ms=float(gv[tokens]), drafter_ms=float(gd[reqs]),
+                                  num_target_tokens=tokens, num_reqs=reqs, full_cudagraph=True,
+                                  context_mean=total / reqs, context_max=int(ctxs.max()), context_sum=total,
+                                  scheduled_drafts=0, draft_budget=0, priced_context=0, predicted_draft_ms=1.0,
+                                  predicted_verify_ms=1.0))
+    res = validate(reference_table, read_observed([tmp_path]))
+    assert res.budget_change.compared == 0 and res.budget_change.share is None
+    for g in res.groups + res.by_context + res.overall:
+        assert g.errors[AWARE].median_pct == 0.0 and g.errors[AWARE].p90_pct == 0.0
+    assert res.overall[1].errors[SINGLE].median_pct > 5
+
+
+def test_engine_sizes_recorded_in_the_files_size_the_tables(reference_table, tmp_path):
+    meta = {"max_num_reqs": 300, "max_num_batched_tokens": 9000}
+    with ObservedWriter(tmp_path, metadata=meta) as w:
+        for s in synthetic_steps(reference_table, (8192,), per_context=5):
+            w.append(s)
+    res = validate(reference_table, read_observed([tmp_path]))
+    want = ContextGrid.from_table(reference_table, max_num_reqs=300, max_num_batched_tokens=9000)
+    assert res.grid["bytes"] == want.nbytes and res.grid["points"] == len(want)
