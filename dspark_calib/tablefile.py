@@ -33,13 +33,9 @@ their own spread) is refused: a file from shared storage is untrusted input.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
-import errno
 import hashlib
 import json
 import os
-import re
-import stat
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
@@ -50,13 +46,22 @@ import pyarrow.parquet as pq
 from dspark_calib import _arrow
 from dspark_calib.atomic import atomic_write
 from dspark_calib.errors import CalibError, first_line
-from dspark_calib.fingerprint import Fingerprint
 from dspark_calib.fit import CURVE_COLUMNS, CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair
 from dspark_calib.samples import SAMPLE_COLUMNS, Samples
 from dspark_calib.safe_open import display_path, open_fs, open_local
 from dspark_calib.table import SCHEMA_VERSION, CostTable
+from dspark_calib.tablemeta import (  # noqa: F401 - re-exported: part of this module's API (contract C1)
+    CLI_LIMITS,
+    METADATA_KEY,
+    SERVE_LIMITS,
+    ReadLimits,
+    TableMeta,
+    check_limit,
+    parse_created_at,
+    parse_meta,
+    parse_version,
+)
 
-METADATA_KEY = b"dspark_calib"
 RECORD_SAMPLE = "sample"
 RECORD_KINDS = (DRAFT, VERIFY, RECORD_SAMPLE)
 
@@ -81,115 +86,10 @@ COLUMNS: dict[str, pa.DataType] = {c.name: c.type for c in COLUMN_LIST}
 SCHEMA = pa.schema(list(COLUMNS.items()))
 CURVE_READ_COLUMNS = ("record", "context_len", *CURVE_COLUMNS)
 
-EARLIEST = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
-
-
-def parse_version(text: Any, path: str | None = None) -> tuple[int, int]:
-    m = re.fullmatch(r"(\d{1,4})\.(\d{1,4})", str(text))
-    if not m:
-        raise CalibError(f"bad schema_version {str(text)[:40]!r}", path=path)
-    return int(m.group(1)), int(m.group(2))
 
 
 def columns_in(version: str) -> list[str]:
     return [c.name for c in COLUMN_LIST if parse_version(c.since) <= parse_version(version)]
-
-
-# -- limits -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ReadLimits:
-    """Upper bounds checked before the matching allocation; each refusal is one line."""
-
-    max_file_bytes: int
-    max_metadata_bytes: int  # the parquet footer (schema, key-value metadata, row-group index)
-    max_rows: int
-    max_row_groups: int
-    max_curve_points: int  # all curves of all context lengths together
-
-
-# Serving reads curves only: a real table's are a few thousand points and a footer of kilobytes.
-SERVE_LIMITS = ReadLimits(max_file_bytes=256 << 20, max_metadata_bytes=1 << 20, max_rows=4_000_000,
-                          max_row_groups=256, max_curve_points=1 << 18)
-# The CLI reads what a user points it at: generous, still far from exhausting a workstation.
-CLI_LIMITS = ReadLimits(max_file_bytes=4 << 30, max_metadata_bytes=64 << 20, max_rows=200_000_000,
-                        max_row_groups=1 << 16, max_curve_points=1 << 24)
-
-
-def _limit(what: str, value: int, limit: int, name: str, path: str) -> None:
-    if value > limit:
-        raise CalibError(f"{what} {value} exceeds the read limit {name}={limit}", path=path)
-
-
-# -- metadata ---------------------------------------------------------------------------
-def parse_created_at(text: Any, path: str | None = None, *, now: dt.datetime | None = None) -> dt.datetime:
-    """ISO 8601 with a UTC offset ("Z" or +00:00), not before 2025 nor more than a day ahead:
-    the loader picks the newest table by it, so "9999-..." must not win."""
-    if not isinstance(text, str) or not re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?(Z|[+-]\d\d:\d\d)", text):
-        raise CalibError(f"created_at {str(text)[:40]!r} is not an ISO 8601 UTC timestamp", path=path)
-    try:
-        when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise CalibError(f"created_at {text!r} is not a valid date", path=path) from None
-    if when.utcoffset() != dt.timedelta(0):
-        raise CalibError(f"created_at {text!r} is not in UTC", path=path)
-    now = now or dt.datetime.now(dt.timezone.utc)
-    if not EARLIEST <= when <= now + dt.timedelta(days=1):
-        raise CalibError(f"created_at {text!r} is implausible (before {EARLIEST:%Y-%m-%d} or in the future)", path=path)
-    return when
-
-
-@dataclass(frozen=True)
-class TableMeta:
-    """A table's metadata as the file stores it, validated (what read_metadata returns)."""
-
-    schema_version: str
-    tool_version: str
-    created_at: dt.datetime
-    content_hash: str
-    fingerprint: Fingerprint
-    samples_digest: str | None  # None: a 1.0 file
-    curve_rows: int | None  # None: a 1.0 file (curves and samples share one row group)
-    raw: dict[str, Any] = dataclasses.field(repr=False, compare=False)
-
-    # Transitional: callers written against the old dict (loader.examine) keep working.
-    def __getitem__(self, key: str) -> Any:
-        return self.raw[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.raw.get(key, default)
-
-
-def _parse_meta(raw: dict | None, path: str, limits: ReadLimits) -> TableMeta:
-    if not raw or METADATA_KEY not in raw:
-        raise CalibError("parquet file without dspark-calib metadata (not a cost table)", path=path)
-    try:
-        meta = json.loads(raw[METADATA_KEY].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CalibError(f"malformed metadata JSON ({first_line(exc)[:80]})", path=path) from None
-    if not isinstance(meta, dict):
-        raise CalibError("malformed metadata: not a JSON object", path=path)
-    for key in ("schema_version", "fingerprint", "content_hash", "created_at"):
-        if key not in meta:
-            raise CalibError(f"metadata lacks {key}", path=path)
-    version = parse_version(meta["schema_version"], path)
-    if not isinstance(meta["content_hash"], str) or not re.fullmatch(r"[0-9a-f]{64}", meta["content_hash"]):
-        raise CalibError("metadata content_hash is not a sha256 hex digest", path=path)
-    created = parse_created_at(meta["created_at"], path)
-    digest = curve_rows = None
-    if version >= (1, 1):
-        digest, curve_rows = meta.get("samples_digest"), meta.get("curve_rows")
-        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
-            raise CalibError("metadata samples_digest is missing or not a sha256 hex digest", path=path)
-        if type(curve_rows) is not int or curve_rows < 0:
-            raise CalibError(f"metadata curve_rows {str(curve_rows)[:20]} is not a row count", path=path)
-        _limit("curve points", curve_rows, limits.max_curve_points, "max_curve_points", path)
-    try:
-        fingerprint = Fingerprint.from_dict(meta["fingerprint"])
-    except CalibError as exc:
-        raise CalibError(str(exc), path=path) from None
-    return TableMeta(schema_version=str(meta["schema_version"]), tool_version=str(meta.get("tool_version", "")),
-                     created_at=created, content_hash=meta["content_hash"], fingerprint=fingerprint,
-                     samples_digest=digest, curve_rows=curve_rows, raw=meta)
 
 
 # -- content hash ----------------------------------------------------------------------
@@ -284,7 +184,7 @@ class TableFile:
     def __init__(self, handle: Any, size: int, path: str, limits: ReadLimits):
         self._handle, self.path, self.limits = handle, path, limits
         try:
-            _limit("file size", size, limits.max_file_bytes, "max_file_bytes", path)
+            check_limit("file size", size, limits.max_file_bytes, "max_file_bytes", path)
             if size < 12:
                 raise CalibError("not a readable parquet file (too short)", path=path)
             handle.seek(size - 8)
@@ -292,19 +192,19 @@ class TableFile:
             if tail[4:] != b"PAR1":
                 raise CalibError("not a readable parquet file (no PAR1 footer)", path=path)
             footer = int.from_bytes(tail[:4], "little")
-            _limit("parquet footer bytes", footer, limits.max_metadata_bytes, "max_metadata_bytes", path)
+            check_limit("parquet footer bytes", footer, limits.max_metadata_bytes, "max_metadata_bytes", path)
             if footer + 12 > size:
                 raise CalibError("not a readable parquet file (footer longer than the file)", path=path)
             handle.seek(0)
             self._pf = pq.ParquetFile(handle, page_checksum_verification=True)
             md = self._pf.metadata
-            _limit("row groups", md.num_row_groups, limits.max_row_groups, "max_row_groups", path)
-            _limit("rows", md.num_rows, limits.max_rows, "max_rows", path)
+            check_limit("row groups", md.num_row_groups, limits.max_row_groups, "max_row_groups", path)
+            check_limit("rows", md.num_rows, limits.max_rows, "max_rows", path)
             self._groups = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
             if md.num_rows != sum(self._groups):
                 raise CalibError("row counts in the parquet footer disagree (damaged file)", path=path)
             schema = self._pf.schema_arrow
-            self.meta = _parse_meta(schema.metadata, path, limits)
+            self.meta = parse_meta(schema.metadata, path, limits)
         except CalibError:
             self.close()
             raise
@@ -388,7 +288,7 @@ def _decode(arrow: pa.Table, meta: dict, tm: TableMeta, samples: bool, limits: R
         raise CalibError(f"unknown record kind {str(found)[:40]!r}")
     is_curve = kinds != RECORD_KINDS.index(RECORD_SAMPLE)
     n_curve = int(is_curve.sum())
-    _limit("curve points", n_curve, limits.max_curve_points, "max_curve_points", path)
+    check_limit("curve points", n_curve, limits.max_curve_points, "max_curve_points", path)
     if tm.curve_rows is not None and not samples:  # 1.1 layout: the first curve_rows rows are the curve points
         # (A full read takes curves by record kind; the hash then shows any that curve_rows would miss.)
         if not is_curve[:tm.curve_rows].all():
@@ -451,6 +351,8 @@ def to_arrow(table: CostTable) -> pa.Table:
     """The table as one Arrow table in file order (curve rows, then samples), metadata attached."""
     if table.samples is None:
         raise CalibError("table was read without its raw samples; read it with samples=True to write it")
+    if table.schema_version != SCHEMA_VERSION:  # a migrated table is written (and hashed) as today's schema
+        table = dataclasses.replace(table, schema_version=SCHEMA_VERSION)
     arrays: dict[str, list[pa.Array]] = {name: [] for name in COLUMNS}
 
     def add(n: int, values: dict[str, Any]) -> None:
@@ -477,8 +379,6 @@ def write_table(table: CostTable, path: str | os.PathLike) -> str:
     Temp file in the destination directory, fsync, rename: readers (and a vLLM starting
     from that directory) never see a half-written table.
     """
-    if table.schema_version != SCHEMA_VERSION:  # a migrated table is written (and hashed) as today's schema
-        table = dataclasses.replace(table, schema_version=SCHEMA_VERSION)
     table.validate()
     table.check_plausible()
     parse_created_at(table.created_at)

@@ -366,3 +366,9 @@ def test_default_context_when_8192_was_not_profiled():
 
 def test_default_context_is_8192_when_profiled(reference_table):
     assert reference_table.default_context() == 8192
+
+
+def test_to_arrow_of_a_migrated_table_is_a_valid_current_file(tmp_path):
+    old = read_table(SHIPPED)
+    back = read_table(forge(tmp_path / "f.parquet", old))
+    assert back.schema_version == SCHEMA_VERSION and back.curves[8192].as_vllm() == old.curves[8192].as_vllm()
