@@ -164,7 +164,7 @@ class CostTable:
                 bad = ~np.isfinite(c.cost_ms) | (c.cost_ms <= lowest) | (c.cost_ms > MAX_STEP_MS)
                 if bad.any():
                     i = int(np.flatnonzero(bad)[0])
-                    raise CalibError(f"{where}, size {c.size[i]}: cost {c.cost_ms[i]!r} ms is not a plausible step "
+                    raise CalibError(f"{where}, size {c.size[i]}: cost {float(c.cost_ms[i])!r} ms is not a plausible step "
                                      f"({'> 0' if kind == DRAFT else f'>= {MIN_STEP_MS:g}'} and <= {MAX_STEP_MS:g} ms)")
                 iqr = np.nan_to_num(np.maximum(c.p75_ms - c.p25_ms, 0.0))
                 peak = np.maximum.accumulate(c.cost_ms)
