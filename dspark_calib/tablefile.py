@@ -84,8 +84,7 @@ COLUMN_LIST: tuple[Column, ...] = (
 )
 COLUMNS: dict[str, pa.DataType] = {c.name: c.type for c in COLUMN_LIST}
 SCHEMA = pa.schema(list(COLUMNS.items()))
-CURVE_READ_COLUMNS = ("record", "context_len", *CURVE_COLUMNS)
-
+CURVE_READ_COLUMNS = ("record", "context_len", *CURVE_COLUMNS)  # all a serving read needs
 
 
 def columns_in(version: str) -> list[str]:
@@ -118,9 +117,9 @@ def _hash_1_1(meta: dict[str, Any], curves: dict[int, CurvePair]) -> str:
 
 
 def _meta_1_1(table: CostTable) -> dict[str, Any]:
+    curve_rows = sum(len(p.draft) + len(p.verify) for p in table.curves.values())
     return {"schema_version": SCHEMA_VERSION, "tool_version": table.tool_version, "created_at": table.created_at,
-            "fingerprint": table.fingerprint.to_dict(), "curve_rows": sum(len(p.draft) + len(p.verify) for p in table.curves.values()),
-            "samples_digest": table.samples_digest}
+            "fingerprint": table.fingerprint.to_dict(), "curve_rows": curve_rows, "samples_digest": table.samples_digest}
 
 
 def content_hash(table: CostTable) -> str:
