@@ -15,8 +15,21 @@ from typing import Any, BinaryIO, Callable
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, durable: bool = True) -> str:
     """durable=False skips the fsyncs: still never half a file, but may be lost on power failure
-    (progress reports written inside a timed loop must not stall it)."""
+    (progress reports written inside a timed loop must not stall it).
+
+    An OSError (here or from `write`) names `path`, never the temp file: the user
+    knows the path they gave, not ours.
+    """
     path = os.fspath(path)
+    try:
+        return _write(path, write, durable)
+    except OSError as exc:
+        if exc.strerror is None or exc.filename == path:
+            raise
+        raise type(exc)(exc.errno, exc.strerror, path) from None
+
+
+def _write(path: str, write: Callable[[BinaryIO], None], durable: bool) -> str:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".dspark-calib-", suffix=".tmp", dir=directory)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dspark_calib.fingerprint import changed_keys
-from dspark_calib.fit import CURVE_KINDS, DRAFT, Curve
+from dspark_calib.fit import CURVE_KINDS, Curve
 from dspark_calib.inspection import CONFIDENCE_GRID, DEFAULT_CONTEXT, DecisionMap, num_reqs_grid, table_decision_map
 from dspark_calib.table import CostTable, nearest
 
@@ -188,12 +188,9 @@ def threshold_exceeded(result: DiffResult, pct: float) -> bool:
 
 def choose_contexts(old: CostTable, new: CostTable, old_context: int | None = None,
                     new_context: int | None = None) -> tuple[int, int]:
-    """Default: a context length both profiled (nearest to 8192), else each side's nearest to 8192."""
+    """Default: a context length both profiled (nearest to 8192), else each side's default_context()."""
     shared = sorted(set(old.context_lens()) & set(new.context_lens()))
-    if shared:
-        default = nearest(shared, DEFAULT_CONTEXT)
-    else:
-        default = DEFAULT_CONTEXT
+    default = nearest(shared, DEFAULT_CONTEXT) if shared else None
     o = old.nearest_context(default if old_context is None else old_context)
     n = new.nearest_context(default if new_context is None else new_context)
     return o, n
@@ -201,15 +198,9 @@ def choose_contexts(old: CostTable, new: CostTable, old_context: int | None = No
 
 def _raw_groups(table: CostTable, kind: str, context_len: int) -> dict[int, np.ndarray]:
     """Raw samples per size, selected as vLLM's fit does (draft: graph replays only)."""
-    s = table.samples
-    if s is None or len(s) == 0:
+    if table.samples is None:
         return {}
-    s = s[s["context_len"] == context_len]
-    if kind == DRAFT:
-        s = s[s["full_cudagraph"].astype(bool)]
-        keys, values = s["num_reqs"].to_numpy(), s["drafter_ms"].to_numpy(dtype=np.float64)
-    else:
-        keys, values = s["num_target_tokens"].to_numpy(), s["forward_ms"].to_numpy(dtype=np.float64)
+    keys, values = table.samples.select(kind, context_len).points(kind)
     if len(keys) == 0:
         return {}
     order = np.argsort(keys, kind="stable")

@@ -21,10 +21,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dspark_calib.samples import Sample
+from dspark_calib.samples import DRAFT, VERIFY, Sample, Samples
 
-DRAFT = "draft"
-VERIFY = "verify"
 CURVE_KINDS = (DRAFT, VERIFY)
 # vLLM floors: a zero-cost verify step would make the accepted/cost ratio infinite.
 DRAFT_FLOOR_MS = 0.0
@@ -50,7 +48,8 @@ class CurvePoint:
         return (self.p75_ms - self.p25_ms) / self.cost_ms if self.cost_ms > 0 else 0.0
 
 
-_CURVE_COLUMNS = ("size", "cost_ms", "n", "min_ms", "p25_ms", "p75_ms", "max_ms", "mad_ms")
+# Curve columns, in file order (the table file stores exactly these, see tablefile.COLUMNS).
+CURVE_COLUMNS = ("size", "cost_ms", "n", "min_ms", "p25_ms", "p75_ms", "max_ms", "mad_ms")
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,7 +70,7 @@ class Curve:
     mad_ms: np.ndarray
 
     def __post_init__(self) -> None:
-        for name in _CURVE_COLUMNS:
+        for name in CURVE_COLUMNS:
             arr = np.array(getattr(self, name), dtype=np.int64 if name in ("size", "n") else np.float64)
             arr.flags.writeable = False
             object.__setattr__(self, name, arr)
@@ -79,17 +78,17 @@ class Curve:
     @classmethod
     def from_points(cls, points: Iterable[CurvePoint]) -> "Curve":
         points = list(points)
-        return cls(**{name: [getattr(p, name) for p in points] for name in _CURVE_COLUMNS})
+        return cls(**{name: [getattr(p, name) for p in points] for name in CURVE_COLUMNS})
 
     @classmethod
     def from_columns(cls, columns: dict) -> "Curve":
-        return cls(**{name: columns[name] for name in _CURVE_COLUMNS})
+        return cls(**{name: columns[name] for name in CURVE_COLUMNS})
 
     def __len__(self) -> int:
         return len(self.size)
 
     def points(self) -> list[CurvePoint]:
-        return [CurvePoint(*row) for row in zip(*(getattr(self, n).tolist() for n in _CURVE_COLUMNS))]
+        return [CurvePoint(*row) for row in zip(*(getattr(self, n).tolist() for n in CURVE_COLUMNS))]
 
     def as_vllm(self) -> list[tuple[int, float]]:
         """The (size, cost) list vLLM's set_cost_curves takes."""
@@ -136,22 +135,32 @@ def median_curve(points: Iterable[tuple[int, float]]) -> Curve:
     return Curve.from_points(point_stats(size, values) for size, values in sorted(grouped.items()))
 
 
-def fit_pair(samples: Iterable[Sample]) -> CurvePair:
+def _columnar_median_curve(sizes: np.ndarray, values: np.ndarray) -> Curve:
+    """median_curve for columns: group by size with one sort instead of a dict of lists."""
+    order = np.argsort(sizes, kind="stable")
+    sizes, values = sizes[order], values[order]
+    uniq, starts = np.unique(sizes, return_index=True)
+    return Curve.from_points(point_stats(int(k), v) for k, v in zip(uniq.tolist(), np.split(values, starts[1:])))
+
+
+def _as_samples(samples: Iterable[Sample] | Samples) -> Samples:
+    return samples if isinstance(samples, Samples) else Samples.from_records(samples)
+
+
+def fit_pair(samples: Iterable[Sample] | Samples) -> CurvePair:
     """vLLM's set_initial_cost_curves rule for one context length."""
-    samples = list(samples)
+    s = _as_samples(samples)
     # Eager-target steps inflate drafter timings and request counts collide across
-    # execution modes, so vLLM prices the draft curve from graph replays only.
-    draft = median_curve((s.num_reqs, s.drafter_ms) for s in samples if s.full_cudagraph)
-    verify = median_curve((s.num_target_tokens, s.forward_ms) for s in samples)
+    # execution modes, so vLLM prices the draft curve from graph replays only (Samples.select).
+    draft = _columnar_median_curve(*s.select(DRAFT).points(DRAFT))
+    verify = _columnar_median_curve(*s.select(VERIFY).points(VERIFY))
     return CurvePair(draft=draft, verify=verify)
 
 
-def fit_curves(samples: Iterable[Sample]) -> dict[int, CurvePair]:
+def fit_curves(samples: Iterable[Sample] | Samples) -> dict[int, CurvePair]:
     """One curve pair per context length (vLLM profiles one; we may profile several)."""
-    by_context: defaultdict[int, list[Sample]] = defaultdict(list)
-    for sample in samples:
-        by_context[sample.context_len].append(sample)
-    return {ctx: fit_pair(group) for ctx, group in sorted(by_context.items())}
+    s = _as_samples(samples)
+    return {int(ctx): fit_pair(s.select(context_len=int(ctx))) for ctx in np.unique(s.context_len)}
 
 
 def _dense(curve: Sequence[tuple[int, float]], length_minus_one: int, cudagraph_limit: int) -> np.ndarray:

@@ -13,13 +13,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, decision_map
-from dspark_calib.table import CostTable
+from dspark_calib.table import DEFAULT_CONTEXT, CostTable
 
 # A median from fewer samples than this is one outlier away from a wrong cost.
 MIN_SAMPLES = 3
 # IQR / median above this: the GPU was not quiet, the median may not be typical.
 MAX_REL_SPREAD = 0.10
-DEFAULT_CONTEXT = 8192  # vLLM's default profiling context length
+# DEFAULT_CONTEXT (re-exported for compare): the one default-context rule is CostTable.default_context()
 NUM_REQS_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONFIDENCE_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -94,7 +94,7 @@ def table_decision_map(
     reqs: Sequence[int] | None = None,
     confidence: Sequence[float] = CONFIDENCE_GRID,
 ) -> DecisionMap:
-    ctx = table.nearest_context(DEFAULT_CONTEXT if context_len is None else context_len)
+    ctx = table.nearest_context(context_len)  # None: table.default_context()
     fp = table.fingerprint
     reqs = num_reqs_grid(fp.max_num_seqs) if reqs is None else tuple(int(r) for r in reqs)
     draft, verify = table.dense_tables(ctx)

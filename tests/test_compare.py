@@ -77,7 +77,7 @@ def test_context_1024_vs_16384(t1024, t16384):
 
 def test_draft_significance_uses_graph_replays_only(t1024):
     r = compare_tables(t1024, t1024)
-    s = t1024.samples
+    s = t1024.samples.to_frame()
     at_256 = s[s.num_reqs == 256]
     graph = int(at_256.full_cudagraph.sum())
     assert graph < len(at_256), "fixture should have eager steps at num_reqs 256"

@@ -425,7 +425,7 @@ def test_reference_table_holds_recorded_curves(reference_table, recording):
     _, v_tables = vllm_curves_and_tables(samples, fp.max_num_seqs, fp.max_num_batched_tokens, fp.cudagraph_limit)
     assert_tables_identical(reference_table.dense_tables(ctx), v_tables)
     # Each profiled size was replayed 5 times (vLLM's _PROFILE_REPLAYS); replays are numbered 0..4.
-    frame = reference_table.samples[reference_table.samples.context_len == ctx]
+    frame = reference_table.samples.select(context_len=ctx).to_frame()
     assert len(frame) == len(recording["rows"])
     assert sorted(frame.groupby("num_target_tokens").replay.apply(sorted).map(tuple).unique()) == [(0, 1, 2, 3, 4)]
 

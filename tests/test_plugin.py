@@ -209,7 +209,7 @@ def vllm_tables_from_samples(table, context_len, capture_sizes):
     """What stock vLLM builds when its start-up profile yields the table's own samples."""
     m = make_manager()
     m._cudagraph_limit = capture_sizes[-1]
-    ctx_samples = table.samples[table.samples.context_len == context_len]
+    ctx_samples = table.samples.select(context_len=context_len).to_frame()
     av.AdaptiveVerificationManager.set_initial_cost_curves(m, [
         StepTimingSample(r.forward_ms, r.drafter_ms, int(r.num_target_tokens), int(r.num_reqs), bool(r.full_cudagraph))
         for r in ctx_samples.itertuples()])

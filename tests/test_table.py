@@ -26,13 +26,13 @@ from dspark_calib import __version__
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import MERGE_KEYS, Fingerprint
 from dspark_calib.fit import CURVE_KINDS, Curve, CurvePair
-from dspark_calib.table import (
+from dspark_calib import tablefile
+from dspark_calib.table import CostTable, merge_tables
+from dspark_calib.tablefile import (
     COLUMNS,
     CURVE_COLUMNS,
     METADATA_KEY,
     SCHEMA_VERSION,
-    CostTable,
-    merge_tables,
     read_metadata,
     read_table,
     to_arrow,
@@ -55,13 +55,18 @@ def write_raw(path, arrow: pa.Table, meta: dict | None) -> Path:
     return Path(path)
 
 
-def hash_as_written(fingerprint: dict, table: CostTable) -> str:
-    """content_hash as its docstring defines it: sha256 of canonical JSON of the fingerprint
-    (without the free-form notes) and every curve's (size, cost) pairs."""
-    fp = {k: v for k, v in fingerprint.items() if k != "extra"}
-    body = {"fingerprint": fp, "curves": {str(ctx): {kind: pair.curve(kind).as_vllm() for kind in CURVE_KINDS}
-                                          for ctx, pair in sorted(table.curves.items())}}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+def hash_as_written(meta: dict, table: CostTable) -> str:
+    """content_hash as schema 1.1 defines it: sha256 of the canonical JSON of every metadata key
+    but content_hash, then per context, kind and curve column a header and the little-endian bytes."""
+    body = {k: v for k, v in meta.items() if k != "content_hash"}
+    h = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    for ctx, pair in sorted(table.curves.items()):
+        for kind in CURVE_KINDS:
+            for c in CURVE_COLUMNS:
+                arr = getattr(pair.curve(kind), c)
+                h.update(f"/{ctx}/{kind}/{c}/{len(arr)}/".encode())
+                h.update(arr.astype(arr.dtype.newbyteorder("<")).tobytes())
+    return h.hexdigest()
 
 
 def with_curve(table: CostTable, ctx: int, kind: str, **columns) -> CostTable:
@@ -83,8 +88,8 @@ def assert_same_content(a: CostTable, b: CostTable) -> None:
             ca, cb = a.curves[ctx].curve(kind), b.curves[ctx].curve(kind)
             for c in CURVE_COLUMNS:
                 np.testing.assert_array_equal(getattr(ca, c), getattr(cb, c), err_msg=f"{ctx} {kind} {c}")
-    pd.testing.assert_frame_equal(a.samples.reset_index(drop=True), b.samples.reset_index(drop=True),
-                                  check_dtype=False)
+    assert a.samples_digest == b.samples_digest
+    pd.testing.assert_frame_equal(a.samples.to_frame(), b.samples.to_frame())
 
 
 # -- round trip -----------------------------------------------------------------------------
@@ -102,7 +107,7 @@ def test_plain_pandas_and_pyarrow_read_the_file(table_file, reference_table):
     assert arrow.schema.remove_metadata() == pa.schema(list(COLUMNS.items()))
     meta = json.loads(arrow.schema.metadata[METADATA_KEY])
     assert set(meta) >= {"schema_version", "tool_version", "created_at", "content_hash", "fingerprint"}
-    assert meta["schema_version"] == SCHEMA_VERSION == "1.0"
+    assert meta["schema_version"] == SCHEMA_VERSION == "1.1"
     assert meta["tool_version"] == __version__
     created = dt.datetime.fromisoformat(meta["created_at"].replace("Z", "+00:00"))
     assert meta["created_at"].endswith("Z") and created.utcoffset() == dt.timedelta(0)
@@ -111,7 +116,7 @@ def test_plain_pandas_and_pyarrow_read_the_file(table_file, reference_table):
     assert set(meta["fingerprint"]) == {f.name for f in dataclasses.fields(Fingerprint)}
     assert meta["fingerprint"]["gpu_name"] == "NVIDIA H200"
     assert meta["fingerprint"]["context_lens"] == [1024, 8192, 16384]
-    assert read_metadata(table_file) == meta
+    assert read_metadata(table_file).raw == meta
 
 
 def test_read_back_is_identical(table_file, reference_table):
@@ -129,8 +134,10 @@ def test_content_hash_stable_across_write_and_read(tmp_path, reference_table):
     first = read_table(write_table(reference_table, tmp_path / "a.parquet"))
     second = read_table(write_table(first, tmp_path / "b.parquet"))
     assert reference_table.content_hash == first.content_hash == second.content_hash
-    # Built again from the same recordings (a different created_at): same identity.
-    assert build_reference_table().content_hash == reference_table.content_hash
+    # Built again from the same recordings at another time: created_at is part of the identity (1.1).
+    again = dataclasses.replace(build_reference_table(), created_at="2026-01-02T03:04:05Z")
+    assert again.content_hash != reference_table.content_hash
+    assert dataclasses.replace(again, created_at=reference_table.created_at).content_hash == reference_table.content_hash
 
 
 def test_content_hash_changes_with_any_cost_or_engine_key(reference_table):
@@ -147,9 +154,13 @@ def test_content_hash_changes_with_any_cost_or_engine_key(reference_table):
     for key, value in [("gpu_name", "NVIDIA A100"), ("vllm_version", "0.32.0"), ("max_num_seqs", 128)]:
         changed = dataclasses.replace(reference_table, fingerprint=reference_table.fingerprint.replace(**{key: value}))
         assert changed.content_hash != h, key
-    # Free-form notes do not change what the table means.
+    # Since 1.1 everything in the metadata is hashed, the free-form notes included.
     noted = reference_table.fingerprint.replace(extra={"host": "somewhere"})
-    assert dataclasses.replace(reference_table, fingerprint=noted).content_hash == h
+    assert dataclasses.replace(reference_table, fingerprint=noted).content_hash != h
+    # And every curve column, the spread included (vLLM uses only the median; inspect/diff use the rest).
+    p25 = np.array(reference_table.curves[8192].verify.p25_ms)
+    p25[3] = np.nextafter(p25[3], 0)
+    assert with_curve(reference_table, 8192, "verify", p25_ms=p25).content_hash != h
 
 
 def test_default_filename_contains_the_hash(tmp_path, reference_table):
@@ -198,6 +209,10 @@ def test_unreadable_or_unmigratable_versions_refused(tmp_path, reference_table_8
 def test_file_lacking_an_optional_column_reads_with_nulls(tmp_path, reference_table_8192):
     """A writer whose minor format had no mad_ms column: read, spread filled with NaN."""
     arrow, meta = arrow_and_meta(reference_table_8192)
+    no_mad = reference_table_8192
+    for kind in CURVE_KINDS:  # what that writer held, and hashed: no spread column mad_ms
+        no_mad = with_curve(no_mad, 8192, kind, mad_ms=np.full(len(no_mad.curves[8192].curve(kind)), np.nan))
+    meta["content_hash"] = hash_as_written(meta, no_mad)
     path = write_raw(tmp_path / "old.parquet", arrow.drop_columns(["mad_ms"]), meta)
     back = read_table(path)
     for kind in CURVE_KINDS:
@@ -205,7 +220,7 @@ def test_file_lacking_an_optional_column_reads_with_nulls(tmp_path, reference_ta
         assert np.isnan(curve.mad_ms).all()
         want = reference_table_8192.curves[8192].curve(kind)
         assert np.array_equal(curve.cost_ms, want.cost_ms) and np.array_equal(curve.p75_ms, want.p75_ms)
-    assert back.content_hash == reference_table_8192.content_hash
+    assert back.content_hash == no_mad.content_hash == meta["content_hash"]
     # And it can be written again in the current format.
     again = read_table(write_table(back, tmp_path / "rewritten.parquet"))
     assert np.isnan(again.curves[8192].draft.mad_ms).all()
@@ -217,7 +232,7 @@ def test_newer_minor_with_extra_column_and_fingerprint_key_is_accepted(tmp_path,
     meta["schema_version"] = "1.3"
     meta["fingerprint"]["nvlink_topology"] = "NV18"
     meta["future_note"] = {"anything": [1, 2]}
-    meta["content_hash"] = hash_as_written(meta["fingerprint"], reference_table_8192)
+    meta["content_hash"] = hash_as_written(meta, reference_table_8192)
     arrow = arrow.append_column("power_limit_w", pa.array(np.full(arrow.num_rows, 700.0)))
     path = write_raw(tmp_path / "newer.parquet", arrow, meta)
     back = read_table(path)
@@ -231,7 +246,8 @@ def test_newer_minor_with_extra_column_and_fingerprint_key_is_accepted(tmp_path,
 
 
 def test_current_hash_definition_matches_docstring(reference_table):
-    assert hash_as_written(reference_table.fingerprint.to_dict(), reference_table) == reference_table.content_hash
+    _, meta = arrow_and_meta(reference_table)
+    assert hash_as_written(meta, reference_table) == reference_table.content_hash == meta["content_hash"]
 
 
 # -- merge -----------------------------------------------------------------------------------
@@ -260,9 +276,9 @@ def test_merge_pools_samples_and_refits(tmp_path, reference_table_8192):
     for kind in CURVE_KINDS:
         for c in CURVE_COLUMNS:
             assert np.array_equal(getattr(merged.curves[8192].curve(kind), c), getattr(full.curve(kind), c)), (kind, c)
-    assert merged.content_hash == reference_table_8192.content_hash
+    assert merged.curves[8192].as_vllm() == full.as_vllm()
     # Replays stay distinct per batch size across the runs.
-    s = merged.samples
+    s = merged.samples.to_frame()
     assert not s.duplicated(["context_len", "num_target_tokens", "replay"]).any()
     assert read_table(write_table(merged, tmp_path / "m.parquet")).content_hash == merged.content_hash
 
@@ -295,7 +311,7 @@ def test_merge_refused_when_fingerprints_disagree(reference_table_8192, key, val
 
 
 def test_merge_refused_without_raw_samples_or_tables(reference_table_8192):
-    bare = dataclasses.replace(reference_table_8192, samples=reference_table_8192.samples.iloc[0:0])
+    bare = dataclasses.replace(reference_table_8192, samples=reference_table_8192.samples.take(slice(0, 0)))
     with pytest.raises(CalibError, match="no raw samples"):
         merge_tables([reference_table_8192, bare])
     with pytest.raises(CalibError, match="nothing to merge"):
@@ -305,13 +321,13 @@ def test_merge_refused_without_raw_samples_or_tables(reference_table_8192):
 # -- atomic writes ---------------------------------------------------------------------------
 def test_failed_write_leaves_old_file_and_no_temp(tmp_path, reference_table_8192, reference_table, monkeypatch):
     dest = Path(write_table(reference_table_8192, tmp_path / "t.parquet"))
-    real = pq.write_table
+    real = tablefile._write_parquet
 
-    def half_then_fail(arrow, where, **kw):
-        real(arrow.slice(0, 10), where, **kw)
+    def half_then_fail(arrow, fh, curve_rows):
+        real(arrow.slice(0, 10), fh, 5)
         raise OSError("disk full")
 
-    monkeypatch.setattr(pq, "write_table", half_then_fail)
+    monkeypatch.setattr(tablefile, "_write_parquet", half_then_fail)
     with pytest.raises(OSError, match="disk full"):
         write_table(reference_table, dest)
     assert os.listdir(tmp_path) == ["t.parquet"]
@@ -320,24 +336,24 @@ def test_failed_write_leaves_old_file_and_no_temp(tmp_path, reference_table_8192
 
 CHILD = textwrap.dedent(r"""
     import os, sys, time
-    import pyarrow.parquet as pq
+    from dspark_calib import tablefile
     from dspark_calib.table import read_table, write_table
 
     mode, src, dest = sys.argv[1:4]
     table = read_table(src)
     if mode == "partial":  # stop (and get killed) with half the bytes in the temp file
-        real = pq.write_table
-        def half(arrow, fh, **kw):
+        real = tablefile._write_parquet
+        def half(arrow, fh, curve_rows):
             import io
             buf = io.BytesIO()
-            real(arrow, buf, **kw)
+            real(arrow, buf, curve_rows)
             data = buf.getvalue()
             fh.write(data[: len(data) // 2])
             fh.flush()
             os.fsync(fh.fileno())
             print("mid-write", flush=True)
             time.sleep(120)
-        pq.write_table = half
+        tablefile._write_parquet = half
     elif mode == "renaming":  # complete temp file, killed just before the rename
         def stall(*a, **kw):
             print("mid-write", flush=True)
@@ -359,7 +375,7 @@ def big_tables(tmp_path_factory, reference_table_8192):
     base = reference_table_8192
     rng = np.random.default_rng(1)
     reps = 300  # ~84k sample rows, a few MB: writing takes a while
-    frame = pd.concat([base.samples] * reps, ignore_index=True)
+    frame = pd.concat([base.samples.to_frame()] * reps, ignore_index=True)
     frame["replay"] = np.repeat(np.arange(reps), len(base.samples)) * 5 + frame["replay"]
     frame["forward_ms"] = frame["forward_ms"] * rng.uniform(0.9, 1.1, len(frame))
     old = dataclasses.replace(base, samples=frame)

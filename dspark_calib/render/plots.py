@@ -51,15 +51,12 @@ def _save(fig: Any, path: str | os.PathLike) -> str:
 
 
 def _raw_points(table: "CostTable", kind: str, ctx: int, graph_only: bool | None) -> tuple[np.ndarray, np.ndarray]:
-    s = table.samples
-    if len(s) == 0:
+    if table.samples is None:
         return np.array([]), np.array([])
-    s = s[s["context_len"] == ctx]
+    s = table.samples.select(context_len=ctx)
     if graph_only is not None:
-        s = s[s["full_cudagraph"].astype(bool) == graph_only]
-    if kind == DRAFT:
-        return s["num_reqs"].to_numpy(), s["drafter_ms"].to_numpy(dtype=float)
-    return s["num_target_tokens"].to_numpy(), s["forward_ms"].to_numpy(dtype=float)
+        s = s.take(s.full_cudagraph == graph_only)
+    return s.points(kind)
 
 
 def _style_axis(ax: Any, kind: str, ctx: int | str, limits: Iterable[int]) -> None:

@@ -1,0 +1,67 @@
+"""Arrow columns to numpy, straight from their buffers (private to tablefile.py).
+
+Not ChunkedArray.to_numpy(): even a zero-copy conversion imports pandas, which
+would triple `inspect`'s start-up; and a Python string per row for the `record`
+column would cost more than the rest of a load. Types are checked by the caller
+(tablefile.COLUMNS) before anything here runs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+_NUMPY_TYPES = {pa.int64(): np.int64, pa.float64(): np.float64, pa.bool_(): np.bool_}
+
+
+def _bits(buf: pa.Buffer, off: int, n: int) -> np.ndarray:
+    return np.unpackbits(np.frombuffer(buf, np.uint8), bitorder="little")[off:off + n].view(bool)
+
+
+def column(arrow: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(values, valid) of one fixed-width column. Values where valid is False are meaningless."""
+    col = arrow.column(name)
+    typ = col.type
+    dtype = _NUMPY_TYPES[typ]
+    values, valid = [], []
+    for chunk in col.chunks:
+        n, off = len(chunk), chunk.offset
+        if n == 0:
+            continue
+        bufs = chunk.buffers()
+        valid.append(np.ones(n, dtype=bool) if bufs[0] is None or chunk.null_count == 0 else _bits(bufs[0], off, n))
+        if bufs[1] is None:  # an all-null column (added by a migration, or all rows of another record kind)
+            values.append(np.zeros(n, dtype=dtype))
+        elif typ == pa.bool_():
+            values.append(_bits(bufs[1], off, n))
+        else:
+            values.append(np.frombuffer(bufs[1], dtype=dtype)[off:off + n])
+    if not values:
+        return np.zeros(0, dtype=dtype), np.zeros(0, dtype=bool)
+    return np.concatenate(values), np.concatenate(valid)
+
+
+def string_codes(arrow: pa.Table, name: str, words: Sequence[str]) -> np.ndarray:
+    """A string column as indices into `words` (-1: null or any other string), by byte comparison."""
+    codes = []
+    for chunk in arrow.column(name).chunks:
+        n, off = len(chunk), chunk.offset
+        if n == 0:
+            continue
+        bufs = chunk.buffers()
+        offsets = np.frombuffer(bufs[1], dtype=np.int32)[off:off + n + 1]
+        data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+        starts, lengths = offsets[:-1], np.diff(offsets)
+        code = np.full(n, -1, dtype=np.int8)
+        for i, word in enumerate(words):
+            raw = np.frombuffer(word.encode(), dtype=np.uint8)
+            rows = np.flatnonzero(lengths == len(raw))
+            if len(rows):
+                same = (data[starts[rows, None] + np.arange(len(raw))] == raw).all(axis=1)
+                code[rows[same]] = i
+        if bufs[0] is not None and chunk.null_count:
+            code[~_bits(bufs[0], off, n)] = -1
+        codes.append(code)
+    return np.concatenate(codes) if codes else np.zeros(0, dtype=np.int8)

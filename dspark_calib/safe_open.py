@@ -1,0 +1,85 @@
+"""Opening an input file that may be hostile: never block, never follow surprises silently.
+
+Tables (and start-up JSONs) come from shared directories and buckets. A FIFO or a
+device named ``x.parquet`` must be refused before anything reads it (a FIFO would
+block the open or the first read forever), and the errors a user can act on
+(permission, symlink loop, a name that is not UTF-8) are said as such.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import Any, BinaryIO
+
+from dspark_calib.errors import CalibError, first_line
+
+
+def display_path(path: str) -> str:
+    """A file name fit for one line: undecodable bytes and control characters escaped."""
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+def _os_error(exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "no such file"
+    if isinstance(exc, PermissionError):
+        return "permission denied"
+    if exc.errno == errno.ELOOP:
+        return "symlink loop (too many levels of symbolic links)"
+    if isinstance(exc, IsADirectoryError):
+        return "is a directory, not a table file"
+    return f"cannot open ({exc.strerror or type(exc).__name__})"
+
+
+def _refuse_non_regular(mode: int, shown: str) -> None:
+    if stat.S_ISDIR(mode):
+        raise CalibError("is a directory, not a table file", path=shown)
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise CalibError(f"is {kind}, not a regular file; not reading it", path=shown)
+
+
+def open_local(path: str, shown: str) -> tuple[BinaryIO, int]:
+    """stat, open O_NONBLOCK (a FIFO swapped in after the stat cannot block the open), fstat
+    the descriptor: what we read is the regular file we checked, whatever happens to the name."""
+    try:
+        _refuse_non_regular(os.stat(path).st_mode, shown)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise CalibError(_os_error(exc), path=shown) from None
+    try:
+        st = os.fstat(fd)
+        _refuse_non_regular(st.st_mode, shown)
+        return os.fdopen(fd, "rb"), st.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_fs(filesystem: Any, path: str, shown: str) -> tuple[Any, int]:
+    import pyarrow.fs as pafs
+
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CalibError("file name is not valid UTF-8", path=shown) from None
+    try:
+        info = filesystem.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise CalibError("no such file", path=shown)
+        if info.type == pafs.FileType.Directory:
+            raise CalibError("is a directory, not a table file", path=shown)
+        if info.type != pafs.FileType.File:
+            raise CalibError("is not a regular file; not reading it", path=shown)
+        handle = filesystem.open_input_file(path)
+        return handle, handle.size()
+    except CalibError:
+        raise
+    except OSError as exc:
+        raise CalibError(_os_error(exc) if exc.errno else f"cannot open ({first_line(exc)})", path=shown) from None
+    except Exception as exc:  # noqa: BLE001 - object stores raise their own types
+        raise CalibError(f"cannot open ({first_line(exc)})", path=shown) from None

@@ -1,0 +1,397 @@
+"""The cost-table file: layout, format history, migrations, read limits, checks on read.
+
+Format history (SCHEMA_VERSION, "major.minor"):
+
+* 1.0 (dspark-calib 0.1.0): first format. One parquet file per table, long format:
+  every row is a fitted curve point (record "draft" or "verify") or a raw timed
+  sample (record "sample"); columns that do not apply to a row are null. Table
+  metadata is JSON under the parquet key-value metadata key ``dspark_calib``:
+  schema_version, tool_version, created_at (UTC, ISO 8601), content_hash and
+  fingerprint (see fingerprint.py). Page checksums are written and verified.
+  content_hash: sha256 of the fingerprint (less ``extra``) and each curve's
+  (size, cost) pairs only.
+* 1.1: the curve rows come first, in row group(s) of their own, before the sample
+  row groups, so a server reads curves and metadata without touching raw samples.
+  Metadata gains ``curve_rows`` (how many leading rows are curve points) and
+  ``samples_digest`` (sha256 of the raw sample columns, Samples.digest). The
+  content hash covers every metadata key but itself (so created_at, tool_version,
+  the whole fingerprint, curve_rows and samples_digest) and every curve column with
+  its spread. created_at must be ISO 8601 UTC, not before 2025 nor over a day ahead.
+  Same columns as 1.0. A 1.0 file migrates on read and keeps verifying under 1.0's rule.
+
+Compatibility rules: a reader accepts every minor version of its major. An older
+minor is migrated on read by ``MIGRATIONS`` (append-only; columns it lacked are filled
+with nulls); unknown fingerprint keys from a newer minor are kept under
+``fingerprint.extra``. A newer major is refused, naming both versions. A minor bump
+may only add optional columns or keys; anything else is a major bump.
+
+Everything read is bounded by ``ReadLimits`` before it is allocated, and a table
+whose costs no GPU could produce (0, negative, infinite, over 60 s, falling beyond
+their own spread) is refused: a file from shared storage is untrusted input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dspark_calib import _arrow
+from dspark_calib.atomic import atomic_write
+from dspark_calib.errors import CalibError, first_line
+from dspark_calib.fit import CURVE_COLUMNS, CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair
+from dspark_calib.samples import SAMPLE_COLUMNS, Samples
+from dspark_calib.safe_open import display_path, open_fs, open_local
+from dspark_calib.table import SCHEMA_VERSION, CostTable
+from dspark_calib.tablemeta import (  # noqa: F401 - re-exported: part of this module's API (contract C1)
+    CLI_LIMITS,
+    METADATA_KEY,
+    SERVE_LIMITS,
+    ReadLimits,
+    TableMeta,
+    check_limit,
+    parse_created_at,
+    parse_meta,
+    parse_version,
+)
+
+RECORD_SAMPLE = "sample"
+RECORD_KINDS = (DRAFT, VERIFY, RECORD_SAMPLE)
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType
+    since: str  # the schema version that added it; a migration from an older one must add it
+
+
+# Every column, in file order, defined once; the README documents each one.
+_CURVE_TYPES = {"size": pa.int64(), "n": pa.int64()}  # the other curve columns are float64 ms
+_SAMPLE_TYPES = {np.int64: pa.int64(), np.float64: pa.float64(), np.bool_: pa.bool_()}
+COLUMN_LIST: tuple[Column, ...] = (
+    Column("record", pa.string(), "1.0"),  # "draft" | "verify" | "sample"
+    Column("context_len", pa.int64(), "1.0"),  # all rows
+    *(Column(c, _CURVE_TYPES.get(c, pa.float64()), "1.0") for c in CURVE_COLUMNS),  # curve points
+    *(Column(c, _SAMPLE_TYPES[t], "1.0") for c, t in SAMPLE_COLUMNS.items() if c != "context_len"),  # samples
+)
+COLUMNS: dict[str, pa.DataType] = {c.name: c.type for c in COLUMN_LIST}
+SCHEMA = pa.schema(list(COLUMNS.items()))
+CURVE_READ_COLUMNS = ("record", "context_len", *CURVE_COLUMNS)  # all a serving read needs
+
+
+def columns_in(version: str) -> list[str]:
+    return [c.name for c in COLUMN_LIST if parse_version(c.since) <= parse_version(version)]
+
+
+# -- content hash ----------------------------------------------------------------------
+def _hash_1_0(fingerprint: dict[str, Any], curves: dict[int, CurvePair]) -> str:
+    fp = {k: v for k, v in fingerprint.items() if k != "extra"}  # 1.0: notes were outside the hash
+    body = {"fingerprint": fp, "curves": {str(ctx): {kind: pair.curve(kind).as_vllm() for kind in CURVE_KINDS}
+                                          for ctx, pair in sorted(curves.items())}}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _hash_1_1(meta: dict[str, Any], curves: dict[int, CurvePair]) -> str:
+    """sha256 of the canonical JSON of every metadata key but content_hash, then every curve
+    column's little-endian bytes (NaN spreads included, as one canonical NaN)."""
+    body = {k: v for k, v in meta.items() if k != "content_hash"}
+    h = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    for ctx, pair in sorted(curves.items()):
+        for kind in CURVE_KINDS:
+            curve = pair.curve(kind)
+            for c in CURVE_COLUMNS:
+                arr = getattr(curve, c)
+                h.update(f"/{ctx}/{kind}/{c}/{len(arr)}/".encode())
+                if arr.dtype.kind == "f":
+                    arr = np.where(np.isnan(arr), np.nan, arr)
+                h.update(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
+    return h.hexdigest()
+
+
+def _meta_1_1(table: CostTable) -> dict[str, Any]:
+    curve_rows = sum(len(p.draft) + len(p.verify) for p in table.curves.values())
+    return {"schema_version": SCHEMA_VERSION, "tool_version": table.tool_version, "created_at": table.created_at,
+            "fingerprint": table.fingerprint.to_dict(), "curve_rows": curve_rows, "samples_digest": table.samples_digest}
+
+
+def content_hash(table: CostTable) -> str:
+    """The hash under the rule of the table's own schema version (a read 1.0 table keeps its 1.0 hash)."""
+    if parse_version(table.schema_version) < (1, 1):
+        return _hash_1_0(table.fingerprint.to_dict(), table.curves)
+    return _hash_1_1({**_meta_1_1(table), "schema_version": table.schema_version}, table.curves)
+
+
+# -- migrations ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Migration:
+    from_version: str
+    to_version: str
+    apply: Callable[[pa.Table, dict], tuple[pa.Table, dict]]
+
+
+MIGRATIONS: list[Migration] = []  # append-only, in version order (llm's migrations.py style)
+
+
+def migration(from_version: str, to_version: str) -> Callable:
+    def register(fn: Callable[[pa.Table, dict], tuple[pa.Table, dict]]) -> Callable:
+        MIGRATIONS.append(Migration(from_version, to_version, fn))
+        return fn
+    return register
+
+
+@migration("1.0", "1.1")
+def _m_1_0_to_1_1(arrow: pa.Table, meta: dict) -> tuple[pa.Table, dict]:
+    """1.1 added metadata and a row-group layout, no columns: the columns pass through unchanged.
+    A 1.0 file has no curve_rows/samples_digest (None); its hash stays under the 1.0 rule."""
+    return arrow, {**meta, "schema_version": "1.1", "curve_rows": None, "samples_digest": None}
+
+
+def migrate(arrow: pa.Table, meta: dict, path: str) -> tuple[pa.Table, dict]:
+    """Bring a file's (arrow, metadata) to SCHEMA_VERSION; refuse a newer major."""
+    version, current = parse_version(meta["schema_version"], path), parse_version(SCHEMA_VERSION)
+    if version[0] != current[0]:
+        raise CalibError(f"table schema {version[0]}.{version[1]} is {'newer' if version > current else 'older'} than "
+                         f"this dspark-calib reads ({SCHEMA_VERSION}); "
+                         f"{'upgrade' if version > current else 'use an older'} dspark-calib", path=path)
+    for m in MIGRATIONS:
+        if version < current and parse_version(m.from_version) == version:
+            arrow, meta = m.apply(arrow, meta)
+            version = parse_version(m.to_version)
+    names = arrow.column_names
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise CalibError(f"duplicate columns {dupes}", path=path)
+    for name in names:  # in a version we know, an unknown name is a damaged one (its data would be lost)
+        if name not in COLUMNS and version <= current:
+            raise CalibError(f"unknown column {name[:40]!r} in a schema {meta['schema_version']} file "
+                             "(damaged or not written by dspark-calib)", path=path)
+    return arrow, meta
+
+
+class TableFile:
+    """One table file over ONE open handle: the metadata checked at open and the curves read
+    by .read() come from the same bytes, however the name is renamed meanwhile."""
+
+    def __init__(self, handle: Any, size: int, path: str, limits: ReadLimits):
+        self._handle, self.path, self.limits = handle, path, limits
+        try:
+            check_limit("file size", size, limits.max_file_bytes, "max_file_bytes", path)
+            if size < 12:
+                raise CalibError("not a readable parquet file (too short)", path=path)
+            handle.seek(size - 8)
+            tail = handle.read(8)
+            if tail[4:] != b"PAR1":
+                raise CalibError("not a readable parquet file (no PAR1 footer)", path=path)
+            footer = int.from_bytes(tail[:4], "little")
+            check_limit("parquet footer bytes", footer, limits.max_metadata_bytes, "max_metadata_bytes", path)
+            if footer + 12 > size:
+                raise CalibError("not a readable parquet file (footer longer than the file)", path=path)
+            handle.seek(0)
+            self._pf = pq.ParquetFile(handle, page_checksum_verification=True)
+            md = self._pf.metadata
+            check_limit("row groups", md.num_row_groups, limits.max_row_groups, "max_row_groups", path)
+            check_limit("rows", md.num_rows, limits.max_rows, "max_rows", path)
+            self._groups = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+            if md.num_rows != sum(self._groups):
+                raise CalibError("row counts in the parquet footer disagree (damaged file)", path=path)
+            schema = self._pf.schema_arrow
+            self.meta = parse_meta(schema.metadata, path, limits)
+        except CalibError:
+            self.close()
+            raise
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
+            self.close()
+            raise CalibError(f"not a readable parquet file ({first_line(exc)})", path=path) from None
+        for f in schema:
+            if f.name in COLUMNS and f.type != COLUMNS[f.name]:
+                self.close()
+                raise CalibError(f"column {f.name} has type {f.type}, expected {COLUMNS[f.name]}", path=path)
+
+    @classmethod
+    def open(cls, source: str | os.PathLike, *, filesystem: Any = None, limits: ReadLimits | None = None) -> "TableFile":
+        path = os.fspath(source)
+        shown = display_path(path)
+        handle, size = open_local(path, shown) if filesystem is None else open_fs(filesystem, path, shown)
+        return cls(handle, size, shown, limits or CLI_LIMITS)
+
+    def __enter__(self) -> "TableFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def read(self, samples: bool = True) -> CostTable:
+        """The table, fully checked. samples=False: curves and metadata only (raw-sample rows
+        are never read in a 1.1 file; a 1.0 file's single row group is projected to the curve
+        columns, so only its record/context_len values of sample rows are read)."""
+        path, raw = self.path, self.meta.raw
+        version = parse_version(raw["schema_version"], path)
+        groups, columns = list(range(len(self._groups))), list(self._pf.schema_arrow.names)
+        if not samples:
+            columns = [c for c in CURVE_READ_COLUMNS if c in columns]
+            if version >= (1, 1):  # only the leading row groups that hold the curve_rows curve points
+                if not 0 < self.meta.curve_rows <= sum(self._groups):
+                    raise CalibError(f"metadata curve_rows {self.meta.curve_rows} is not a row count of this file", path=path)
+                groups = [i for i in groups if sum(self._groups[:i]) < self.meta.curve_rows]
+        try:
+            arrow = self._pf.read_row_groups(groups, columns=columns)
+            # Page checksums do not cover the footer: a damaged count there makes pyarrow read fewer
+            # rows without complaint. Our columns are flat: every chunk holds one value per row.
+            # (Checked only for chunks just read: pyarrow aborts the process on some damaged
+            # column metadata it has not parsed yet, so never touch what we did not read.)
+            md, index = self._pf.metadata, {n: j for j, n in enumerate(self._pf.schema_arrow.names)}
+            if arrow.num_rows != sum(self._groups[i] for i in groups) or any(
+                    md.row_group(i).column(index[c]).num_values != self._groups[i] for i in groups for c in columns):
+                raise CalibError("row counts in the parquet footer disagree (damaged file)", path=path)
+        except CalibError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise CalibError(f"not a readable parquet file ({first_line(exc)})", path=path) from None
+        arrow, meta = migrate(arrow, dict(raw), path)
+        try:
+            table = _decode(arrow, meta, self.meta, samples, self.limits, path)
+            table.validate()
+            found = _hash_1_0(raw["fingerprint"], table.curves) if version < (1, 1) else _hash_1_1(raw, table.curves)
+            if found != self.meta.content_hash:
+                raise CalibError(f"content hash mismatch (metadata says {self.meta.content_hash[:12]}, contents "
+                                 f"give {found[:12]}): the file was altered or corrupted")
+            table.check_plausible()  # a validly hashed table can still be forged
+        except CalibError as exc:
+            raise exc if exc.path else CalibError(str(exc), path=path) from None
+        if samples and self.meta.samples_digest is not None and table.samples_digest != self.meta.samples_digest:
+            raise CalibError("raw samples do not match the samples_digest in the hashed metadata: "
+                             "the file was altered or corrupted", path=path)
+        return table
+
+
+def _decode(arrow: pa.Table, meta: dict, tm: TableMeta, samples: bool, limits: ReadLimits, path: str) -> CostTable:
+    for name, typ in COLUMNS.items():  # an older minor lacked an optional column: nulls
+        if name not in arrow.column_names and (samples or name in CURVE_READ_COLUMNS):
+            arrow = arrow.append_column(pa.field(name, typ), pa.nulls(arrow.num_rows, type=typ))
+    kinds = _arrow.string_codes(arrow, "record", RECORD_KINDS)
+    if (kinds < 0).any():
+        found = arrow.column("record").slice(int(np.flatnonzero(kinds < 0)[0]), 1).to_pylist()[0]
+        raise CalibError(f"unknown record kind {str(found)[:40]!r}")
+    is_curve = kinds != RECORD_KINDS.index(RECORD_SAMPLE)
+    n_curve = int(is_curve.sum())
+    check_limit("curve points", n_curve, limits.max_curve_points, "max_curve_points", path)
+    if tm.curve_rows is not None and not samples:  # 1.1 layout: the first curve_rows rows are the curve points
+        # (A full read takes curves by record kind; the hash then shows any that curve_rows would miss.)
+        if not is_curve[:tm.curve_rows].all():
+            raise CalibError("curve rows are not where curve_rows says (damaged layout)")
+        arrow, kinds, is_curve = arrow.slice(0, tm.curve_rows), kinds[:tm.curve_rows], is_curve[:tm.curve_rows]
+    columns = {c: _arrow.column(arrow, c) for c in (COLUMNS if samples else CURVE_READ_COLUMNS) if c != "record"}
+    ctx_all, ctx_valid = columns["context_len"]
+    if not ctx_valid.all():
+        raise CalibError("rows with missing context_len")
+    curves: dict[int, dict[str, Curve]] = {}
+    for kind in CURVE_KINDS:
+        mask = kinds == RECORD_KINDS.index(kind)
+        for c in ("size", "cost_ms", "n"):
+            if not columns[c][1][mask].all():
+                raise CalibError(f"{kind} curve has missing {c}")
+        cols = {}
+        for c in CURVE_COLUMNS:  # the spread (min..mad) may be absent: NaN
+            vals, valid = columns[c][0][mask], columns[c][1][mask]
+            cols[c] = vals if valid.all() else np.where(valid, vals.astype(np.float64), np.nan)
+        ctx = ctx_all[mask]
+        for x in np.unique(ctx):
+            sel = ctx == x
+            curves.setdefault(int(x), {})[kind] = Curve.from_columns({k: v[sel] for k, v in cols.items()})
+    pairs = {}
+    for x, got in curves.items():
+        for kind in CURVE_KINDS:
+            if kind not in got:
+                raise CalibError(f"{kind} curve at context {x} is empty")
+        pairs[x] = CurvePair(draft=got[DRAFT], verify=got[VERIFY])
+    table_samples = None
+    if samples:
+        smask = ~is_curve
+        cols = {}
+        for c in SAMPLE_COLUMNS:
+            vals, valid = columns[c]
+            if not valid[smask].all():
+                raise CalibError(f"sample {c} missing in {int((~valid[smask]).sum())} rows")
+            cols[c] = vals[smask]
+        table_samples = Samples.from_columns(cols)
+    return CostTable(fingerprint=tm.fingerprint, curves=pairs, samples=table_samples,
+                     samples_digest=tm.samples_digest or "", created_at=str(meta["created_at"]),
+                     tool_version=tm.tool_version, schema_version=tm.schema_version)
+
+
+# -- the public API (contract C1) ---------------------------------------------------------------
+def read_table(source: str | os.PathLike, *, filesystem: Any = None, samples: bool = True,
+               limits: ReadLimits | None = None) -> CostTable:
+    """Read and fully check a table. Every problem is one CalibError naming the file."""
+    with TableFile.open(source, filesystem=filesystem, limits=limits) as tf:
+        return tf.read(samples=samples)
+
+
+def read_metadata(source: str | os.PathLike, *, filesystem: Any = None, limits: ReadLimits | None = None) -> TableMeta:
+    """Just the metadata (the footer; no column is read)."""
+    with TableFile.open(source, filesystem=filesystem, limits=limits) as tf:
+        return tf.meta
+
+
+def to_arrow(table: CostTable) -> pa.Table:
+    """The table as one Arrow table in file order (curve rows, then samples), metadata attached."""
+    if table.samples is None:
+        raise CalibError("table was read without its raw samples; read it with samples=True to write it")
+    if table.schema_version != SCHEMA_VERSION:  # a migrated table is written (and hashed) as today's schema
+        table = dataclasses.replace(table, schema_version=SCHEMA_VERSION)
+    arrays: dict[str, list[pa.Array]] = {name: [] for name in COLUMNS}
+
+    def add(n: int, values: dict[str, Any]) -> None:
+        for name, typ in COLUMNS.items():
+            v = values.get(name)
+            arrays[name].append(pa.array(v, type=typ) if v is not None else pa.nulls(n, type=typ))
+
+    for ctx, pair in sorted(table.curves.items()):
+        for kind in CURVE_KINDS:
+            curve = pair.curve(kind)
+            n = len(curve)
+            add(n, {"record": [kind] * n, "context_len": np.full(n, ctx, dtype=np.int64),
+                    **{c: getattr(curve, c) for c in CURVE_COLUMNS}})
+    s = table.samples
+    add(len(s), {"record": [RECORD_SAMPLE] * len(s), **s.columns()})
+    meta = {**_meta_1_1(table), "content_hash": table.content_hash}
+    return pa.Table.from_arrays([pa.concat_arrays(v) for v in arrays.values()],
+                                schema=SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta).encode()}))
+
+
+def write_table(table: CostTable, path: str | os.PathLike) -> str:
+    """Write atomically as the current schema; `path` may be a directory (the default name goes inside).
+
+    Temp file in the destination directory, fsync, rename: readers (and a vLLM starting
+    from that directory) never see a half-written table.
+    """
+    table.validate()
+    table.check_plausible()
+    parse_created_at(table.created_at)
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, table.default_filename())
+    arrow = to_arrow(table)
+    curve_rows = json.loads(arrow.schema.metadata[METADATA_KEY])["curve_rows"]
+
+    return atomic_write(path, lambda fh: _write_parquet(arrow, fh, curve_rows))
+
+
+def _write_parquet(arrow: pa.Table, fh: BinaryIO, curve_rows: int) -> None:
+    with pq.ParquetWriter(fh, arrow.schema, compression="zstd", write_page_checksum=True) as writer:
+        writer.write_table(arrow.slice(0, curve_rows), row_group_size=curve_rows)  # curves: their own group
+        if arrow.num_rows > curve_rows:
+            writer.write_table(arrow.slice(curve_rows))

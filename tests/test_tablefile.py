@@ -1,0 +1,374 @@
+"""The file format as untrusted input: schema 1.1 layout and hash, migrations, limits,
+plausible costs, opening only regular files, and the one default-context rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from packaging.requirements import Requirement
+
+from conftest import DATA_DIR, REPO, build_reference_table
+from dspark_calib.compare import choose_contexts
+from dspark_calib.errors import CalibError
+from dspark_calib.fit import CURVE_KINDS, Curve, CurvePair
+from dspark_calib.inspection import inspect_table
+from dspark_calib.table import CostTable, merge_tables, nearest
+from dspark_calib.tablefile import (
+    COLUMNS,
+    CURVE_COLUMNS,
+    METADATA_KEY,
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    ReadLimits,
+    TableFile,
+    columns_in,
+    migration,
+    read_metadata,
+    read_table,
+    to_arrow,
+    write_table,
+)
+
+SHIPPED = next((REPO / "profiles" / "h200").glob("*.parquet"))
+BENCH_RESULTS = sorted((REPO / "benchmarks" / "results" / "h200").glob("*.parquet"))
+
+
+def forge(path, table: CostTable, **meta_changes) -> Path:
+    """A file with a valid hash for whatever `table` holds (as an attacker with the format
+    would write it): to_arrow computes the hash; nothing checks plausibility on the way."""
+    arrow = to_arrow(table)
+    meta = json.loads(arrow.schema.metadata[METADATA_KEY])
+    meta.update(meta_changes)
+    pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), path)
+    return Path(path)
+
+
+def with_cost(table: CostTable, ctx: int, kind: str, index: int, value: float) -> CostTable:
+    pair = table.curves[ctx]
+    cols = {c: np.array(getattr(pair.curve(kind), c)) for c in CURVE_COLUMNS}
+    cols["cost_ms"][index] = value
+    new = CurvePair(**{k: Curve.from_columns(cols) if k == kind else pair.curve(k) for k in CURVE_KINDS})
+    return dataclasses.replace(table, curves={**table.curves, ctx: new})
+
+
+@pytest.fixture(scope="module")
+def t8192():
+    return build_reference_table([DATA_DIR / "qwen3-8b_dspark-block7_ctx8192.json"])
+
+
+@pytest.fixture
+def path8192(tmp_path, t8192):
+    return Path(write_table(t8192, tmp_path / "t.parquet"))
+
+
+# -- dependency floor (CVE-2023-47248) --------------------------------------------------------
+def test_pyarrow_floor_excludes_the_vulnerable_release():
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [Requirement(d).specifier for d in deps if Requirement(d).name == "pyarrow"]
+    assert not spec.contains("14.0.0"), f"pyarrow{spec} admits 14.0.0 (CVE-2023-47248: code execution on read)"
+    assert not spec.contains("13.0.0") and spec.contains("14.0.1")
+
+
+# -- schema 1.1: layout ------------------------------------------------------------------------
+def test_curves_come_first_in_their_own_row_group(path8192, t8192):
+    pf = pq.ParquetFile(path8192)
+    meta = json.loads(pf.schema_arrow.metadata[METADATA_KEY])
+    n_curve = sum(len(t8192.curves[8192].curve(k)) for k in CURVE_KINDS)
+    assert meta["schema_version"] == SCHEMA_VERSION == "1.1" and meta["curve_rows"] == n_curve
+    assert pf.metadata.num_row_groups >= 2 and pf.metadata.row_group(0).num_rows == n_curve
+    assert set(pf.read_row_group(0, columns=["record"]).column(0).to_pylist()) == {"draft", "verify"}
+    assert set(pf.read_row_group(1, columns=["record"]).column(0).to_pylist()) == {"sample"}
+
+
+def _damage_sample_group(path: Path) -> None:
+    """Flip bytes in the middle of the forward_ms column chunk of the first sample row group."""
+    md = pq.ParquetFile(path).metadata
+    col = md.row_group(1).column(list(COLUMNS).index("forward_ms"))
+    start = col.data_page_offset
+    data = bytearray(path.read_bytes())
+    mid = start + col.total_compressed_size // 2
+    data[mid:mid + 8] = bytes(b ^ 0xFF for b in data[mid:mid + 8])
+    path.write_bytes(bytes(data))
+
+
+def test_serving_read_never_touches_the_sample_row_groups(path8192, t8192):
+    _damage_sample_group(path8192)
+    with pytest.raises(CalibError, match=str(path8192)):
+        read_table(path8192)  # the damage is real: a full read finds it
+    curves_only = read_table(path8192, samples=False)
+    assert curves_only.samples is None and curves_only.num_samples() == 0
+    assert curves_only.content_hash == t8192.content_hash  # verified: hash covers the digest, not the rows
+    for kind in CURVE_KINDS:
+        assert curves_only.curves[8192].curve(kind).as_vllm() == t8192.curves[8192].curve(kind).as_vllm()
+
+
+def test_one_handle_what_was_checked_is_what_is_read(tmp_path, t8192, reference_table):
+    path = Path(write_table(t8192, tmp_path / "t.parquet"))
+    other = write_table(reference_table, tmp_path / "other.parquet")
+    with TableFile.open(path) as tf:
+        os.replace(other, path)  # a rename race: the name now points at another table
+        table = tf.read(samples=False)
+    assert tf.meta.content_hash == table.content_hash == t8192.content_hash
+
+
+def test_read_table_does_not_import_pandas(path8192):
+    code = (f"import sys\nfrom dspark_calib.table import read_table\nt = read_table({str(path8192)!r})\n"
+            "assert len(t.samples) == 280 and 'pandas' not in sys.modules, sorted(sys.modules)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+# -- schema 1.1: what the hash covers -------------------------------------------------------------
+def test_hash_covers_created_at_spread_and_samples(tmp_path, t8192):
+    arrow = to_arrow(t8192)
+    meta = json.loads(arrow.schema.metadata[METADATA_KEY])
+
+    def rewrite(name, arrow=arrow, **changes):
+        p = tmp_path / name
+        pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: json.dumps({**meta, **changes}).encode()}), p)
+        return p
+
+    for name, change in [("date", {"created_at": "2026-01-01T00:00:00Z"}), ("tool", {"tool_version": "9.9"}),
+                         ("extra", {"fingerprint": {**meta["fingerprint"], "extra": {"x": 1}}})]:
+        with pytest.raises(CalibError, match="content hash mismatch"):
+            read_table(rewrite(name, **change), samples=False)
+    # Spread zeroed (p25 = p75 = median): the curves vLLM uses are unchanged, the table is not.
+    i = arrow.schema.get_field_index("p25_ms")
+    flat = arrow.set_column(i, "p25_ms", arrow.column("p75_ms"))
+    with pytest.raises(CalibError, match="content hash mismatch"):
+        read_table(rewrite("spread", arrow=flat), samples=False)
+    # Samples x100: caught by the digest whenever samples are read.
+    j = arrow.schema.get_field_index("forward_ms")
+    scaled = pa.array([None if v is None else v * 100 for v in arrow.column("forward_ms").to_pylist()], pa.float64())
+    path = rewrite("samples", arrow=arrow.set_column(j, "forward_ms", scaled))
+    with pytest.raises(CalibError, match="samples_digest"):
+        read_table(path)
+
+
+@pytest.mark.parametrize("created_at", ["yesterday", "2026-11-30", "2026-11-30T10:00:00", "2026-11-30T10:00:00+02:00",
+                                        "2024-12-31T23:59:59Z", "9999-01-01T00:00:00Z", 1764500000, None])
+def test_created_at_must_be_a_plausible_utc_timestamp(tmp_path, t8192, created_at):
+    path = forge(tmp_path / "t.parquet", t8192, created_at=created_at)
+    with pytest.raises(CalibError, match="created_at") as err:
+        read_metadata(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(CalibError, match="created_at"):
+        write_table(dataclasses.replace(t8192, created_at=str(created_at)), tmp_path / "w.parquet")
+
+
+def test_metadata_is_typed(path8192, t8192):
+    meta = read_metadata(path8192)
+    assert meta.created_at.utcoffset().total_seconds() == 0 and meta.content_hash == t8192.content_hash
+    assert meta.fingerprint == t8192.fingerprint and meta.samples_digest == t8192.samples_digest
+    assert meta["content_hash"] == meta.content_hash  # the dict view older callers use
+
+
+# -- schema 1.0 and migrations ---------------------------------------------------------------------
+@pytest.mark.parametrize("path", [SHIPPED, *BENCH_RESULTS], ids=lambda p: p.name)
+def test_shipped_1_0_tables_read_and_verify_under_their_own_rule(path, tmp_path):
+    assert read_metadata(path).schema_version == "1.0"
+    full, curves = read_table(path), read_table(path, samples=False)
+    assert full.content_hash == curves.content_hash == read_metadata(path).content_hash
+    if path == SHIPPED:
+        assert full.short_hash in path.name
+    again = read_table(write_table(full, tmp_path / "new.parquet"))  # rewritten as 1.1, new hash rule
+    assert again.schema_version == SCHEMA_VERSION and again.samples_digest == full.samples_digest
+    for ctx in full.curves:
+        assert full.curves[ctx].as_vllm() == again.curves[ctx].as_vllm()
+
+
+def _arrow_at(version: str, n: int = 5) -> pa.Table:
+    """A table with every column of `version`, each holding distinct values."""
+    values = {"string": lambda: pa.array([f"r{i}" for i in range(n)]), "int64": lambda: pa.array(range(7, 7 + n)),
+              "double": lambda: pa.array([0.5 + i for i in range(n)]), "bool": lambda: pa.array([i % 2 == 0 for i in range(n)])}
+    return pa.table({c: values[str(COLUMNS[c])]() for c in columns_in(version)})
+
+
+def assert_every_column_survives(m) -> None:
+    before = _arrow_at(m.from_version)
+    meta = {"schema_version": m.from_version, "content_hash": "0" * 64, "created_at": "2026-01-01T00:00:00Z",
+            "fingerprint": {"gpu_name": "x"}}
+    after, new_meta = m.apply(before, dict(meta))
+    assert new_meta["schema_version"] == m.to_version
+    for key in meta:
+        assert key in new_meta, f"migration {m.from_version}->{m.to_version} dropped metadata key {key}"
+    for name in before.column_names:
+        assert name in after.column_names, f"migration {m.from_version}->{m.to_version} dropped column {name}"
+        assert after.column(name).to_pylist() == before.column(name).to_pylist(), name
+
+
+def test_migrations_chain_to_the_current_schema():
+    assert [m.from_version for m in MIGRATIONS][0] == "1.0" and MIGRATIONS[-1].to_version == SCHEMA_VERSION
+    assert all(a.to_version == b.from_version for a, b in zip(MIGRATIONS, MIGRATIONS[1:]))
+
+
+@pytest.mark.parametrize("m", MIGRATIONS, ids=lambda m: f"{m.from_version}->{m.to_version}")
+def test_every_column_survives_every_migration_with_its_values(m):
+    assert_every_column_survives(m)
+
+
+def test_the_survival_check_catches_a_migration_that_renames_a_column():
+    registered = list(MIGRATIONS)
+    try:
+        @migration("1.1", "1.2")
+        def rename(arrow, meta):
+            return arrow.rename_columns(["mad" if c == "mad_ms" else c for c in arrow.column_names]), {**meta, "schema_version": "1.2"}
+        assert MIGRATIONS[-1].apply is rename  # the decorator appends
+        with pytest.raises(AssertionError, match="dropped column mad_ms"):
+            assert_every_column_survives(MIGRATIONS[-1])
+    finally:
+        MIGRATIONS[:] = registered
+
+
+# -- limits ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value", [("max_file_bytes", 1000), ("max_metadata_bytes", 100), ("max_rows", 100),
+                                         ("max_row_groups", 1), ("max_curve_points", 10)])
+def test_each_read_limit_refuses_in_one_line(path8192, field, value):
+    limits = dataclasses.replace(ReadLimits(1 << 30, 1 << 30, 1 << 30, 1 << 30, 1 << 30), **{field: value})
+    with pytest.raises(CalibError) as err:
+        read_table(path8192, samples=False, limits=limits)
+    msg = str(err.value)
+    assert f"{field}={value}" in msg and str(path8192) in msg and "\n" not in msg
+    read_table(path8192, limits=dataclasses.replace(limits, **{field: 1 << 30}))  # and only that limit
+
+
+def test_deeply_nested_metadata_json_is_one_line(tmp_path, t8192):
+    arrow = to_arrow(t8192)
+    bomb = b"[" * 100_000 + b"]" * 100_000
+    pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: bomb}), tmp_path / "n.parquet")
+    with pytest.raises(CalibError, match="malformed metadata JSON"):
+        read_metadata(tmp_path / "n.parquet")
+
+
+# -- plausible costs ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,index,value,match", [
+    ("verify", 3, 0.0, "not a plausible step"), ("draft", 0, 0.0, "not a plausible step"),
+    ("draft", 2, -1.0, "must be finite and >= 0"), ("verify", 5, 1.7e308, "not a plausible step"),
+    ("verify", 0, 1e-4, "not a plausible step"), ("verify", -1, 61_000.0, "not a plausible step"),
+    ("verify", 20, 1.0, "falls below"), ("draft", 30, 0.5, "falls below")])
+def test_implausible_costs_are_refused_naming_the_point(tmp_path, t8192, kind, index, value, match):
+    forged = forge(tmp_path / "f.parquet", with_cost(t8192, 8192, kind, index, value))
+    for samples in (True, False):
+        with pytest.raises(CalibError, match=match) as err:
+            read_table(forged, samples=samples)
+        msg = str(err.value)
+        size = t8192.curves[8192].curve(kind).size[index]
+        assert str(forged) in msg and f"{kind} curve at context 8192" in msg and f"size {size}" in msg
+
+
+def test_small_dips_within_the_spread_are_fine(tmp_path, t8192):
+    verify = t8192.curves[8192].verify
+    dipped = with_cost(t8192, 8192, "verify", 20, verify.cost_ms[19] * 0.999)  # a 0.1 % dip
+    assert read_table(write_table(dipped, tmp_path / "d.parquet")).content_hash == dipped.content_hash
+
+
+def test_tiny_draft_costs_are_fine(tmp_path, t8192):
+    tiny = with_cost(t8192, 8192, "draft", 0, 1e-6)
+    read_table(write_table(tiny, tmp_path / "tiny.parquet"))
+
+
+# -- opening -----------------------------------------------------------------------------------------------
+def test_fifo_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "x.parquet"
+    os.mkfifo(fifo)
+    code = f"from dspark_calib.table import read_table\nread_table({str(fifo)!r})\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "is a FIFO, not a regular file" in r.stderr and str(fifo) in r.stderr
+
+
+def test_device_refused():
+    with pytest.raises(CalibError, match="is a device, not a regular file"):
+        read_table("/dev/zero")
+
+
+def test_symlink_loop_said_as_such(tmp_path):
+    (tmp_path / "a.parquet").symlink_to(tmp_path / "b.parquet")
+    (tmp_path / "b.parquet").symlink_to(tmp_path / "a.parquet")
+    with pytest.raises(CalibError, match="symlink loop"):
+        read_table(tmp_path / "a.parquet")
+
+
+def test_permission_denied_said_as_such(tmp_path, path8192, monkeypatch):
+    if os.geteuid() != 0:
+        path8192.chmod(0)
+    else:  # root reads anything: make the open fail as it would for any other user
+        def denied(*a, **kw):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path8192))
+        monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(CalibError, match="permission denied") as err:
+        read_table(path8192)
+    assert str(path8192) in str(err.value)
+
+
+def test_non_utf8_file_name_reads_fine(tmp_path, path8192, t8192):
+    odd = os.path.join(os.fsencode(tmp_path), b"caf\xe9.parquet")
+    shutil.copyfile(path8192, odd)
+    assert read_table(os.fsdecode(odd)).content_hash == t8192.content_hash
+    missing = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"\xff\x1b[2J.parquet"))
+    with pytest.raises(CalibError) as err:
+        read_table(missing)
+    msg = str(err.value)
+    assert "no such file" in msg and "\\xff" in msg and "\x1b" not in msg
+    msg.encode("utf-8")  # printable on any terminal
+
+
+# -- merge: the same run twice -----------------------------------------------------------------------------
+def test_merge_refuses_the_same_run_twice(t8192):
+    with pytest.raises(CalibError, match="same run"):
+        merge_tables([t8192, t8192])
+    renamed = dataclasses.replace(t8192, created_at="2026-01-01T00:00:00Z")  # other hash, same samples
+    assert renamed.content_hash != t8192.content_hash
+    with pytest.raises(CalibError, match="same run"):
+        merge_tables([t8192, renamed])
+
+
+# -- output errors name the user's path ---------------------------------------------------------------------
+def test_write_error_names_the_users_path_not_the_temp_file(tmp_path, t8192):
+    target = tmp_path / "no-write" / "t.parquet"
+    target.parent.mkdir()
+    target.parent.chmod(0o500)
+    dest = "/proc/t.parquet" if os.geteuid() == 0 else str(target)
+    with pytest.raises(OSError) as err:
+        write_table(t8192, dest)
+    assert err.value.filename == dest and ".dspark-calib-" not in str(err.value)
+
+
+# -- the default-context rule --------------------------------------------------------------------------------
+def test_nearest_tie_goes_to_the_longer_context():
+    assert nearest([4096, 12288], 8192) == 12288
+    assert nearest([12288, 4096], 8192) == 12288
+    assert nearest([1024, 3072], 2048) == 3072
+
+
+def test_default_context_when_8192_was_not_profiled():
+    t = build_reference_table([DATA_DIR / "qwen3-8b_dspark-block7_ctx1024.json",
+                               DATA_DIR / "qwen3-8b_dspark-block7_ctx16384.json"])
+    assert t.default_context() == 1024 == t.nearest_context(None)  # |1024-8192| < |16384-8192|
+    assert choose_contexts(t, t) == (1024, 1024)
+    assert inspect_table(t).decision.context_len == 1024
+    pair = t.curves[1024]
+    tie = dataclasses.replace(t, curves={4096: pair, 12288: pair},
+                              fingerprint=t.fingerprint.replace(context_lens=(4096, 12288)))
+    assert tie.default_context() == 12288 and choose_contexts(tie, tie) == (12288, 12288)
+
+
+def test_default_context_is_8192_when_profiled(reference_table):
+    assert reference_table.default_context() == 8192
+
+
+def test_to_arrow_of_a_migrated_table_is_a_valid_current_file(tmp_path):
+    old = read_table(SHIPPED)
+    back = read_table(forge(tmp_path / "f.parquet", old))
+    assert back.schema_version == SCHEMA_VERSION and back.curves[8192].as_vllm() == old.curves[8192].as_vllm()
