@@ -51,6 +51,8 @@ def clean(monkeypatch):
     monkeypatch.setattr(av, "get_tp_group", lambda: SingleRank())
     yield
     plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
+    for key in ("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"):
+        os.environ.pop(key, None)  # register() announces DSPARK_CALIB_* there for Ray workers
 
 
 @pytest.fixture(scope="module")

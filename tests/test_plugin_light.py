@@ -46,6 +46,9 @@ def clean(monkeypatch):
         vllm.envs.disable_envs_cache()  # ray_env reads VLLM_RAY_* through vllm.envs
     yield
     plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
+    for key in list(os.environ):  # register() announces our variables in os.environ itself
+        if key.startswith(("DSPARK_CALIB_", "VLLM_RAY_EXTRA_")):
+            del os.environ[key]
 
 
 def lines(caplog):
