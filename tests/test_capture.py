@@ -349,7 +349,9 @@ def test_tp4_rank0_refusal_reaches_every_rank(monkeypatch, tmp_path):
 
 def test_capture_payload_is_json(monkeypatch, tmp_path):
     start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=5, warmup=0))
-    run_capture(make_manager())
+    m = make_manager()
+    run_capture(m)
+    assert {k for k in vars(m) if "dspark" in k} == {plugin.STATE_ATTR}  # one state object, nothing scattered
     payload = json.loads((tmp_path / "samples-rank0.json").read_text())
     assert payload["num_batches"] == len(vllm_sequence()) and payload["cudagraph_limit"] == SIZES[-1]
     assert payload["engine"]["max_num_seqs"] == 256

@@ -252,3 +252,16 @@ def test_no_variable_set_means_no_announcement(monkeypatch):
     plugin.register()
     assert plugin.RAY_EXTRA_PREFIXES not in os.environ and plugin.RAY_EXTRA_VARS not in os.environ
     assert plugin.active_mode() is None
+
+
+def test_worker_that_got_the_table_but_not_the_policy_says_so(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("DSPARK_CALIB_TABLE", str(tmp_path / "missing"))
+    monkeypatch.setenv("DSPARK_CALIB_POLICY", "strict")
+    plugin.register()  # the driver
+    worker = _worker_env({"DSPARK_CALIB_POLICY"})
+    monkeypatch.delenv("DSPARK_CALIB_POLICY")
+    assert worker["DSPARK_CALIB_TABLE"] == os.environ["DSPARK_CALIB_TABLE"]
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        list(make_manager().batches_to_profile(SIZES))
+    errors = [text for lvl, text in lines(caplog) if lvl == logging.ERROR]
+    assert len(errors) == 1 and "DSPARK_CALIB_POLICY" in errors[0] and "DSPARK_CALIB_TABLE" not in errors[0]

@@ -157,6 +157,11 @@ class MissingEnvMode:
 def active_mode() -> Mode | None:
     """Chosen at each engine start from the env (vLLM loads plugins once per process, so
     the patch itself only happens if a DSPARK_CALIB_* variable was set at that first load)."""
+    missing = missing_from_driver()
+    if missing and (os.environ.get(ENV_CAPTURE) or os.environ.get(ENV_TABLE)):
+        # e.g. the table arrived but DSPARK_CALIB_POLICY=strict did not: never silently
+        log_once(logging.ERROR, f"dspark-calib: the driver set {', '.join(missing)} but this engine's workers "
+                                "did not receive them (not copied to Ray workers?); going on without them")
     if os.environ.get(ENV_CAPTURE):
         from dspark_calib.vllm.capture import CaptureMode
 
@@ -165,7 +170,6 @@ def active_mode() -> Mode | None:
         from dspark_calib.vllm.loader import LoadMode
 
         return LoadMode()
-    missing = missing_from_driver()
     return MissingEnvMode(missing) if missing else None
 
 
