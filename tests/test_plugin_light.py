@@ -226,11 +226,11 @@ def test_worker_that_missed_the_drivers_table_says_so_in_one_error(monkeypatch, 
     monkeypatch.setenv("DSPARK_CALIB_TABLE", str(tmp_path / "missing"))
     plugin.register()  # the driver
     worker = _worker_env(excluded)
-    for key in list(os.environ):  # become the worker
+    # become the worker (directly: monkeypatch would restore the driver's announcement after the test)
+    for key in list(os.environ):
         if key.startswith(("DSPARK_CALIB_", "VLLM_RAY_EXTRA_")):
-            monkeypatch.delenv(key)
-    for key, value in worker.items():
-        monkeypatch.setenv(key, value)
+            del os.environ[key]
+    os.environ.update(worker)
     plugin.register()
     m = make_manager()
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
@@ -259,7 +259,7 @@ def test_worker_that_got_the_table_but_not_the_policy_says_so(monkeypatch, caplo
     monkeypatch.setenv("DSPARK_CALIB_POLICY", "strict")
     plugin.register()  # the driver
     worker = _worker_env({"DSPARK_CALIB_POLICY"})
-    monkeypatch.delenv("DSPARK_CALIB_POLICY")
+    del os.environ["DSPARK_CALIB_POLICY"]
     assert worker["DSPARK_CALIB_TABLE"] == os.environ["DSPARK_CALIB_TABLE"]
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
         list(make_manager().batches_to_profile(SIZES))

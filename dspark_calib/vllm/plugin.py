@@ -218,6 +218,10 @@ class _ThenPatch(importlib.abc.Loader):
 
 
 def _patch_installed_vllm() -> None:
+    av = sys.modules.get("vllm.v1.worker.gpu.spec_decode.adaptive_verification")
+    manager_cls = getattr(av, "AdaptiveVerificationManager", None)
+    if manager_cls is not None and is_patched(manager_cls):
+        return  # vLLM loads plugins more than once: detect (it parses vLLM's source) once
     try:
         from dspark_calib.vllm.shape import SUPPORTED_VLLM, detect
 
