@@ -282,6 +282,17 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
         manager_cls.set_initial_cost_curves = set_initial_cost_curves
     if model_runner is not None:
         _wrap_factory(model_runner)
+    _loader_hooks("install_hooks")
+
+
+def _loader_hooks(name: str) -> None:
+    """The load-time probe's hooks, where the loader provides them (transitional: the
+    integrator makes this a direct call once loader.install_hooks / remove_hooks are merged)."""
+    from dspark_calib.vllm import loader
+
+    hook = getattr(loader, name, None)
+    if callable(hook):
+        hook()
 
 
 def _record_refusal(exc: BaseException) -> None:
@@ -332,3 +343,4 @@ def unpatch(manager_cls: Any, model_runner: Any | None = None) -> None:
             original = getattr(getattr(owner, name), _MARK, None)
             if original is not None:
                 setattr(owner, name, original)
+    _loader_hooks("remove_hooks")
