@@ -59,6 +59,7 @@ def clean(monkeypatch):
             monkeypatch.delenv(key)
     monkeypatch.delenv("VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN", raising=False)
     monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(plugin, "_announced", set())
     use_group(monkeypatch, Group())
     yield
     plugin.unpatch(av.AdaptiveVerificationManager, model_runner)

@@ -40,6 +40,7 @@ def clean(monkeypatch):
         if key.startswith("DSPARK_CALIB_") or key.startswith("VLLM_RAY_EXTRA_"):
             monkeypatch.delenv(key)
     monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(plugin, "_announced", set())
     monkeypatch.setattr(av, "get_tp_group", lambda: Rank())
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: Rank())
     if hasattr(vllm.envs, "disable_envs_cache"):
@@ -226,7 +227,9 @@ def test_worker_that_missed_the_drivers_table_says_so_in_one_error(monkeypatch, 
     monkeypatch.setenv("DSPARK_CALIB_TABLE", str(tmp_path / "missing"))
     plugin.register()  # the driver
     worker = _worker_env(excluded)
-    # become the worker (directly: monkeypatch would restore the driver's announcement after the test)
+    # become the worker, a process of its own (directly: monkeypatch would restore the driver's
+    # announcement after the test)
+    monkeypatch.setattr(plugin, "_announced", set())
     for key in list(os.environ):
         if key.startswith(("DSPARK_CALIB_", "VLLM_RAY_EXTRA_")):
             del os.environ[key]
@@ -260,8 +263,24 @@ def test_worker_that_got_the_table_but_not_the_policy_says_so(monkeypatch, caplo
     plugin.register()  # the driver
     worker = _worker_env({"DSPARK_CALIB_POLICY"})
     del os.environ["DSPARK_CALIB_POLICY"]
+    monkeypatch.setattr(plugin, "_announced", set())  # the worker: a process of its own
     assert worker["DSPARK_CALIB_TABLE"] == os.environ["DSPARK_CALIB_TABLE"]
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
         list(make_manager().batches_to_profile(SIZES))
     errors = [text for lvl, text in lines(caplog) if lvl == logging.ERROR]
     assert len(errors) == 1 and "DSPARK_CALIB_POLICY" in errors[0] and "DSPARK_CALIB_TABLE" not in errors[0]
+
+
+def test_driver_that_unsets_its_variable_is_not_a_worker_that_missed_it(monkeypatch, caplog, tmp_path):
+    """`profile` sets DSPARK_CALIB_CAPTURE for its engine and restores the env after: neither the
+    driver itself nor its next engine start may read that as a lost variable."""
+    os.environ["DSPARK_CALIB_CAPTURE"] = str(tmp_path)
+    plugin.register()
+    del os.environ["DSPARK_CALIB_CAPTURE"]
+    assert plugin.missing_from_driver() == [] and plugin.active_mode() is None
+    os.environ["DSPARK_CALIB_TABLE"] = str(tmp_path)
+    plugin.register()  # the next start re-announces what is set now, and only that
+    assert os.environ[plugin.RAY_EXTRA_VARS] == "DSPARK_CALIB_TABLE"
+    del os.environ["DSPARK_CALIB_TABLE"]
+    plugin.register()
+    assert plugin.RAY_EXTRA_VARS not in os.environ

@@ -120,20 +120,33 @@ def _ours() -> list[str]:
     return sorted(k for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and v)
 
 
+# Names this process announced itself: never "missing" here (the driver unset them, e.g.
+# `profile` restoring its env), and dropped from the announcement once unset.
+_announced: set[str] = set()
+
+
 def carry_to_ray_workers(names: list[str]) -> None:
     """Ray copies only known prefixes to its actors: add ours, and announce the names in
     RAY_EXTRA_VARS, a vLLM variable Ray always copies, so a process can tell it missed them."""
-    for var, wanted in ((RAY_EXTRA_PREFIXES, [ENV_PREFIX]), (RAY_EXTRA_VARS, names)):
-        have = _csv(os.environ.get(var, ""))
-        add = [w for w in wanted if w not in have]
-        if add:
-            os.environ[var] = ",".join(have + add)
+    prefixes = _csv(os.environ.get(RAY_EXTRA_PREFIXES, ""))
+    if names and ENV_PREFIX not in prefixes:
+        os.environ[RAY_EXTRA_PREFIXES] = ",".join(prefixes + [ENV_PREFIX])
+    have = _csv(os.environ.get(RAY_EXTRA_VARS, ""))
+    keep = [h for h in have if not (h in _announced and h not in names)]
+    new = keep + [n for n in names if n not in keep]
+    _announced.intersection_update(names)
+    _announced.update(n for n in names if n not in have)
+    if new != have:
+        if new:
+            os.environ[RAY_EXTRA_VARS] = ",".join(new)
+        else:
+            os.environ.pop(RAY_EXTRA_VARS, None)
 
 
 def missing_from_driver() -> list[str]:
     """DSPARK_CALIB_* names the driver announced that this process did not receive."""
     announced = [n for n in _csv(os.environ.get(RAY_EXTRA_VARS, "")) if n.startswith(ENV_PREFIX)]
-    return [n for n in announced if not os.environ.get(n)]
+    return [n for n in announced if not os.environ.get(n) and n not in _announced]
 
 
 class MissingEnvMode:
@@ -177,7 +190,7 @@ def active_mode() -> Mode | None:
 def register() -> None:
     try:
         names = _ours()
-        if names:
+        if names or _announced:
             carry_to_ray_workers(names)
         if not (os.environ.get(ENV_CAPTURE) or os.environ.get(ENV_TABLE) or missing_from_driver()):
             return
