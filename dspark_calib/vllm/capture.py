@@ -1,42 +1,57 @@
 """Capture mode (DSPARK_CALIB_CAPTURE=DIR): how `profile` gets samples out of vLLM.
 
 vLLM times its start-up profile inside the worker processes, so the hooks that
-extend and collect it run there (loaded by the plugin), and hand the samples to
-the `profile` command through files in DIR:
+extend and collect it run there (loaded by the plugin) and hand the samples to
+the `profile` command through one directory, whose layout is owned by
+`CaptureDir` below (nobody else builds these paths):
 
-* DIR/plan.json (written by `profile`): context lengths, timed replays, warm-up replays.
-* DIR/progress.json (TP rank 0, while profiling): batches done / total.
-* DIR/samples-rank{R}.json (every TP rank, atomically, when profiling ends): the
-  tagged samples, the engine description and the hardware. `profile` reads rank 0.
+* plan.json (written by `profile`): context lengths, timed and warm-up replays per size.
+* .lock (TP rank 0, for the whole capture): one engine per directory.
+* progress.json (TP rank 0, while profiling): batches done / total.
+* samples-rank{R}.json (every TP rank, atomically, when profiling ends): the tagged
+  timed samples, vLLM's own curves per context, the engine and the hardware.
+* refusal.txt: vLLM's reason when it refuses adaptive verification.
 
-The batches extend vLLM's own batches_to_profile: the same sizes (every captured
-graph size, then the tail above the capture limit), for every context length,
-W warm-up passes then R timed passes. Passes go round-robin over sizes rather
-than R back-to-back replays of one size, so slow drift shows up as spread
-instead of biasing some sizes.
+The schedule runs replays the way vLLM runs them: vLLM's batches_to_profile
+yields each size _PROFILE_REPLAYS times back to back; we run that whole
+sequence, in vLLM's order and grouping, once per block (warm-up blocks first,
+discarded), for every context length. A sample's replay index counts
+block x vLLM's replays of that size (negative: warm-up).
+
+Imports only the standard library at module level: the plugin may import this
+module in processes that never capture.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from dspark_calib.atomic import atomic_write_json
-from dspark_calib.samples import Sample
-from dspark_calib.table import nearest
+from dspark_calib.atomic import atomic_write, atomic_write_json
 
 ENV_CAPTURE = "DSPARK_CALIB_CAPTURE"
 PLAN_FILE = "plan.json"
 PROGRESS_FILE = "progress.json"
+REFUSAL_FILE = "refusal.txt"
+LOCK_FILE = ".lock"
 DEFAULT_REPLAYS = 20
 DEFAULT_WARMUP = 2
 
 
+class CaptureError(RuntimeError):
+    """A capture that cannot go on: one line, the engine does not start (profile reports it)."""
+
+
 @dataclass(frozen=True)
 class Plan:
+    """replays / warmup: samples wanted per size; rounded up to whole vLLM blocks (Schedule)."""
+
     context_lens: tuple[int, ...]
     replays: int = DEFAULT_REPLAYS
     warmup: int = DEFAULT_WARMUP
@@ -49,107 +64,318 @@ class Plan:
         object.__setattr__(self, "context_lens", tuple(int(c) for c in self.context_lens))
 
 
+# Locks this process holds, by real path: an in-process engine (tp 1 without
+# multiprocessing) may come back to its own directory; flock would refuse it.
+_HELD: dict[str, int] = {}
+
+
+class CaptureDir:
+    """The capture directory as one typed contract: every file in it, read and written here."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+
+    def __repr__(self) -> str:
+        return f"CaptureDir({self.path!r})"
+
+    def _file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @property
+    def plan_path(self) -> str:
+        return self._file(PLAN_FILE)
+
+    @property
+    def progress_path(self) -> str:
+        return self._file(PROGRESS_FILE)
+
+    @property
+    def refusal_path(self) -> str:
+        return self._file(REFUSAL_FILE)
+
+    @property
+    def lock_path(self) -> str:
+        return self._file(LOCK_FILE)
+
+    def samples_path(self, rank: int) -> str:
+        return self._file(f"samples-rank{int(rank)}.json")
+
+    # -- plan (profile writes, rank 0 reads) --------------------------------------
+    def write_plan(self, plan: Plan) -> None:
+        atomic_write_json(self.plan_path, asdict(plan))
+
+    def read_plan(self) -> Plan:
+        """A missing or bad plan is an error, never a silent default (a stray
+        DSPARK_CALIB_CAPTURE must not turn a normal start into a long profile)."""
+        try:
+            with open(self.plan_path) as fh:
+                data = json.load(fh)
+            return Plan(context_lens=tuple(data["context_lens"]), replays=int(data["replays"]),
+                        warmup=int(data["warmup"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CaptureError(f"dspark-calib: {ENV_CAPTURE}={self.path}: no usable {PLAN_FILE} ({exc}); "
+                               "capture mode is set by `dspark-calib profile` only") from None
+
+    # -- progress, samples, refusal -----------------------------------------------
+    def write_progress(self, done: int, total: int, context_len: int, *, durable: bool = False) -> None:
+        # durable=False: written inside the timed loop, must not stall it on fsync
+        atomic_write_json(self.progress_path, {"done": done, "total": total, "context_len": context_len},
+                          durable=durable)
+
+    def read_progress(self) -> dict | None:
+        try:
+            with open(self.progress_path) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return None
+
+    def write_samples(self, rank: int, payload: dict[str, Any]) -> str:
+        return atomic_write_json(self.samples_path(rank), payload)
+
+    def read_samples(self, rank: int = 0) -> dict[str, Any] | None:
+        """None when this rank wrote nothing (the plugin did not run)."""
+        try:
+            with open(self.samples_path(rank)) as fh:
+                return json.load(fh)
+        except FileNotFoundError:
+            return None
+
+    def write_refusal(self, text: str) -> bool:
+        """Only while this process holds (or can take) the lock: never into another engine's capture."""
+        try:
+            self.lock()
+        except CaptureError:
+            return False
+        atomic_write(self.refusal_path, lambda fh: fh.write(text.encode()))
+        return True
+
+    def read_refusal(self) -> str | None:
+        try:
+            with open(self.refusal_path) as fh:
+                return fh.read().strip()
+        except FileNotFoundError:
+            return None
+
+    # -- the lock ---------------------------------------------------------------
+    def lock(self) -> None:
+        """Exclusive, non-blocking: a second engine capturing here fails at once, naming the directory."""
+        key = os.path.realpath(self.path)
+        if key in _HELD:
+            return
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as exc:
+            raise CaptureError(f"dspark-calib: {ENV_CAPTURE}={self.path}: cannot create {LOCK_FILE} "
+                               f"({exc.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise CaptureError(f"dspark-calib: {ENV_CAPTURE}={self.path}: another engine is capturing into this "
+                               f"directory{who}; give each profile run its own directory") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        _HELD[key] = fd
+
+    def unlock(self) -> None:
+        fd = _HELD.pop(os.path.realpath(self.path), None)
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the flock
+
+    @property
+    def locked(self) -> bool:
+        return os.path.realpath(self.path) in _HELD
+
+
+# Thin aliases kept for profile.py until it switches to CaptureDir.
 def write_plan(directory: str, plan: Plan) -> None:
-    atomic_write_json(os.path.join(directory, PLAN_FILE), asdict(plan))
+    CaptureDir(directory).write_plan(plan)
 
 
 def read_plan(directory: str) -> Plan:
-    """The plan `profile` wrote; a missing or bad one is an error, never a silent default
-    (a stray DSPARK_CALIB_CAPTURE must not turn a normal start into a long profile)."""
-    path = os.path.join(directory, PLAN_FILE)
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-        return Plan(context_lens=tuple(data["context_lens"]), replays=int(data["replays"]), warmup=int(data["warmup"]))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise RuntimeError(f"dspark-calib: {ENV_CAPTURE}={directory}: no usable {PLAN_FILE} ({exc}); "
-                           "capture mode is set by `dspark-calib profile` only") from None
+    return CaptureDir(directory).read_plan()
 
 
 def samples_path(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"samples-rank{rank}.json")
+    return CaptureDir(directory).samples_path(rank)
 
 
 @dataclass(frozen=True)
 class BatchTag:
     context_len: int
-    replay: int  # < 0: a warm-up replay, timed by vLLM but discarded
+    replay: int  # block x vLLM's replays of this size + k; < 0: warm-up, timed by vLLM but discarded
     num_tokens: int
+    block: int = 0  # < 0: a warm-up block
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """vLLM's own profile sequence, repeated in blocks, per context."""
+
+    tags: tuple[BatchTag, ...]
+    batches: tuple[dict, ...]
+    vllm_replays: int  # times vLLM's sequence holds each size (its _PROFILE_REPLAYS)
+    warmup_blocks: int
+    timed_blocks: int
+
+    @classmethod
+    def build(cls, plan: Plan, vllm_batches: list[dict]) -> "Schedule":
+        if not vllm_batches:
+            raise CaptureError("dspark-calib: vLLM's batches_to_profile yielded no batch (no CUDA graph captured?); "
+                               "nothing to profile, no table written")
+        counts = Counter(b["num_tokens"] for b in vllm_batches)
+        per = min(counts.values())
+        warmup_blocks, timed_blocks = math.ceil(plan.warmup / per), math.ceil(plan.replays / per)
+        tags: list[BatchTag] = []
+        batches: list[dict] = []
+        for ctx in plan.context_lens:
+            for block in range(-warmup_blocks, timed_blocks):
+                seen: Counter = Counter()
+                for batch in vllm_batches:
+                    n = batch["num_tokens"]
+                    tags.append(BatchTag(ctx, block * counts[n] + seen[n], n, block))
+                    seen[n] += 1
+                    batches.append({**batch, "context_len": ctx})  # vLLM's dict, passed through
+        return cls(tuple(tags), tuple(batches), per, warmup_blocks, timed_blocks)
+
+
+@dataclass
+class CaptureRun:
+    """What capture mode keeps between batches_to_profile and set_initial_cost_curves."""
+
+    plan: Plan
+    schedule: Schedule
+    capture_sizes: list[int]
+    rank: int
+    tp_size: int
+    start: float
+
+
+def vllm_curves(vllm_set_initial_cost_curves: Callable, samples: list) -> tuple[list, list]:
+    """Run the installed vLLM's own set_initial_cost_curves on a stand-in that records the
+    curves it would install (no GPU, no TP broadcast)."""
+
+    class _Recorder:
+        curves: tuple[list, list] = ([], [])
+
+        def set_cost_curves(self, draft_curve: list, verify_curve: list) -> None:
+            self.curves = ([tuple(p) for p in draft_curve], [tuple(p) for p in verify_curve])
+
+    recorder = _Recorder()
+    vllm_set_initial_cost_curves(recorder, samples)
+    return recorder.curves
+
+
+def check_same_curves(ctx: int, ours: tuple[list, list], theirs: tuple[list, list]) -> None:
+    """One loud line at the first point where dspark_calib.fit and vLLM disagree."""
+    for kind, a, b in (("draft", ours[0], theirs[0]), ("verify", ours[1], theirs[1])):
+        if [int(n) for n, _ in a] != [int(n) for n, _ in b]:
+            raise CaptureError(f"dspark-calib: dspark_calib.fit and vLLM's set_initial_cost_curves disagree at "
+                               f"context {ctx}: {kind} sizes {len(a)} vs {len(b)} points; no table written")
+        for (n, x), (_, y) in zip(a, b):
+            if not math.isclose(float(x), float(y), rel_tol=1e-9, abs_tol=1e-12):
+                raise CaptureError(f"dspark-calib: dspark_calib.fit and vLLM's set_initial_cost_curves disagree at "
+                                   f"context {ctx}: {kind} size {n}: {float(x)!r} vs vLLM's {float(y)!r} ms; "
+                                   "no table written")
 
 
 class CaptureMode:
     name = "capture"
 
     def __init__(self, directory: str):
-        self.directory = directory
+        self.dir = CaptureDir(directory)
 
     def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]:
         from dspark_calib.vllm.engine_info import broadcast_from_rank0, tp_rank_and_size
+        from dspark_calib.vllm.plugin import state_of
 
-        rank, _ = tp_rank_and_size()
-        # Every rank must run the same batches (they hold collectives): rank 0's plan for all.
+        rank, tp_size = tp_rank_and_size()
+        # Every rank must run the same batches (they hold collectives): rank 0 locks the
+        # directory and reads the plan; its plan, or its one-line refusal, goes to all.
         plan_or_error: Plan | str = ""
         if rank == 0:
             try:
-                plan_or_error = read_plan(self.directory)
-            except RuntimeError as exc:
+                self.dir.lock()
+            except CaptureError as exc:
                 plan_or_error = str(exc)
+            else:
+                try:
+                    plan_or_error = self.dir.read_plan()
+                except CaptureError as exc:
+                    self.dir.unlock()
+                    plan_or_error = str(exc)
         plan_or_error = broadcast_from_rank0(plan_or_error)
         if isinstance(plan_or_error, str):
-            raise RuntimeError(plan_or_error)
-        plan = plan_or_error
-        sizes = list(dict.fromkeys(b["num_tokens"] for b in vllm_batches))  # vLLM's sizes, its order
-        tags = [BatchTag(ctx, replay, size)
-                for ctx in plan.context_lens
-                for replay in range(-plan.warmup, plan.replays)
-                for size in sizes]
-        manager._dspark_capture = {"tags": tags, "plan": plan, "start": time.perf_counter(),
-                                   "capture_sizes": list(capture_sizes)}
-        last_report = 0.0
-        for i, tag in enumerate(tags):
+            raise CaptureError(plan_or_error)
+        schedule = Schedule.build(plan_or_error, vllm_batches)
+        state_of(manager).run = CaptureRun(plan_or_error, schedule, list(capture_sizes), rank, tp_size,
+                                           time.perf_counter())
+        total, last_report = len(schedule.tags), 0.0
+        for i, (tag, batch) in enumerate(zip(schedule.tags, schedule.batches)):
             now = time.monotonic()
             if rank == 0 and now - last_report > 0.5:
                 last_report = now
-                atomic_write_json(os.path.join(self.directory, PROGRESS_FILE),
-                                  {"done": i, "total": len(tags), "context_len": tag.context_len}, durable=False)
-            yield {"num_tokens": tag.num_tokens, "context_len": tag.context_len}
+                self.dir.write_progress(i, total, tag.context_len)
+            yield batch
 
     def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
-        from dspark_calib.vllm.engine_info import (current_context_len, describe_engine, hardware,
-                                                   tp_rank_and_size)
+        from dspark_calib.vllm.plugin import state_of
 
-        state = manager._dspark_capture
-        profile_s = time.perf_counter() - state["start"]
-        tags: list[BatchTag] = state["tags"]
-        rank, tp_size = tp_rank_and_size()
+        state = state_of(manager)
+        run: CaptureRun = state.run
+        try:
+            payload, vllm_ctx = self._payload(manager, state, run, samples)
+            self.dir.write_samples(run.rank, payload)
+            if run.rank == 0:
+                last = run.schedule.tags[-1].context_len
+                self.dir.write_progress(len(run.schedule.tags), len(run.schedule.tags), last, durable=True)
+        finally:
+            if run.rank == 0:
+                self.dir.unlock()
+        # vLLM still needs cost curves to finish starting: its own rule, on the timed
+        # samples of the profiled context nearest the one it would have profiled itself.
+        original([s for s, t in zip(samples, run.schedule.tags) if t.replay >= 0 and t.context_len == vllm_ctx])
+
+    def _payload(self, manager: Any, state: Any, run: CaptureRun, samples: list) -> tuple[dict, int]:
+        from dspark_calib.fit import fit_pair
+        from dspark_calib.samples import Sample
+        from dspark_calib.table import nearest
+        from dspark_calib.vllm.engine_info import current_context_len, describe_engine, hardware
+
+        tags = run.schedule.tags
         if len(samples) != len(tags):
-            # Every dummy run reaches drafter_end in 0.28-0.33; if not, the pairing is lost.
-            raise RuntimeError(f"dspark-calib: vLLM returned {len(samples)} step timings for {len(tags)} "
+            # Every dummy run reaches drafter_end in 0.33; if not, the pairing is lost.
+            raise CaptureError(f"dspark-calib: vLLM returned {len(samples)} step timings for {len(tags)} "
                                "profile batches; cannot attribute them, no table written")
-        tagged = [Sample.from_vllm(s, context_len=t.context_len, replay=t.replay)
-                  for s, t in zip(samples, tags) if t.replay >= 0]
-        for s, t in zip(samples, tags):
-            # The pairing must hold: vLLM records the batch's own size with each sample.
-            if s.num_target_tokens > t.num_tokens:
-                raise RuntimeError(f"dspark-calib: sample for a {t.num_tokens}-token batch reports "
-                                   f"{s.num_target_tokens} tokens; no table written")
+        for i, (s, t) in enumerate(zip(samples, tags)):
+            # vLLM records each step's own token count (input_batch.num_tokens): it must be the batch's.
+            if int(s.num_target_tokens) != t.num_tokens:
+                raise CaptureError(f"dspark-calib: step timing {i} reports {s.num_target_tokens} tokens for a "
+                                   f"{t.num_tokens}-token profile batch: samples out of batch order, no table written")
+        timed = [(s, t) for s, t in zip(samples, tags) if t.replay >= 0]
+        curves: dict[str, dict[str, list]] = {}
+        for ctx in run.plan.context_lens:
+            ctx_samples = [s for s, t in timed if t.context_len == ctx]
+            theirs = vllm_curves(state.vllm_fit, ctx_samples)
+            ours = fit_pair(Sample.from_vllm(s, context_len=ctx) for s in ctx_samples).as_vllm()
+            check_same_curves(ctx, ours, theirs)
+            curves[str(ctx)] = {"draft": [list(p) for p in theirs[0]], "verify": [list(p) for p in theirs[1]]}
+        schedule = run.schedule
         payload = {
-            "rank": rank,
-            "tp_size": tp_size,
-            "profile_s": profile_s,
+            "rank": run.rank,
+            "tp_size": run.tp_size,
+            "profile_s": time.perf_counter() - run.start,
             "num_batches": len(tags),
-            "plan": asdict(state["plan"]),
+            "plan": asdict(run.plan),
+            "schedule": {"vllm_replays_per_block": schedule.vllm_replays, "warmup_blocks": schedule.warmup_blocks,
+                         "timed_blocks": schedule.timed_blocks,
+                         "timed_replays_per_size": schedule.timed_blocks * schedule.vllm_replays},
             "cudagraph_limit": int(manager._cudagraph_limit),
-            "engine": describe_engine(manager, state["capture_sizes"], getattr(manager, "_dspark_vllm_config", None)),
+            "engine": describe_engine(manager, run.capture_sizes, state.vllm_config),
             "hardware": hardware(),
-            "samples": [s.to_dict() for s in tagged],
+            "vllm_curves": curves,
+            "samples": [Sample.from_vllm(s, context_len=t.context_len, replay=t.replay).to_dict() for s, t in timed],
         }
-        atomic_write_json(samples_path(self.directory, rank), payload)
-        if rank == 0:
-            atomic_write_json(os.path.join(self.directory, PROGRESS_FILE),
-                              {"done": len(tags), "total": len(tags), "context_len": tags[-1].context_len})
-        # vLLM still needs cost curves to finish starting: give it its own rule on the
-        # timed samples of the context length it would have profiled itself.
-        wanted = current_context_len()
-        ctx = nearest(state["plan"].context_lens, wanted)
-        original([s for s, t in zip(samples, tags) if t.replay >= 0 and t.context_len == ctx])
+        return payload, nearest(run.plan.context_lens, current_context_len())

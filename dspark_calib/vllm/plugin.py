@@ -1,18 +1,22 @@
 """The vLLM general plugin (entry point group ``vllm.general_plugins``).
 
-vLLM calls ``register`` in the engine process and in every worker, possibly
-several times per process, so it is idempotent. It does nothing unless one of
-its env vars is set:
+vLLM calls ``register`` in the API server, the engine core and every worker,
+possibly several times per process, so it is idempotent, and with no
+DSPARK_CALIB_* variable set it imports nothing beyond the standard library.
+Modes, chosen from the env at each engine start:
 
-* DSPARK_CALIB_CAPTURE=DIR: capture mode (used by `dspark-calib profile`), see capture.py;
-* DSPARK_CALIB_TABLE=PATH: load mode (serve time), see loader.py.
+* DSPARK_CALIB_CAPTURE=DIR: capture mode (used by `dspark-calib profile`), capture.py;
+* DSPARK_CALIB_TABLE=PATH: load mode (serve time), loader.py;
+* neither, but the driver announced DSPARK_CALIB_* names this process did not
+  receive (Ray): one ERROR line, vLLM profiles as usual.
 
 It patches vLLM's AdaptiveVerificationManager.batches_to_profile and
 .set_initial_cost_curves, and wraps model_runner's
 maybe_create_adaptive_verification_manager (to hand the manager the engine's
-config). It patches when vLLM's model runner module is imported (processes that
-never import it pay nothing). On an API shape it does not know, it logs one line
-and leaves vLLM untouched.
+config), when vLLM's model runner module is imported (processes that never
+import it pay nothing). On an API shape it does not know, it logs one line and
+leaves vLLM untouched. Our own failures never stop an engine that would
+otherwise start; capture failures and strict refusals are one line.
 """
 
 from __future__ import annotations
@@ -23,38 +27,181 @@ import importlib.util
 import logging
 import os
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol
 
-from dspark_calib.vllm.capture import ENV_CAPTURE, CaptureMode
-from dspark_calib.vllm.loader import ENV_TABLE, LoadMode
-
-log = logging.getLogger("vllm.dspark_calib")
-_MARK = "_dspark_calib_original"
-
-
-def active_mode() -> CaptureMode | LoadMode | None:
-    """Chosen at each engine start from the env (once patched, a later start in the same
-    process may switch modes; vLLM loads plugins once per process, so the patch itself
-    only happens if one of the env vars was set at that first load)."""
-    if os.environ.get(ENV_CAPTURE):
-        return CaptureMode(os.environ[ENV_CAPTURE])  # profiling never loads a table
-    if os.environ.get(ENV_TABLE):
-        return LoadMode()
-    return None
-
+# Env variables this module reads (the integrator moves them to env.py).
+ENV_PREFIX = "DSPARK_CALIB_"
+ENV_CAPTURE = "DSPARK_CALIB_CAPTURE"
+ENV_TABLE = "DSPARK_CALIB_TABLE"
+# vLLM's own knobs for what Ray copies from the driver to its actors (vllm/ray/ray_env.py).
+RAY_EXTRA_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+RAY_EXTRA_VARS = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
+STATE_ATTR = "_dspark_state"
+_MARK = "_dspark_calib_original"
+
+log = logging.getLogger("vllm.dspark_calib")
 
 
-def register() -> None:
-    if not (os.environ.get(ENV_CAPTURE) or os.environ.get(ENV_TABLE)):
+class Mode(Protocol):
+    """What a mode provides to the two patched vLLM methods (the whole contract).
+
+    ``batches`` runs in batches_to_profile, on every TP rank; it gets vLLM's own
+    batch dicts and yields the dummy-run kwargs vLLM will run and time, each one
+    a vLLM dict passed through (``{**batch, ...}``), never rebuilt, and the same
+    sequence on every rank (the runs hold collectives): decide on rank 0 and
+    broadcast. ``install_curves`` runs in set_initial_cost_curves with one
+    timing per yielded batch, in order; it hands vLLM its curves through
+    ``original`` (vLLM's rule on given samples) or ``manager.set_cost_curves``.
+    Per-engine data goes in ``state_of(manager)``, nowhere else on the manager.
+    """
+
+    name: str
+
+    def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]: ...
+
+    def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None: ...
+
+
+@dataclass
+class State:
+    """Everything dspark-calib keeps on one vLLM manager (its only attribute there)."""
+
+    vllm_config: Any = None
+    mode: Any = None  # the Mode of this engine start, or None: vLLM's own profile
+    vllm_fit: Callable | None = None  # vLLM's own set_initial_cost_curves (unbound)
+    run: Any = None  # what the mode keeps from batches to install_curves
+
+
+def state_of(manager: Any) -> State:
+    state = manager.__dict__.get(STATE_ATTR)
+    if state is None:
+        # _dspark_vllm_config: what older code (and tests) set directly; read once here.
+        state = State(vllm_config=getattr(manager, "_dspark_vllm_config", None))
+        setattr(manager, STATE_ATTR, state)
+    return state
+
+
+# -- logging: once per engine, from TP rank 0 -----------------------------------------
+_logged: set[str] = set()
+
+
+def _tp_rank() -> int:
+    parallel_state = sys.modules.get("vllm.distributed.parallel_state")  # never import vLLM to ask
+    if parallel_state is None:
+        return 0
+    try:
+        return int(parallel_state.get_tp_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - no group yet: a single process
+        return 0
+
+
+def log_once(level: int, message: str) -> None:
+    if message in _logged:
         return
-    if MODEL_RUNNER in sys.modules:
-        _patch_installed_vllm()
-    elif not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
-        # Processes that never build a model runner (the API server) must not pay for
-        # importing it: patch when, and only if, the worker imports it.
-        sys.meta_path.insert(0, _PatchAfterImport())
+    _logged.add(message)
+    if _tp_rank() == 0:
+        log.log(level, message)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {(text[0] if text else '')[:200]}"
+
+
+# -- env: what the driver set, and whether this process got it --------------------------
+def _csv(value: str) -> list[str]:
+    return [tok.strip() for tok in value.split(",") if tok.strip()]
+
+
+def _ours() -> list[str]:
+    return sorted(k for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and v)
+
+
+# Names this process announced itself: never "missing" here (the driver unset them, e.g.
+# `profile` restoring its env), and dropped from the announcement once unset.
+_announced: set[str] = set()
+
+
+def carry_to_ray_workers(names: list[str]) -> None:
+    """Ray copies only known prefixes to its actors: add ours, and announce the names in
+    RAY_EXTRA_VARS, a vLLM variable Ray always copies, so a process can tell it missed them."""
+    prefixes = _csv(os.environ.get(RAY_EXTRA_PREFIXES, ""))
+    if names and ENV_PREFIX not in prefixes:
+        os.environ[RAY_EXTRA_PREFIXES] = ",".join(prefixes + [ENV_PREFIX])
+    have = _csv(os.environ.get(RAY_EXTRA_VARS, ""))
+    keep = [h for h in have if not (h in _announced and h not in names)]
+    new = keep + [n for n in names if n not in keep]
+    _announced.intersection_update(names)
+    _announced.update(n for n in names if n not in have)
+    if new != have:
+        if new:
+            os.environ[RAY_EXTRA_VARS] = ",".join(new)
+        else:
+            os.environ.pop(RAY_EXTRA_VARS, None)
+
+
+def missing_from_driver() -> list[str]:
+    """DSPARK_CALIB_* names the driver announced that this process did not receive."""
+    announced = [n for n in _csv(os.environ.get(RAY_EXTRA_VARS, "")) if n.startswith(ENV_PREFIX)]
+    return [n for n in announced if not os.environ.get(n) and n not in _announced]
+
+
+class MissingEnvMode:
+    """The driver set DSPARK_CALIB_* but this worker never saw them: say so, profile as vLLM does."""
+
+    name = "missing-env"
+
+    def __init__(self, names: list[str]):
+        self.names = names
+
+    def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]:
+        log_once(logging.ERROR, f"dspark-calib: the driver set {', '.join(self.names)} but this engine's workers "
+                                f"did not receive them (not copied to Ray workers?); no table used, "
+                                "profiling at start-up as usual")
+        yield from vllm_batches
+
+    def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
+        original(samples)
+
+
+def active_mode() -> Mode | None:
+    """Chosen at each engine start from the env (vLLM loads plugins once per process, so
+    the patch itself only happens if a DSPARK_CALIB_* variable was set at that first load)."""
+    missing = missing_from_driver()
+    if missing and (os.environ.get(ENV_CAPTURE) or os.environ.get(ENV_TABLE)):
+        # e.g. the table arrived but DSPARK_CALIB_POLICY=strict did not: never silently
+        log_once(logging.ERROR, f"dspark-calib: the driver set {', '.join(missing)} but this engine's workers "
+                                "did not receive them (not copied to Ray workers?); going on without them")
+    if os.environ.get(ENV_CAPTURE):
+        from dspark_calib.vllm.capture import CaptureMode
+
+        return CaptureMode(os.environ[ENV_CAPTURE])  # profiling never loads a table
+    if os.environ.get(ENV_TABLE):
+        from dspark_calib.vllm.loader import LoadMode
+
+        return LoadMode()
+    return MissingEnvMode(missing) if missing else None
+
+
+# -- registration ---------------------------------------------------------------------
+def register() -> None:
+    try:
+        names = _ours()
+        if names or _announced:
+            carry_to_ray_workers(names)
+        if not (os.environ.get(ENV_CAPTURE) or os.environ.get(ENV_TABLE) or missing_from_driver()):
+            return
+        if MODEL_RUNNER in sys.modules:
+            _patch_installed_vllm()
+        elif not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
+            # Processes that never build a model runner (the API server) must not pay for
+            # importing it: patch when, and only if, the worker imports it.
+            sys.meta_path.insert(0, _PatchAfterImport())
+    except Exception as exc:  # noqa: BLE001 - never stop an engine that would otherwise start
+        log_once(logging.ERROR, f"dspark-calib: plugin not registered ({_first_line(exc)}); vLLM runs untouched")
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
@@ -84,19 +231,28 @@ class _ThenPatch(importlib.abc.Loader):
 
 
 def _patch_installed_vllm() -> None:
-    from dspark_calib.vllm.shape import detect
+    av = sys.modules.get("vllm.v1.worker.gpu.spec_decode.adaptive_verification")
+    manager_cls = getattr(av, "AdaptiveVerificationManager", None)
+    if manager_cls is not None and is_patched(manager_cls):
+        return  # vLLM loads plugins more than once: detect (it parses vLLM's source) once
+    try:
+        from dspark_calib.vllm.shape import SUPPORTED_VLLM, detect
 
-    shape = detect()
-    if not shape.supported:
-        if not getattr(register, "_warned", False):
-            register._warned = True  # type: ignore[attr-defined]
-            log.warning("dspark-calib: vLLM %s has an adaptive-verification API this version does not know "
-                        "(%s); leaving vLLM untouched, it profiles at start-up as usual", shape.vllm_version, shape.reason)
-        return
-    from vllm.v1.worker.gpu import model_runner
-    from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
+        shape = detect()
+        if not shape.supported:
+            log_once(logging.WARNING, f"dspark-calib: vLLM {shape.vllm_version} has an adaptive-verification API "
+                                      f"this version does not know ({shape.reason}); leaving vLLM untouched, it "
+                                      "profiles at start-up as usual")
+            return
+        if not shape.tested:
+            log_once(logging.WARNING, f"dspark-calib: vLLM {shape.vllm_version} is outside the tested range "
+                                      f"vllm{SUPPORTED_VLLM}; its profiling API has the tested shape, patching it")
+        from vllm.v1.worker.gpu import model_runner
+        from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
 
-    patch(av.AdaptiveVerificationManager, model_runner)
+        patch(av.AdaptiveVerificationManager, model_runner)
+    except Exception as exc:  # noqa: BLE001 - runs inside vLLM's import: must never break it
+        log_once(logging.ERROR, f"dspark-calib: could not patch vLLM ({_first_line(exc)}); leaving it untouched")
 
 
 def is_patched(manager_cls: Any) -> bool:
@@ -111,18 +267,23 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
 
         @functools.wraps(orig_batches)
         def batches_to_profile(self: Any, capture_sizes: list[int]):
-            mode = active_mode()
             # vLLM's own generator sets self._cudagraph_limit and gives its batch plan.
             vllm_batches = list(orig_batches(self, capture_sizes))
-            self._dspark_mode = mode
-            if mode is None:
+            state = state_of(self)
+            state.vllm_fit = orig_init
+            try:
+                state.mode = active_mode()
+            except Exception as exc:  # noqa: BLE001 - a broken install must not stop the engine
+                log_once(logging.ERROR, f"dspark-calib: {_first_line(exc)}; profiling at start-up as usual")
+                state.mode = None
+            if state.mode is None:
                 yield from vllm_batches
             else:
-                yield from mode.batches(self, list(capture_sizes), vllm_batches)
+                yield from state.mode.batches(self, list(capture_sizes), vllm_batches)
 
         @functools.wraps(orig_init)
         def set_initial_cost_curves(self: Any, samples: list) -> None:
-            mode = getattr(self, "_dspark_mode", None)
+            mode = state_of(self).mode
             if mode is None:
                 orig_init(self, samples)
             else:
@@ -134,13 +295,36 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
         manager_cls.set_initial_cost_curves = set_initial_cost_curves
     if model_runner is not None:
         _wrap_factory(model_runner)
+    _loader_hooks("install_hooks")
+
+
+def _loader_hooks(name: str) -> None:
+    """The load-time probe's hooks, where the loader provides them (transitional: the
+    integrator makes this a direct call once loader.install_hooks / remove_hooks are merged)."""
+    from dspark_calib.vllm import loader
+
+    hook = getattr(loader, name, None)
+    if callable(hook):
+        hook()
+
+
+def _record_refusal(exc: BaseException) -> None:
+    directory = os.environ.get(ENV_CAPTURE)
+    if not directory or not os.path.isdir(directory):
+        return
+    try:
+        from dspark_calib.vllm.capture import CaptureDir
+
+        CaptureDir(directory).write_refusal(str(exc))
+    except Exception:  # noqa: BLE001 - never mask vLLM's own error
+        pass
 
 
 def _wrap_factory(model_runner: Any) -> None:
     """The runner builds its manager through this factory, which also gets the engine config:
-    keep the config on the manager (engine_info needs it), and in capture mode keep vLLM's
-    reason when it refuses adaptive verification (with TP the `profile` command would only
-    see "worker failed"), in DIR/refusal.txt."""
+    keep the config in the manager's state (engine_info needs it), and in capture mode keep
+    vLLM's reason when it refuses adaptive verification (with TP the `profile` command would
+    only see "worker failed"), in the capture directory."""
     orig = getattr(model_runner, "maybe_create_adaptive_verification_manager", None)
     if orig is None or hasattr(orig, _MARK):
         return
@@ -150,14 +334,12 @@ def _wrap_factory(model_runner: Any) -> None:
         try:
             manager = orig(*args, **kwargs)
         except ValueError as exc:
-            directory = os.environ.get(ENV_CAPTURE)
-            if directory and os.path.isdir(directory):
-                from dspark_calib.atomic import atomic_write
-
-                atomic_write(os.path.join(directory, "refusal.txt"), lambda fh: fh.write(str(exc).encode()))
+            _record_refusal(exc)
             raise
         if manager is not None:
-            manager._dspark_vllm_config = kwargs.get("vllm_config")
+            config = kwargs.get("vllm_config")
+            state_of(manager).vllm_config = config
+            manager._dspark_vllm_config = config  # transitional: loader.py reads it until it uses state_of
         return manager
 
     setattr(maybe_create, _MARK, orig)
@@ -174,3 +356,4 @@ def unpatch(manager_cls: Any, model_runner: Any | None = None) -> None:
             original = getattr(getattr(owner, name), _MARK, None)
             if original is not None:
                 setattr(owner, name, original)
+    _loader_hooks("remove_hooks")

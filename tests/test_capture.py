@@ -1,0 +1,358 @@
+"""Capture mode against the installed vLLM's own classes (no GPU): the capture
+directory contract, the schedule vLLM-shaped block by block, the fit checked
+against vLLM's own set_initial_cost_curves, the sample/batch pairing, and the
+tp 4 path with stubbed group calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+from vllm.distributed import parallel_state
+from vllm.v1.worker.gpu import model_runner
+from vllm.v1.worker.gpu.async_utils import StepTimingSample
+
+from dspark_calib.vllm import capture, plugin
+from dspark_calib.vllm.capture import CaptureDir, CaptureError, Plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
+DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
+SIZES = [1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512]  # captured graph sizes; tail 768..8192 follows
+VLLM_ORIGINAL = {name: getattr(av.AdaptiveVerificationManager, name)
+                 for name in ("batches_to_profile", "set_initial_cost_curves")}
+
+
+class Group:
+    """A TP group of `world` ranks: rank 0 records what it broadcasts, others replay it."""
+
+    def __init__(self, rank=0, world=1, bus=None):
+        self.rank_in_group, self.world_size = rank, world
+        self.bus = [] if bus is None else bus
+        self.calls = 0
+
+    def broadcast_object(self, obj, src=0):
+        assert src == 0
+        if self.rank_in_group == 0:
+            self.bus.append(obj)
+            return obj
+        self.calls += 1
+        return self.bus[self.calls - 1]
+
+
+def use_group(monkeypatch, group):
+    monkeypatch.setattr(av, "get_tp_group", lambda: group)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("DSPARK_CALIB_") or key.startswith("VLLM_RAY_EXTRA_"):
+            monkeypatch.delenv(key)
+    monkeypatch.delenv("VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN", raising=False)
+    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(plugin, "_announced", set())
+    use_group(monkeypatch, Group())
+    yield
+    plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
+    for key in list(os.environ):  # register() announces our variables in os.environ itself
+        if key.startswith(("DSPARK_CALIB_", "VLLM_RAY_EXTRA_")):
+            del os.environ[key]
+    for path in list(capture._HELD):
+        os.close(capture._HELD.pop(path))
+
+
+def config():
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(dtype="bfloat16", quantization=None, model=MODEL),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        speculative_config=SimpleNamespace(model=DRAFT))
+
+
+def make_manager(cls=av.AdaptiveVerificationManager, max_num_reqs=256, max_tokens=8192):
+    m = object.__new__(cls)
+    m.req_states = SimpleNamespace(max_num_reqs=max_num_reqs, max_num_batched_tokens=max_tokens)
+    m.num_speculative_steps = 7
+    m._cudagraph_limit = 0
+    m.cost_tables = None
+    plugin.state_of(m).vllm_config = config()
+    return m
+
+
+def vllm_sequence(sizes=SIZES):
+    """What the installed vLLM's own, unpatched batches_to_profile yields."""
+    return list(VLLM_ORIGINAL["batches_to_profile"](make_manager(), list(sizes)))
+
+
+def random_samples(batches, seed=0, warm=None):
+    """One sample per batch, noise that never repeats with the batch period; warm-up
+    batches (warm[i] true) much slower, so any leak moves a median."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, b in enumerate(batches):
+        n = b["num_tokens"]
+        slow = 50.0 if warm is not None and warm[i] else 0.0
+        out.append(StepTimingSample(forward_ms=0.01 * n + b["context_len"] / 1000 + rng.uniform(0, 3) + slow,
+                                    drafter_ms=1 + 0.002 * min(n, 256) + rng.uniform(0, 1) + slow,
+                                    num_target_tokens=n, num_reqs=min(n, 256), full_cudagraph=n <= SIZES[-1]))
+    return out
+
+
+def start_capture(monkeypatch, directory, plan=None):
+    if plan is not None:
+        CaptureDir(directory).write_plan(plan)
+    monkeypatch.setenv("DSPARK_CALIB_CAPTURE", str(directory))
+    plugin.register()
+    assert plugin.is_patched(av.AdaptiveVerificationManager)
+
+
+def run_capture(manager, samples_for=random_samples, sizes=SIZES):
+    batches = list(manager.batches_to_profile(list(sizes)))
+    samples = samples_for(batches)
+    manager.set_initial_cost_curves(samples)
+    return batches, samples
+
+
+def vllm_fit(samples):
+    """vLLM's own rule on these samples, through a real manager's set_cost_curves (dense tables)."""
+    m = make_manager()
+    m._cudagraph_limit = SIZES[-1]
+    VLLM_ORIGINAL["set_initial_cost_curves"](m, samples)
+    return m.cost_tables
+
+
+# -- the directory contract ------------------------------------------------------------
+def test_capture_dir_round_trips_and_names_its_files(tmp_path):
+    d = CaptureDir(tmp_path)
+    d.write_plan(Plan(context_lens=(1024, 8192), replays=7, warmup=1))
+    assert d.read_plan() == Plan(context_lens=(1024, 8192), replays=7, warmup=1)
+    assert d.samples_path(2) == str(tmp_path / "samples-rank2.json") == capture.samples_path(str(tmp_path), 2)
+    assert d.read_samples(0) is None and d.read_refusal() is None and d.read_progress() is None
+    assert d.write_refusal("vLLM said no") and d.read_refusal() == "vLLM said no"
+    d.write_progress(3, 10, 1024)
+    assert d.read_progress() == {"done": 3, "total": 10, "context_len": 1024}
+
+
+def test_bad_plan_is_one_line(tmp_path):
+    (tmp_path / "plan.json").write_text('{"context_lens": [0], "replays": 1, "warmup": 0}')
+    with pytest.raises(CaptureError) as err:
+        CaptureDir(tmp_path).read_plan()
+    assert str(tmp_path) in str(err.value) and "plan.json" in str(err.value) and "\n" not in str(err.value)
+
+
+def _hold_lock_elsewhere(directory):
+    code = ("import sys; from dspark_calib.vllm.capture import CaptureDir; CaptureDir(sys.argv[1]).lock();"
+            "print('locked', flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(directory)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def _can_lock_elsewhere(directory) -> bool:
+    code = ("import sys; from dspark_calib.vllm.capture import CaptureDir, CaptureError\n"
+            "try:\n    CaptureDir(sys.argv[1]).lock()\nexcept CaptureError:\n    sys.exit(3)")
+    res = subprocess.run([sys.executable, "-c", code, str(directory)], env={**os.environ, "PYTHONPATH": ROOT})
+    return res.returncode == 0
+
+
+def test_second_engine_capturing_into_the_same_directory_fails_at_once(monkeypatch, tmp_path):
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=1, warmup=0))
+    other = _hold_lock_elsewhere(tmp_path)
+    try:
+        with pytest.raises(CaptureError) as err:
+            run_capture(make_manager())
+        line = str(err.value)
+        assert "\n" not in line and str(tmp_path) in line and "another engine" in line
+        assert f"pid {other.pid}" in line
+        assert sorted(os.listdir(tmp_path)) == [".lock", "plan.json"]  # nothing written
+        assert not CaptureDir(tmp_path).write_refusal("late refusal")  # not into another engine's capture
+    finally:
+        other.stdin.close()
+        other.wait()
+
+
+def test_capture_holds_the_lock_until_its_samples_are_written(monkeypatch, tmp_path):
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=1, warmup=0))
+    m = make_manager()
+    gen = m.batches_to_profile(list(SIZES))
+    batches = [next(gen)]
+    assert not _can_lock_elsewhere(tmp_path)
+    batches += list(gen)
+    m.set_initial_cost_curves(random_samples(batches))
+    assert CaptureDir(tmp_path).read_samples(0) is not None
+    assert _can_lock_elsewhere(tmp_path)
+
+
+# -- the schedule: vLLM's own sequence, block by block -------------------------------------
+@pytest.mark.parametrize("replays,warmup,blocks", [(5, 0, (0, 1)), (7, 3, (1, 2)), (20, 2, (1, 4)), (1, 6, (2, 1))])
+def test_every_block_is_vllms_own_sequence(monkeypatch, tmp_path, replays, warmup, blocks):
+    contexts = (1024, 4096)
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=contexts, replays=replays, warmup=warmup))
+    seq = vllm_sequence()
+    m = make_manager()
+    batches, samples = run_capture(m)
+    warm, timed = blocks
+    assert len(batches) == len(contexts) * (warm + timed) * len(seq)
+    for i in range(0, len(batches), len(seq)):
+        ctx = contexts[i // (len(seq) * (warm + timed))]
+        assert batches[i:i + len(seq)] == [{**b, "context_len": ctx} for b in seq]  # order, grouping, keys
+    payload = CaptureDir(tmp_path).read_samples(0)
+    assert payload["schedule"] == {"vllm_replays_per_block": av._PROFILE_REPLAYS, "warmup_blocks": warm,
+                                   "timed_blocks": timed, "timed_replays_per_size": timed * av._PROFILE_REPLAYS}
+    per_size = {}
+    for s in payload["samples"]:
+        per_size.setdefault((s["context_len"], s["num_target_tokens"]), []).append(s["replay"])
+    assert len(per_size) == len(contexts) * len(set(b["num_tokens"] for b in seq))
+    assert all(r == list(range(timed * av._PROFILE_REPLAYS)) for r in per_size.values())
+    # the samples kept are exactly the timed blocks', in batch order
+    timed_idx = [i for i in range(len(batches)) if (i // len(seq)) % (warm + timed) >= warm]
+    assert [s["forward_ms"] for s in payload["samples"]] == [samples[i].forward_ms for i in timed_idx]
+
+
+def test_new_keys_in_vllms_batches_survive(monkeypatch, tmp_path):
+    """vLLM main adds `timing_enabled` to its batches: capture passes its dicts through."""
+
+    class Newer(av.AdaptiveVerificationManager):
+        def batches_to_profile(self, capture_sizes):
+            for batch in VLLM_ORIGINAL["batches_to_profile"](self, capture_sizes):  # vLLM's, unpatched
+                yield {**batch, "timing_enabled": True}
+
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(2048,), replays=5, warmup=5))
+    plugin.unpatch(av.AdaptiveVerificationManager)  # Newer stands in for vLLM's class: patch it alone
+    plugin.patch(Newer)
+    try:
+        batches, _ = run_capture(make_manager(Newer))
+    finally:
+        plugin.unpatch(Newer)
+    assert batches and all(b["timing_enabled"] is True and b["context_len"] == 2048 for b in batches)
+
+
+# -- curves: vLLM's own fit on the timed samples only -------------------------------------
+def test_curves_handed_to_vllm_are_its_own_fit_of_the_timed_samples(monkeypatch, tmp_path):
+    contexts = (1024, 8192)
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=contexts, replays=10, warmup=5))
+    seq_len = len(vllm_sequence())
+    m = make_manager()
+    batches, samples = run_capture(m, samples_for=lambda b: random_samples(
+        b, seed=7, warm=[(i // seq_len) % 3 == 0 for i in range(len(b))]))
+    timed = {ctx: [s for i, (s, b) in enumerate(zip(samples, batches))
+                   if b["context_len"] == ctx and (i // seq_len) % 3 != 0] for ctx in contexts}
+    assert all(len(v) == 2 * seq_len for v in timed.values())
+    # vLLM (context 8192, its default) got exactly its own fit of the timed samples: both tables
+    want_draft, want_verify = vllm_fit(timed[8192])
+    assert np.array_equal(m.cost_tables[0], want_draft) and np.array_equal(m.cost_tables[1], want_verify)
+    leaked_draft, leaked_verify = vllm_fit([s for s, b in zip(samples, batches) if b["context_len"] == 8192])
+    assert not np.array_equal(leaked_draft, want_draft) and not np.array_equal(leaked_verify, want_verify)
+    # and the payload carries vLLM's own curves for every context
+    payload = CaptureDir(tmp_path).read_samples(0)
+    from dspark_calib.vllm.capture import vllm_curves
+
+    for ctx in contexts:
+        draft, verify = vllm_curves(VLLM_ORIGINAL["set_initial_cost_curves"], timed[ctx])
+        assert payload["vllm_curves"][str(ctx)] == {"draft": [list(p) for p in draft],
+                                                    "verify": [list(p) for p in verify]}
+
+
+def test_fit_disagreeing_with_vllm_is_one_loud_line_and_no_samples(monkeypatch, tmp_path):
+    import dspark_calib.fit as fit
+
+    real = fit.fit_pair
+
+    def off_by_a_bit(samples):
+        pair = real(samples)
+        cost = np.array(pair.verify.cost_ms)
+        cost[3] *= 1.001
+        return fit.CurvePair(draft=pair.draft, verify=fit.Curve(**{**{k: getattr(pair.verify, k) for k in (
+            "size", "n", "min_ms", "p25_ms", "p75_ms", "max_ms", "mad_ms")}, "cost_ms": cost}))
+
+    monkeypatch.setattr(fit, "fit_pair", off_by_a_bit)
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=5, warmup=0))
+    m = make_manager()
+    with pytest.raises(CaptureError) as err:
+        run_capture(m)
+    line = str(err.value)
+    assert "\n" not in line and "disagree" in line and "context 1024" in line and "verify size 8" in line
+    assert CaptureDir(tmp_path).read_samples(0) is None and m.cost_tables is None
+
+
+# -- pairing ------------------------------------------------------------------------------
+@pytest.mark.parametrize("disorder", ["reversed", "swap-two", "one-missing"])
+def test_samples_out_of_batch_order_are_refused(monkeypatch, tmp_path, disorder):
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=5, warmup=5))
+
+    def shuffled(batches):
+        s = random_samples(batches)
+        if disorder == "reversed":
+            return s[::-1]
+        if disorder == "swap-two":  # one size-1 and one size-2 step trade places, late in the run
+            i = len(s) - len(vllm_sequence()) + 4
+            s[i], s[i + 1] = s[i + 1], s[i]
+            return s
+        return s[:-1]
+
+    m = make_manager()
+    with pytest.raises(CaptureError, match="out of batch order|cannot attribute"):
+        run_capture(m, samples_for=shuffled)
+    assert CaptureDir(tmp_path).read_samples(0) is None and m.cost_tables is None
+
+
+# -- tensor parallel 4, stubbed group calls -------------------------------------------------
+def test_tp4_rank0_plan_to_every_rank_same_batches(monkeypatch, tmp_path):
+    rank0_dir, other_dir = tmp_path / "rank0", tmp_path / "node"
+    rank0_dir.mkdir()
+    other_dir.mkdir()  # other ranks' view: no plan.json there (they must not read one)
+    CaptureDir(rank0_dir).write_plan(Plan(context_lens=(1024, 4096), replays=6, warmup=2))
+    bus: list = []
+    runs = []
+    for rank in range(4):
+        use_group(monkeypatch, Group(rank, 4, bus))
+        monkeypatch.setenv("DSPARK_CALIB_CAPTURE", str(rank0_dir if rank == 0 else other_dir))
+        plugin.register()
+        m = make_manager()
+        batches, _ = run_capture(m, samples_for=lambda b, r=rank: random_samples(b, seed=r))
+        runs.append((batches, m))
+    assert isinstance(bus[0], Plan) and bus[0].context_lens == (1024, 4096)
+    assert all(batches == runs[0][0] for batches, _ in runs)
+    assert len(runs[0][0]) == 2 * (1 + 2) * len(vllm_sequence())
+    # vLLM's curve broadcast: every rank installed rank 0's curves
+    assert all(np.array_equal(m.cost_tables[1], runs[0][1].cost_tables[1]) for _, m in runs)
+    rank0 = CaptureDir(rank0_dir).read_samples(0)
+    assert rank0["rank"] == 0 and rank0["tp_size"] == 4
+    assert sorted(os.listdir(rank0_dir)) == [".lock", "plan.json", "progress.json", "samples-rank0.json"]
+    assert sorted(os.listdir(other_dir)) == ["samples-rank1.json", "samples-rank2.json", "samples-rank3.json"]
+    # what `profile` reads is rank 0's samples: its own timings, not another rank's
+    first = random_samples(runs[0][0], seed=0)
+    timed0 = [s for i, s in enumerate(first) if (i // len(vllm_sequence())) % 3 != 0]
+    assert [s["forward_ms"] for s in rank0["samples"]] == [s.forward_ms for s in timed0]
+
+
+def test_tp4_rank0_refusal_reaches_every_rank(monkeypatch, tmp_path):
+    bus: list = []
+    for rank in range(4):
+        use_group(monkeypatch, Group(rank, 4, bus))
+        monkeypatch.setenv("DSPARK_CALIB_CAPTURE", str(tmp_path))  # no plan.json: rank 0 refuses
+        plugin.register()
+        with pytest.raises(CaptureError, match="plan.json"):
+            run_capture(make_manager())
+    assert isinstance(bus[0], str) and "plan.json" in bus[0]
+    assert _can_lock_elsewhere(tmp_path)  # the refusal released rank 0's lock
+
+
+def test_capture_payload_is_json(monkeypatch, tmp_path):
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=5, warmup=0))
+    m = make_manager()
+    run_capture(m)
+    assert {k for k in vars(m) if "dspark" in k} == {plugin.STATE_ATTR}  # one state object, nothing scattered
+    payload = json.loads((tmp_path / "samples-rank0.json").read_text())
+    assert payload["num_batches"] == len(vllm_sequence()) and payload["cudagraph_limit"] == SIZES[-1]
+    assert payload["engine"]["max_num_seqs"] == 256
