@@ -196,10 +196,11 @@ def _run(opts: Any, out: str, log_path: str, keep_capture: str | None) -> None:
             if not profiling:
                 profiling = True
                 progress.reset(task, total=state["total"], completed=state["done"])
-            kind = "warm-up" if state.get("warmup") else f"{state.get('samples_per_size')} samples/size"
-            progress.update(task, total=state["total"], completed=state["done"],
-                            description=f"profiling ctx {state['context_len']}, block {state.get('block')}/"
-                                        f"{state.get('blocks')} of vLLM's {state.get('vllm_replays')} replays ({kind})")
+            where = f"profiling ctx {state['context_len']}"
+            if "block" in state:
+                kind = "warm-up" if state["warmup"] else f"{state['samples_per_size']} samples/size"
+                where += f", block {state['block']}/{state['blocks']} of vLLM's {state['vllm_replays']} replays ({kind})"
+            progress.update(task, total=state["total"], completed=state["done"], description=where)
 
         log_existed = os.path.exists(log_path)
         try:

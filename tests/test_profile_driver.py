@@ -439,3 +439,27 @@ def test_expected_schedule_is_the_workers(tmp_path):
     assert (pos["block"], pos["blocks"], pos["warmup"]) == (3, 5, False)
     assert e.position({"done": 5 * per_block, "total": len(want.tags), "context_len": 8192})["warmup"] is True
     assert e.seconds > 0 and "samples per size" in e.line(20) and "rounded" not in e.line(20)
+
+
+def test_terminal_shows_the_plan_line_and_the_schedule_in_the_bar(tmp_path, monkeypatch, capfd):
+    import glob
+
+    from dspark_calib.table import read_table
+
+    shipped = read_table(sorted(glob.glob(os.path.join(ROOT, "profiles", "h200", "*.parquet")))[0])
+    seen = []
+
+    def fake_run_profile(o, *, phase, report, keep_capture, log_path, note):
+        phase("starting engine: load, compile, capture CUDA graphs, profile")
+        note("profile plan: 1 context(s) x ~56 sizes ...")
+        report({"done": 300, "total": 1400, "context_len": 8192, "block": 2, "blocks": 5, "warmup": False,
+                "samples_per_size": 20, "vllm_replays": 5})
+        seen.append(True)
+        return shipped
+
+    monkeypatch.setattr(driver, "run_profile", fake_run_profile)
+    profile_cmd._run(resolve_options(opts(context_lens=(8192,))), str(tmp_path / "t.parquet"),
+                     str(tmp_path / "t.vllm.log"), None)
+    err = capfd.readouterr().err
+    assert seen and "profile plan: 1 context(s)" in err
+    assert f"{shipped.fingerprint.replays} samples per size" in err and "curves equal vLLM's own" in err

@@ -347,7 +347,10 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
         os.environ.update(env)
         os.environ.pop(ENV_TABLE, None)  # profiling must measure, never load
         if in_process:
-            capture.lock()
+            try:
+                capture.lock()
+            except CaptureError as exc:
+                raise CalibError(first_line(exc, 400).removeprefix("dspark-calib: ")) from None
         phase("importing vLLM")
         from vllm import LLM
 
@@ -355,11 +358,16 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
         from dspark_calib.vllm.profile_plan import expected
 
         plugin.register()  # in-process engine: make sure the hooks are in before LLM() (idempotent)
-        plan = expected(opts)
-        note(plan.line(opts.replays))
+        try:
+            plan = expected(opts)
+        except Exception as exc:  # noqa: BLE001 - an estimate must never stop a profile
+            plan = None
+            note(f"profile plan: no estimate ({first_line(exc, 120)}); the bar shows the engine's own count")
+        else:
+            note(plan.line(opts.replays))
         phase("starting engine: load, compile, capture CUDA graphs, profile")
-        watcher = threading.Thread(target=_watch_progress, args=(capture, lambda d: report(plan.position(d)), stop),
-                                   daemon=True)
+        watcher = threading.Thread(target=_watch_progress, daemon=True, args=(
+            capture, lambda d: report(d if plan is None else plan.position(d)), stop))
         watcher.start()
         t0 = time.perf_counter()
         try:
