@@ -331,8 +331,13 @@ def profile_cmd(
     context_len: Annotated[List[int], typer.Option(
         "--context-len", metavar="L", help="Context length of the dummy requests; repeat for several "
                                           "(one engine start). Refused if vLLM would clamp it.")] = [8192],
-    replays: Annotated[int, typer.Option("--replays", help="Timed replays per size and context (vLLM: 5).")] = 20,
-    warmup: Annotated[int, typer.Option("--warmup", help="Replays per size and context timed but discarded.")] = 2,
+    replays: Annotated[int, typer.Option(
+        "--replays", help="Timed samples per size and context, run as vLLM runs them: whole blocks of its 5 "
+                          "back-to-back replays, so rounded up to a multiple of 5 (--replays 3 gives 5; vLLM "
+                          "alone: 5). The table records the number run.")] = 20,
+    warmup: Annotated[int, typer.Option(
+        "--warmup", help="Warm-up samples per size and context, timed but discarded; rounded up to whole blocks "
+                         "of 5 like --replays (0: none).")] = 2,
     load_format: Annotated[str, typer.Option(
         "--load-format", help="dummy: random weights, only config.json is read (timings do not depend on "
                               "weights); auto: real weights.")] = "dummy",

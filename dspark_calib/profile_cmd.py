@@ -184,14 +184,29 @@ def _run(opts: Any, out: str, log_path: str, keep_capture: str | None) -> None:
                 progress.console.print(f"vLLM's log: {log_path}", markup=False, highlight=False)
             progress.update(task, description=name)
 
+        profiling = False
+
+        def note(line: str) -> None:  # one line above the bar: the plan and its expected time
+            progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
         def report(state: dict) -> None:
-            progress.update(task, total=state["total"], completed=state["done"],
-                            description=f"profiling (context {state['context_len']})")
+            # total = the worker's own schedule (blocks x sizes x contexts); elapsed and ETA
+            # start with profiling, not with the engine's load and compile.
+            nonlocal profiling
+            if not profiling:
+                profiling = True
+                progress.reset(task, total=state["total"], completed=state["done"])
+            where = f"profiling ctx {state['context_len']}"
+            if "block" in state:
+                kind = "warm-up" if state["warmup"] else f"{state['samples_per_size']} samples/size"
+                where += f", block {state['block']}/{state['blocks']} of vLLM's {state['vllm_replays']} replays ({kind})"
+            progress.update(task, total=state["total"], completed=state["done"], description=where)
 
         log_existed = os.path.exists(log_path)
         try:
             with output_to(log_path):
-                table = run_profile(opts, phase=phase, report=report, keep_capture=keep_capture, log_path=log_path)
+                table = run_profile(opts, phase=phase, report=report, keep_capture=keep_capture,
+                                    log_path=log_path, note=note)
         except BaseException:
             if not engine_started and not log_existed:  # refused before vLLM ran: no log worth keeping
                 with contextlib.suppress(OSError):
@@ -201,8 +216,10 @@ def _run(opts: Any, out: str, log_path: str, keep_capture: str | None) -> None:
         path = write_table(table, out)
         phase("done")
     extra = table.fingerprint.extra
+    fp = table.fingerprint
     terminal.print(f"wrote {path} (hash {table.short_hash}); engine start {extra.get('engine_start_s', 0):.1f} s, "
-                   f"of which profiling {extra.get('profile_s', 0):.1f} s; total {time.perf_counter() - started:.1f} s",
+                   f"of which profiling {extra.get('profile_s', 0):.1f} s; total {time.perf_counter() - started:.1f} s; "
+                   f"{fp.replays} samples per size ({fp.warmup_replays} warm-up discarded); curves equal vLLM's own",
                    markup=False, highlight=False)
     from dspark_calib.inspection import inspect_table
     from dspark_calib.render import render_summary

@@ -255,13 +255,18 @@ def test_fingerprint_records_resolved_engine_values():
     o = resolve_options(opts(context_lens=(8192,), extra_engine_args={"block_size": 32}, model_name="Qwen/Qwen3-8B"))
     cfg = build_config(cache={"block_size": 32})
     engine = describe_engine(None, [1, 2, 4], cfg, hardware_facts=HARDWARE)
-    fp = driver.fingerprint_from_capture(o, {"engine": engine, "hardware": HARDWARE, "cudagraph_limit": 4})
+    schedule = {"vllm_replays_per_block": 5, "warmup_blocks": 1, "timed_blocks": 4, "timed_replays_per_size": 20}
+    fp = driver.fingerprint_from_capture(o, {"engine": engine, "hardware": HARDWARE, "cudagraph_limit": 4,
+                                             "schedule": schedule})
+    assert (fp.replays, fp.warmup_replays) == (20, 5)  # what the worker ran: whole blocks of vLLM's 5
     assert fp.kv_block_size == 32 and fp.max_model_len == 32768 and fp.gpu_memory_mib == 143771
     assert fp.target_model == "Qwen3-8B" and fp.extra["engine_args"] == {"block_size": 32}
     assert fp.compilation_hash == engine["compilation_hash"] and fp.torch_version == "2.14.0+cu130"
     with pytest.raises(CalibError, match="did not report vllm_version"):
         driver.fingerprint_from_capture(o, {"engine": {k: v for k, v in engine.items() if k != "vllm_version"},
-                                            "hardware": {}, "cudagraph_limit": 4})
+                                            "hardware": {}, "cudagraph_limit": 4, "schedule": schedule})
+    with pytest.raises(CalibError, match="no schedule"):
+        driver.fingerprint_from_capture(o, {"engine": engine, "hardware": HARDWARE, "cudagraph_limit": 4})
 
 
 def test_engine_output_goes_to_the_log(tmp_path):
@@ -296,3 +301,165 @@ def test_cli_profile_unknown_engine_arg_and_missing_hub_model(tmp_path):
                   env={"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert res.returncode == 2 and "--model nobody/no-such-model: not a directory, and not in the local Hugging Face cache" \
         in res.stderr
+
+
+# -- the driver over the real capture side: an in-process "engine" that runs the plugin ----------
+import vllm  # noqa: E402
+
+from dspark_calib.vllm import capture as capture_mod, plugin  # noqa: E402
+from dspark_calib.vllm.capture import CaptureDir, vllm_curves  # noqa: E402
+
+
+@pytest.fixture
+def engine_stand_in(monkeypatch):
+    """vllm.LLM replaced by what an in-process engine does at start-up: vLLM's own (patched)
+    batches_to_profile and set_initial_cost_curves on a manager, timings made up per batch."""
+    import test_capture as tc
+    from vllm.v1.worker.gpu import model_runner  # imported: register() patches at once
+
+    for key in list(os.environ):
+        if key.startswith(("DSPARK_CALIB_", "VLLM_RAY_EXTRA_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(plugin, "_announced", set())
+    tc.use_group(monkeypatch, tc.Group())
+    seen: list[dict] = []
+
+    class LLM:
+        def __init__(self, **kw):
+            directory = os.environ["DSPARK_CALIB_CAPTURE"]
+            seen.append({"kw": kw, "env": dict(os.environ), "driver_locked": CaptureDir(directory).locked,
+                         "free_elsewhere": tc._can_lock_elsewhere(directory)})
+            if (kw["tensor_parallel_size"] != 1 or kw.get("distributed_executor_backend") == "mp"
+                    or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0"):
+                raise RuntimeError("EngineCore died unexpectedly")  # workers of their own: not run here
+            m = tc.make_manager()
+            batches = list(m.batches_to_profile(list(tc.SIZES)))
+            m.set_initial_cost_curves(tc.random_samples(batches))
+
+    monkeypatch.setattr(vllm, "LLM", LLM)
+    yield seen
+    plugin.unpatch(tc.av.AdaptiveVerificationManager, model_runner)
+    for path in list(capture_mod._HELD):
+        os.close(capture_mod._HELD.pop(path))
+
+
+def _profile_in_process(tmp_path, **kw):
+    o = resolve_options(opts(context_lens=(1024, 8192), **kw))
+    lines: list[str] = []
+    d = tmp_path / f"cap{len(list(tmp_path.iterdir()))}"
+    d.mkdir()
+    cap = driver.run_engine(o, str(d), lambda s: None, lambda s: None, note=lines.append)
+    return o, cap, lines, d
+
+
+def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "FOO_")  # the user's own
+    monkeypatch.setenv("DSPARK_CALIB_TABLE", "/some/table.parquet")  # profiling never loads it
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    before = dict(os.environ)
+    for run in range(2):  # a second profile in the same process starts from the same env
+        o, cap, lines, d = _profile_in_process(tmp_path, replays=3, warmup=0)
+        assert dict(os.environ) == before
+        during = engine_stand_in[-1]["env"]
+        assert during["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "FOO_,DSPARK_CALIB_"  # register() added ours once
+        assert "DSPARK_CALIB_CAPTURE" in during["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"].split(",")
+        assert "DSPARK_CALIB_TABLE" not in during and during["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        # in process the driver holds the directory; the worker's lock() re-entered it
+        assert engine_stand_in[-1]["driver_locked"] and not engine_stand_in[-1]["free_elsewhere"]
+        assert not CaptureDir(d).locked  # released: the directory is free again
+        assert len(lines) == 1 and "5 samples per size (--replays 3 rounded up" in lines[0] and "estimate" in lines[0]
+        table = driver.table_from_capture(o, cap)
+        fp = table.fingerprint
+        assert (fp.replays, fp.warmup_replays, fp.extra["replays_asked"]) == (5, 0, 3)
+        assert fp.extra["vllm_curves_equal"] is True and table.context_lens() == [1024, 8192]
+        assert all(n == 5 for n in table.curves[8192].verify.n)
+        import test_capture as tc
+
+        for ctx in (1024, 8192):  # vLLM's own set_initial_cost_curves on the samples the table holds
+            theirs = vllm_curves(tc.VLLM_ORIGINAL["set_initial_cost_curves"],
+                                 [tc.StepTimingSample(forward_ms=s.forward_ms, drafter_ms=s.drafter_ms,
+                                                      num_target_tokens=s.num_target_tokens, num_reqs=s.num_reqs,
+                                                      full_cudagraph=s.full_cudagraph) for s in table.iter_samples(ctx)])
+            assert table.curves[ctx].as_vllm() == theirs
+
+
+def test_driver_checks_the_table_against_vllms_curves(engine_stand_in, tmp_path):
+    o, cap, _, _ = _profile_in_process(tmp_path, replays=5, warmup=5)
+    assert driver.table_from_capture(o, cap).fingerprint.warmup_replays == 5
+    bent = json.loads(json.dumps(cap))
+    bent["vllm_curves"]["8192"]["verify"][3][1] *= 1.001
+    with pytest.raises(CalibError) as err:
+        driver.table_from_capture(o, bent)
+    assert "disagree at context 8192" in str(err.value) and "verify size" in str(err.value)
+    assert not str(err.value).startswith("dspark-calib:")
+    short = json.loads(json.dumps(cap))
+    del short["vllm_curves"]["1024"]
+    with pytest.raises(CalibError, match=r"contexts \[8192\], the table \[1024, 8192\]"):
+        driver.table_from_capture(o, short)
+    missing = json.loads(json.dumps(cap))
+    missing["samples"].pop()
+    with pytest.raises(CalibError, match="holds 4 samples for size .* its schedule 5"):
+        driver.table_from_capture(o, missing)
+
+
+def test_driver_does_not_take_the_lock_when_workers_are_other_processes(engine_stand_in, tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    before = dict(os.environ)
+    for kw, env in (({"tp": 2}, {}), ({"tp": 1}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+                    ({"tp": 1, "distributed_executor_backend": "mp"}, {})):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        o = resolve_options(opts(context_lens=(8192,), **kw))
+        with pytest.raises(CalibError, match="no table written"):
+            driver.run_engine(o, str(tmp_path), lambda s: None, lambda s: None)
+        seen = engine_stand_in[-1]
+        assert not seen["driver_locked"] and seen["free_elsewhere"]  # rank 0, elsewhere, can take it
+        for k in env:
+            monkeypatch.delenv(k)
+        assert dict(os.environ) == before
+
+
+def test_expected_schedule_is_the_workers(tmp_path):
+    """The driver's plan line and progress come from capture.Schedule over vLLM's own sequence."""
+    import test_capture as tc
+
+    from dspark_calib.vllm.capture import Plan, Schedule
+    from dspark_calib.vllm.profile_plan import default_capture_sizes, expected
+
+    o = resolve_options(opts(context_lens=(1024, 8192), replays=20, warmup=2))
+    # vLLM's own resolution on the H200 (Qwen3-8B, 256 seqs, k 7, 8192 tokens), as the capture recorded it
+    with open(os.path.join(ROOT, "benchmarks", "results", "h200", "h200-tp1-samples-rank0.json")) as fh:
+        assert default_capture_sizes(o) == json.load(fh)["engine"]["cudagraph_capture_sizes"]
+    e = expected(o, tc.SIZES)
+    want = Schedule.build(Plan((1024, 8192), 20, 2), tc.vllm_sequence())
+    assert e.schedule == want and (e.blocks, e.samples_per_size) == (5, 20)
+    per_block = len(tc.vllm_sequence())
+    pos = e.position({"done": 5 * per_block + 2 * per_block + 3, "total": len(want.tags), "context_len": 8192})
+    assert (pos["block"], pos["blocks"], pos["warmup"]) == (3, 5, False)
+    assert e.position({"done": 5 * per_block, "total": len(want.tags), "context_len": 8192})["warmup"] is True
+    assert e.seconds > 0 and "samples per size" in e.line(20) and "rounded" not in e.line(20)
+
+
+def test_terminal_shows_the_plan_line_and_the_schedule_in_the_bar(tmp_path, monkeypatch, capfd):
+    import glob
+
+    from dspark_calib.table import read_table
+
+    shipped = read_table(sorted(glob.glob(os.path.join(ROOT, "profiles", "h200", "*.parquet")))[0])
+    seen = []
+
+    def fake_run_profile(o, *, phase, report, keep_capture, log_path, note):
+        phase("starting engine: load, compile, capture CUDA graphs, profile")
+        note("profile plan: 1 context(s) x ~56 sizes ...")
+        report({"done": 300, "total": 1400, "context_len": 8192, "block": 2, "blocks": 5, "warmup": False,
+                "samples_per_size": 20, "vllm_replays": 5})
+        seen.append(True)
+        return shipped
+
+    monkeypatch.setattr(driver, "run_profile", fake_run_profile)
+    profile_cmd._run(resolve_options(opts(context_lens=(8192,))), str(tmp_path / "t.parquet"),
+                     str(tmp_path / "t.vllm.log"), None)
+    err = capfd.readouterr().err
+    assert seen and "profile plan: 1 context(s)" in err
+    assert f"{shipped.fingerprint.replays} samples per size" in err and "curves equal vLLM's own" in err

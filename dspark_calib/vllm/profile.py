@@ -9,7 +9,6 @@ tagged samples to a capture directory, which we fit into a table.
 from __future__ import annotations
 
 import gc
-import glob
 import importlib.util
 import json
 import os
@@ -21,12 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dspark_calib.errors import CalibError, first_line
-from dspark_calib.fingerprint import BACKEND_VLLM, KEYS, Fingerprint, config_hash
 from dspark_calib.fit import profile_context_len
-from dspark_calib.samples import samples_from_dicts
 from dspark_calib.table import CostTable
-from dspark_calib.vllm.capture import ENV_CAPTURE, PROGRESS_FILE, Plan, samples_path, write_plan
+from dspark_calib.vllm.capture import ENV_CAPTURE, CaptureDir, CaptureError, Plan
 from dspark_calib.vllm.loader import ENV_TABLE
+from dspark_calib.vllm.profile_table import check_against_vllm, fingerprint_from_capture, table_from_capture  # noqa: F401
+from dspark_calib.vllm.plugin import ENV_PREFIX, RAY_EXTRA_PREFIXES, RAY_EXTRA_VARS
 
 DSPARK_ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel")
 INSTALL_HINT = "pip install 'dspark-calib[vllm]'"
@@ -253,14 +252,15 @@ def preflight(opts: ProfileOptions) -> None:
                          "(use --distributed-executor-backend ray across nodes)")
 
 
-def explain_failure(exc: BaseException, capture_dir: str, log_path: str | None = None) -> CalibError:
-    refusal = os.path.join(capture_dir, "refusal.txt")
-    if os.path.exists(refusal):
-        with open(refusal) as fh:
-            return CalibError(f"vLLM refused adaptive verification: {fh.read().strip()}")
+def explain_failure(exc: BaseException, capture: CaptureDir | str, log_path: str | None = None) -> CalibError:
+    refusal = (capture if isinstance(capture, CaptureDir) else CaptureDir(capture)).read_refusal()
+    if refusal:
+        return CalibError(f"vLLM refused adaptive verification: {refusal}")
+    chain: BaseException | None = exc
     text = f"{type(exc).__name__}: {exc}"
-    chain = exc
     while chain is not None:  # vLLM wraps worker errors; the cause holds the real text
+        if isinstance(chain, CaptureError):  # the plugin's own one line (tp 1: raised in this process)
+            return CalibError(first_line(chain, 400).removeprefix("dspark-calib: "))
         text += f" | {type(chain).__name__}: {chain}"
         chain = chain.__cause__ or chain.__context__
     low = text.lower()
@@ -274,14 +274,11 @@ def explain_failure(exc: BaseException, capture_dir: str, log_path: str | None =
                       "no table written (details in " + (log_path or "vLLM's log above") + ")")
 
 
-def _watch_progress(capture_dir: str, report: Callable[[dict], None], stop: threading.Event) -> None:
-    path = os.path.join(capture_dir, PROGRESS_FILE)
+def _watch_progress(capture: CaptureDir, report: Callable[[dict], None], stop: threading.Event) -> None:
     while not stop.wait(0.25):
-        try:
-            with open(path) as fh:
-                report(json.load(fh))
-        except (OSError, ValueError):
-            continue
+        state = capture.read_progress()
+        if state is not None:
+            report(state)
 
 
 def _shutdown(llm: Any) -> None:
@@ -302,24 +299,75 @@ def _shutdown(llm: Any) -> None:
         pass
 
 
+def engine_in_process(opts: ProfileOptions, env: dict[str, str]) -> bool:
+    """tp 1 with V1 multiprocessing off and vLLM's "uni" executor: the worker is this process."""
+    extra = opts.extra_engine_args
+    single = all(int(extra.get(k) or 1) == 1 for k in ("pipeline_parallel_size", "data_parallel_size"))
+    return (opts.tp == 1 and single and opts.distributed_executor_backend in (None, "uni")
+            and env.get("VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")) == "0")
+
+
+# What an engine start may change in os.environ, besides engine_env's own keys: the plugin's
+# register() adds DSPARK_CALIB_ to vLLM's two Ray copy lists; vLLM itself may turn
+# V1 multiprocessing off (external launcher). All restored, so a second profile in this
+# process (or a later engine the caller starts) begins from the caller's environment.
+TOUCHED_ENV = (ENV_TABLE, RAY_EXTRA_PREFIXES, RAY_EXTRA_VARS, "VLLM_ENABLE_V1_MULTIPROCESSING")
+
+
+def _env_snapshot(names: Any) -> dict[str, str | None]:
+    keys = {*names, *TOUCHED_ENV, *(k for k in os.environ if k.startswith(ENV_PREFIX))}
+    return {k: os.environ.get(k) for k in keys}
+
+
+def _env_restore(saved: dict[str, str | None]) -> None:
+    for key in {*saved, *(k for k in os.environ if k.startswith(ENV_PREFIX))}:
+        value = saved.get(key)
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], None],
-               report: Callable[[dict], None], log_path: str | None = None) -> dict[str, Any]:
+               report: Callable[[dict], None], log_path: str | None = None,
+               note: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Start vLLM once (profiling happens during start-up), return rank 0's capture."""
-    write_plan(capture_dir, Plan(context_lens=tuple(opts.context_lens), replays=opts.replays, warmup=opts.warmup))
-    saved = {k: os.environ.get(k) for k in (*engine_env(capture_dir, opts.tp), ENV_TABLE)}
-    os.environ.update(engine_env(capture_dir, opts.tp))
-    os.environ.pop(ENV_TABLE, None)  # profiling must measure, never load
+    capture = CaptureDir(capture_dir)
+    capture.write_plan(Plan(context_lens=tuple(opts.context_lens), replays=opts.replays, warmup=opts.warmup))
+    env = engine_env(capture_dir, opts.tp)
+    saved = _env_snapshot(env)
+    # TP rank 0 locks the directory for the whole capture. With tp > 1 (or any worker
+    # process) that is another process: the driver must not hold the lock, or rank 0
+    # fails "another engine is capturing". In process (tp 1) the worker's lock() is
+    # re-entrant in this process, and the driver holds the directory from the plan on.
+    in_process = engine_in_process(opts, env)
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_progress, args=(capture_dir, report, stop), daemon=True)
     llm = None
     try:
+        os.environ.update(env)
+        os.environ.pop(ENV_TABLE, None)  # profiling must measure, never load
+        if in_process:
+            try:
+                capture.lock()
+            except CaptureError as exc:
+                raise CalibError(first_line(exc, 400).removeprefix("dspark-calib: ")) from None
         phase("importing vLLM")
         from vllm import LLM
 
         from dspark_calib.vllm import plugin
+        from dspark_calib.vllm.profile_plan import expected
 
         plugin.register()  # in-process engine: make sure the hooks are in before LLM() (idempotent)
+        try:
+            plan = expected(opts)
+        except Exception as exc:  # noqa: BLE001 - an estimate must never stop a profile
+            plan = None
+            note(f"profile plan: no estimate ({first_line(exc, 120)}); the bar shows the engine's own count")
+        else:
+            note(plan.line(opts.replays))
         phase("starting engine: load, compile, capture CUDA graphs, profile")
+        watcher = threading.Thread(target=_watch_progress, daemon=True, args=(
+            capture, lambda d: report(d if plan is None else plan.position(d)), stop))
         watcher.start()
         t0 = time.perf_counter()
         try:
@@ -327,16 +375,17 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
         except BaseException as exc:  # noqa: BLE001 - any failure: explain in one line, write nothing
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            raise explain_failure(exc, capture_dir, log_path) from None
+            raise explain_failure(exc, capture, log_path) from None
         engine_start_s = time.perf_counter() - t0
-        path = samples_path(capture_dir, 0)
-        if not os.path.exists(path):
+        try:
+            payload = capture.read_samples(0)
+        except (OSError, ValueError) as exc:
+            raise CalibError(f"unreadable capture from TP rank 0 ({exc})", path=capture.samples_path(0)) from None
+        if payload is None:
             raise CalibError("the engine started but the dspark_calib vLLM plugin captured nothing: is dspark-calib "
                              "installed in the Python environment vLLM runs in (VLLM_PLUGINS must allow dspark_calib)?")
-        with open(path) as fh:
-            capture = json.load(fh)
-        capture["engine_start_s"] = engine_start_s
-        return capture
+        payload["engine_start_s"] = engine_start_s
+        return payload
     finally:
         stop.set()
         phase("shutting the engine down")
@@ -344,65 +393,32 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
             _shutdown(llm)
             del llm
             gc.collect()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        if in_process:
+            capture.unlock()  # usually already released by the worker once its samples were written
+        _env_restore(saved)
 
 
-def fingerprint_from_capture(opts: ProfileOptions, capture: dict[str, Any]) -> Fingerprint:
-    """The table's fingerprint: every registry key as the engine resolved it (not as typed)."""
-    engine = {**capture.get("hardware", {}), **capture["engine"]}
-    read = {k.name: engine[k.name] for k in KEYS if k.read is not None and k.name in engine}
-    lacking = [k for k in ("vllm_version", "num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens",
-                           "cudagraph_capture_sizes") if k not in read]
-    if lacking:
-        raise CalibError(f"the engine did not report {', '.join(lacking)}; no table written")
-    tp = int(read.get("tensor_parallel_size", opts.tp))
-    pp = int(read.get("pipeline_parallel_size", 1))
-    defaults = dict(  # keys format 1.0 requires, for an engine that could not report them
-        gpu_name="", gpu_compute_capability="", driver_version="", cuda_version="", torch_version="",
-        target_config_hash=config_hash(opts.model), draft_config_hash=config_hash(opts.draft),
-        tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=opts.dtype, kv_cache_dtype=opts.kv_cache_dtype,
-        quantization=opts.quantization, max_model_len=opts.max_model_len)
-    return Fingerprint(
-        **{**defaults, **read},
-        backend=BACKEND_VLLM,
-        gpu_count=tp * pp,
-        target_model=os.path.basename(os.path.normpath(opts.model_name or opts.model)),
-        draft_model=os.path.basename(os.path.normpath(opts.draft_name or opts.draft)),
-        cudagraph_limit=int(capture["cudagraph_limit"]),
-        context_lens=tuple(opts.context_lens),
-        replays=opts.replays,
-        warmup_replays=opts.warmup,
-        extra={"load_format": opts.load_format, "profile_s": round(capture.get("profile_s", 0.0), 3),
-               "engine_start_s": round(capture.get("engine_start_s", 0.0), 3),
-               "profile_batches": capture.get("num_batches"), "hostname": os.uname().nodename,
-               **({"engine_args": opts.extra_engine_args} if opts.extra_engine_args else {})},
-    )
-
-
-def table_from_capture(opts: ProfileOptions, capture: dict[str, Any]) -> CostTable:
-    samples = samples_from_dicts(capture["samples"])
-    return CostTable.from_samples(samples, fingerprint_from_capture(opts, capture))
+def _keep(capture: CaptureDir, into: str, ranks: int) -> None:
+    os.makedirs(into, exist_ok=True)
+    for path in (capture.plan_path, capture.progress_path, capture.refusal_path,
+                 *(capture.samples_path(r) for r in range(ranks))):
+        if os.path.exists(path):
+            shutil.copy(path, into)
 
 
 def run_profile(opts: ProfileOptions, *, phase: Callable[[str], None] = lambda s: None,
                 report: Callable[[dict], None] = lambda d: None, keep_capture: str | None = None,
-                log_path: str | None = None) -> CostTable:
+                log_path: str | None = None, note: Callable[[str], None] = lambda line: None) -> CostTable:
     """Profile on the GPUs and return the fitted table (the caller writes it)."""
     opts = resolve_options(opts)
     preflight(opts)
     capture_dir = tempfile.mkdtemp(prefix="dspark-calib-capture-")
     try:
-        capture = run_engine(opts, capture_dir, phase, report, log_path)
+        capture = run_engine(opts, capture_dir, phase, report, log_path, note)
         phase("fitting")
         table = table_from_capture(opts, capture)
         if keep_capture:
-            os.makedirs(keep_capture, exist_ok=True)
-            for f in glob.glob(os.path.join(capture_dir, "*.json")):
-                shutil.copy(f, keep_capture)
+            _keep(CaptureDir(capture_dir), keep_capture, int(capture.get("tp_size") or opts.tp))
         return table
     finally:
         shutil.rmtree(capture_dir, ignore_errors=True)

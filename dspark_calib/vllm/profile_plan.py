@@ -1,0 +1,98 @@
+"""What a `profile` run will do, said before the engine starts and followed while it runs.
+
+The worker runs capture.Schedule (vLLM's own batches_to_profile sequence, repeated in
+blocks, per context). The driver cannot see the engine's CUDA-graph sizes before the
+engine resolves them, so it builds the same Schedule from vLLM's default sizes
+(an estimate, exact for default settings); the progress bar's total is the worker's
+own, from progress.json, once profiling starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from dspark_calib.vllm.capture import Plan, Schedule
+
+# Wall time of one profile step, fitted on a real run (Qwen3-8B + DSpark block 7, one
+# H200, tp 1, contexts 1024/8192/16384: within 7 % of each context's total). Other
+# models and GPUs differ: the line printed says it is an estimate.
+STEP_MS = 5.0  # per step: launch, host sync, the drafter's small graphs
+MS_PER_1K_TOKENS = 27.0  # grows with the step's token count
+MS_PER_1K_CONTEXT = 6.4  # and with the dummy requests' context length
+
+
+def plan_of(opts: Any) -> Plan:
+    return Plan(context_lens=tuple(opts.context_lens), replays=opts.replays, warmup=opts.warmup)
+
+
+def default_capture_sizes(opts: Any) -> list[int]:
+    """vLLM 0.33's default CUDA-graph sizes (VllmConfig._set_cudagraph_sizes): 1, 2, 4,
+    multiples of 8 below 256, of 16 up to min(max_num_seqs x (1 + k) x 2, 512), within
+    max_num_batched_tokens. --engine-arg compilation settings can change them."""
+    k = int(opts.num_speculative_tokens or 1)
+    top = min(opts.max_num_seqs * (1 + k) * 2, 512, opts.max_num_batched_tokens)
+    return [s for s in (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)) if s <= top]
+
+
+def vllm_batches(opts: Any, capture_sizes: list[int] | None = None) -> list[dict]:
+    """The installed vLLM's own, unpatched batches_to_profile for these sizes (tail included)."""
+    from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
+
+    from dspark_calib.vllm.plugin import _MARK
+
+    fn = av.AdaptiveVerificationManager.batches_to_profile
+    fn = getattr(fn, _MARK, fn)  # the plugin may have patched it in this process (tp 1)
+    stand_in = SimpleNamespace(req_states=SimpleNamespace(max_num_batched_tokens=opts.max_num_batched_tokens))
+    sizes = default_capture_sizes(opts) if capture_sizes is None else capture_sizes
+    return list(fn(stand_in, list(sizes)))
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The schedule the worker is expected to run, and how long profiling should take."""
+
+    schedule: Schedule
+    contexts: int
+    sizes: int
+    seconds: float
+
+    @property
+    def blocks(self) -> int:
+        return self.schedule.warmup_blocks + self.schedule.timed_blocks
+
+    @property
+    def samples_per_size(self) -> int:
+        return self.schedule.timed_blocks * self.schedule.vllm_replays
+
+    def line(self, replays: int) -> str:
+        """One line, printed before the engine starts."""
+        s = self.schedule
+        rounded = "" if self.samples_per_size == replays else f" (--replays {replays} rounded up to whole blocks)"
+        return (f"profile plan: {self.contexts} context(s) x ~{self.sizes} sizes x {self.blocks} blocks of vLLM's "
+                f"{s.vllm_replays} back-to-back replays ({s.timed_blocks} timed: {self.samples_per_size} samples per "
+                f"size{rounded}; {s.warmup_blocks} warm-up) = ~{len(s.tags)} steps; expected ~{_human(self.seconds)} "
+                f"of profiling once the engine is up (an estimate: ~{STEP_MS:g} ms a step + a cost growing with "
+                "tokens and context; measured on one H200 with Qwen3-8B)")
+
+    def position(self, state: dict) -> dict:
+        """progress.json plus where it is: block b of B in its context (warm-up or timed)."""
+        total, done = int(state.get("total") or 0), int(state.get("done") or 0)
+        per_block = total // max(self.contexts * self.blocks, 1)
+        block = (done // per_block) % self.blocks + 1 if per_block else 1
+        return {**state, "block": min(block, self.blocks), "blocks": self.blocks,
+                "warmup": block <= self.schedule.warmup_blocks, "samples_per_size": self.samples_per_size,
+                "vllm_replays": self.schedule.vllm_replays}
+
+
+def expected(opts: Any, capture_sizes: list[int] | None = None) -> Expected:
+    batches = vllm_batches(opts, capture_sizes)
+    schedule = Schedule.build(plan_of(opts), batches)
+    ms = sum(STEP_MS + MS_PER_1K_TOKENS * t.num_tokens / 1000 + MS_PER_1K_CONTEXT * t.context_len / 1000
+             for t in schedule.tags)
+    return Expected(schedule, len(plan_of(opts).context_lens), len({b["num_tokens"] for b in batches}), ms / 1000)
+
+
+def _human(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"

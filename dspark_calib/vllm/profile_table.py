@@ -1,0 +1,95 @@
+"""From rank 0's capture to the cost table `profile` writes: the fingerprint as the engine
+resolved it and as the worker ran it, and the fit checked against vLLM's own curves."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from dspark_calib.errors import CalibError, first_line
+from dspark_calib.fingerprint import BACKEND_VLLM, KEYS, Fingerprint, config_hash
+from dspark_calib.samples import samples_from_dicts
+from dspark_calib.table import CostTable
+from dspark_calib.vllm.capture import CaptureError, check_same_curves
+
+if TYPE_CHECKING:
+    from dspark_calib.vllm.profile import ProfileOptions
+
+
+def _schedule_of(capture: dict[str, Any]) -> tuple[int, int]:
+    """(timed, warm-up) replays per size as the worker ran them: whole blocks of vLLM's replays."""
+    try:
+        s = capture["schedule"]
+        per = int(s["vllm_replays_per_block"])
+        return int(s["timed_replays_per_size"]), int(s["warmup_blocks"]) * per
+    except (KeyError, TypeError, ValueError):
+        raise CalibError("the engine's capture has no schedule (a dspark-calib older than this driver in "
+                         "vLLM's environment?); no table written") from None
+
+
+def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) -> Fingerprint:
+    """The table's fingerprint: every registry key as the engine resolved it (not as typed),
+    and the replays the worker actually ran (--replays rounded up to whole vLLM blocks)."""
+    engine = {**capture.get("hardware", {}), **capture["engine"]}
+    read = {k.name: engine[k.name] for k in KEYS if k.read is not None and k.name in engine}
+    lacking = [k for k in ("vllm_version", "num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens",
+                           "cudagraph_capture_sizes") if k not in read]
+    if lacking:
+        raise CalibError(f"the engine did not report {', '.join(lacking)}; no table written")
+    replays, warmup = _schedule_of(capture)
+    tp = int(read.get("tensor_parallel_size", opts.tp))
+    pp = int(read.get("pipeline_parallel_size", 1))
+    defaults = dict(  # keys format 1.0 requires, for an engine that could not report them
+        gpu_name="", gpu_compute_capability="", driver_version="", cuda_version="", torch_version="",
+        target_config_hash=config_hash(opts.model), draft_config_hash=config_hash(opts.draft),
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=opts.dtype, kv_cache_dtype=opts.kv_cache_dtype,
+        quantization=opts.quantization, max_model_len=opts.max_model_len)
+    return Fingerprint(
+        **{**defaults, **read},
+        backend=BACKEND_VLLM,
+        gpu_count=tp * pp,
+        target_model=os.path.basename(os.path.normpath(opts.model_name or opts.model)),
+        draft_model=os.path.basename(os.path.normpath(opts.draft_name or opts.draft)),
+        cudagraph_limit=int(capture["cudagraph_limit"]),
+        context_lens=tuple(opts.context_lens),
+        replays=replays,
+        warmup_replays=warmup,
+        extra={"load_format": opts.load_format, "profile_s": round(capture.get("profile_s", 0.0), 3),
+               "engine_start_s": round(capture.get("engine_start_s", 0.0), 3),
+               "profile_batches": capture.get("num_batches"), "hostname": os.uname().nodename,
+               "replays_asked": opts.replays, "warmup_asked": opts.warmup,
+               **({"engine_args": opts.extra_engine_args} if opts.extra_engine_args else {})},
+    )
+
+
+def check_against_vllm(table: CostTable, capture: dict[str, Any]) -> None:
+    """The table we fit must be vLLM's own curves (its set_initial_cost_curves, run by the
+    worker on the same samples) at every context: the worker already refused a disagreement
+    with dspark_calib.fit; this checks what reaches the file, after the JSON round trip."""
+    theirs = capture.get("vllm_curves")
+    if not isinstance(theirs, dict) or sorted(int(c) for c in theirs) != table.context_lens():
+        got = "none" if not isinstance(theirs, dict) else sorted(int(c) for c in theirs)
+        raise CalibError(f"vLLM's own curves in the capture cover contexts {got}, the table "
+                         f"{table.context_lens()}; no table written")
+    for ctx in table.context_lens():
+        vllm = theirs[str(ctx)]
+        try:
+            check_same_curves(ctx, table.curves[ctx].as_vllm(), (vllm["draft"], vllm["verify"]))
+        except CaptureError as exc:
+            raise CalibError(first_line(exc, 400).removeprefix("dspark-calib: ")) from None
+
+
+def table_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) -> CostTable:
+    samples = samples_from_dicts(capture["samples"])
+    fp = fingerprint_from_capture(opts, capture)
+    counts: dict[tuple[int, int], int] = {}
+    for s in samples:
+        counts[(s.context_len, s.num_target_tokens)] = counts.get((s.context_len, s.num_target_tokens), 0) + 1
+    off = next(((k, n) for k, n in sorted(counts.items()) if n != fp.replays), None)
+    if off is not None:
+        (ctx, size), n = off
+        raise CalibError(f"the capture holds {n} samples for size {size} at context {ctx}, its schedule "
+                         f"{fp.replays}; no table written")
+    table = CostTable.from_samples(samples, fp.replace(extra={**fp.extra, "vllm_curves_equal": True}))
+    check_against_vllm(table, capture)
+    return table
