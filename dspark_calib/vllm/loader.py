@@ -34,8 +34,7 @@ from typing import Any, Callable
 from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, LOAD_CHECKS, Fingerprint, Mismatch, load_mismatches
 from dspark_calib.vllm import env as E
-from dspark_calib.vllm.candidates import (SERVE_LIMITS, Limits, check_footer, created_at_key, escape, list_candidates,
-                                          read_bytes, read_costs, read_meta)
+from dspark_calib.vllm.candidates import SERVE_LIMITS, Limits, escape, list_candidates, open_table
 
 # Kept for callers of the old names; env.py is the one home of every variable.
 ENV_TABLE, ENV_POLICY, ENV_CONTEXT_LEN, ENV_ALLOW_REFERENCE = E.TABLE, E.POLICY, E.CONTEXT_LEN, E.ALLOW_REFERENCE
@@ -45,7 +44,6 @@ POLICIES = E.POLICIES
 MAX_CONTEXT_GAP = 0.10
 MAX_NAMED = 3  # files named per decision line; the rest are counted
 PATH_LIMIT = 160
-MIN_COST_MS, MAX_COST_MS = 1e-3, 60_000.0  # 1 us .. 60 s per step
 
 # Under "vllm." so the line lands in vLLM's own log, with its format and level.
 log = logging.getLogger("vllm.dspark_calib")
@@ -117,32 +115,25 @@ class _Examined:
     mismatches: tuple = ()
 
 
-def _implausible(table: Any) -> str:
-    """Costs no real step has. TODO(integrator): C1's read-time plausibility checks supersede this."""
-    import math
-
-    for ctx, pair in table.curves.items():
-        for kind, curve in (("draft", pair.draft), ("verify", pair.verify)):
-            for size, cost in zip(curve.size.tolist(), curve.cost_ms.tolist()):
-                if not (math.isfinite(cost) and MIN_COST_MS <= cost <= MAX_COST_MS):
-                    return f"implausible {kind} cost {cost!r} ms at size {size}, context {ctx}"
-    return ""
-
-
 def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: frozenset[str] | None,
              effective: int, limits: Limits, beat: tuple | None = None) -> _Examined:
-    """One file, read once; every error stays with this file. The curves are parsed (from the
-    same bytes) only when the metadata says this file could beat `beat`, the best key so far."""
+    """One file, opened once; every error stays with this file. The curves are read (from the
+    same handle, hash-verified against the metadata checked here) only when the metadata says
+    this file could beat `beat`, the best key so far."""
     shown = escape(path, PATH_LIMIT)
     try:
-        data = read_bytes(path, fs, limits)
-        check_footer(data, limits)
-        meta = read_meta(data)
-        content_hash, created = str(meta["content_hash"]), str(meta.get("created_at", ""))
-        fp = Fingerprint.from_dict(meta["fingerprint"])
+        tf = open_table(path, fs, limits)
     except Exception as exc:  # noqa: BLE001 - RecursionError from nested JSON, MemoryError, pyarrow...
         return _Examined(CandidateReport(shown, status="unreadable", reason=_why(exc)), [])
-    base = dict(path=shown, content_hash=escape(content_hash, 64), created_at=escape(created, 40))
+    with tf:
+        return _judge(tf, shown, engine, allow_reference=allow_reference, pins=pins, effective=effective, beat=beat)
+
+
+def _judge(tf: Any, shown: str, engine: dict, *, allow_reference: bool, pins: frozenset[str] | None,
+           effective: int, beat: tuple | None) -> _Examined:
+    meta = tf.meta
+    fp, content_hash = meta.fingerprint, meta.content_hash
+    base = dict(path=shown, content_hash=escape(content_hash, 64), created_at=escape(meta.raw.get("created_at"), 40))
     if pins is not None and content_hash.lower() not in pins:
         return _Examined(CandidateReport(**base, status="unpinned", reason=f"hash {escape(content_hash, 16)} is not "
                                          f"pinned by {E.TABLE_SHA256}"), [])
@@ -154,7 +145,7 @@ def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: f
         want = f"{BACKEND_VLLM!r} ({E.ALLOW_REFERENCE}=1 also allows {BACKEND_REFERENCE!r})"
         mismatches.insert(0, Mismatch("backend", fp.backend, want))
     problems = [escape(m, 200) for m in mismatches]
-    from dspark_calib.table import nearest  # TODO(integrator): C1's CostTable.nearest_context
+    from dspark_calib.table import nearest  # numpy: only once a table is being judged
 
     ctx = nearest(fp.context_lens, effective) if fp.context_lens else 0
     if effective > 0 and abs(ctx - effective) > MAX_CONTEXT_GAP * effective:
@@ -162,15 +153,14 @@ def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: f
         problems.append(f"context_len: table's nearest profiled context {ctx} is {abs(ctx - effective) / effective:.0%}"
                         f" from the effective context {effective}" + (f" (engine max_model_len {mml})" if mml else ""))
     status = "mismatch" if problems else "fits"
+    # created_at is parsed and sanity-bounded by C1 (not before 2025, not over a day ahead):
+    # a forged "9999-..." is unreadable, never the newest.
     ex = _Examined(CandidateReport(**base, status=status, reason=problems[0] if problems else ""), problems,
-                   (-len(problems), created_at_key(created)), None, ctx, fp, tuple(mismatches))
+                   (-len(problems), meta.created_at.timestamp()), None, ctx, fp, tuple(mismatches))
     if beat is not None and ex.sort_key <= beat:
-        return ex  # cannot be chosen: its curves are never parsed
-    try:
-        ex.table = read_costs(data)  # the same bytes: verifies the content hash of exactly what was read
-        bad = _implausible(ex.table)
-        if bad:
-            raise CalibError(bad)
+        return ex  # cannot be chosen: its curves are never read
+    try:  # the same handle; verifies the content hash and C1's plausibility checks on what was read
+        ex.table = tf.read(samples=False)
     except Exception as exc:  # noqa: BLE001
         ex.table = None
         ex.report = replace(ex.report, status="unreadable", reason=_why(exc))
@@ -182,7 +172,10 @@ def _why(exc: BaseException) -> str:
         return "metadata nested too deeply"
     if isinstance(exc, MemoryError):
         return "out of memory while reading"
-    text = str(exc).removeprefix("<read>: ") if isinstance(exc, CalibError) else f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, CalibError):  # the line names the file already: keep only the problem
+        text = str(exc).removeprefix(f"{exc.path}: ") if exc.path else str(exc)
+    else:
+        text = f"{type(exc).__name__}: {exc}"
     return escape(first_line(Exception(text), 300), 200)
 
 
