@@ -31,8 +31,10 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from dspark_calib import fingerprint as F
 from dspark_calib.errors import CalibError, first_line
-from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, LOAD_CHECKS, Fingerprint, Mismatch, load_mismatches
+from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, Fingerprint, Mismatch, load_mismatches
+from dspark_calib.fit import profile_context_len  # vLLM's clamp of the profiled context (C2)
 from dspark_calib.vllm import env as E
 from dspark_calib.vllm.candidates import SERVE_LIMITS, Limits, escape, list_candidates, open_table
 
@@ -47,12 +49,6 @@ PATH_LIMIT = 160
 
 # Under "vllm." so the line lands in vLLM's own log, with its format and level.
 log = logging.getLogger("vllm.dspark_calib")
-
-
-def profile_context_len(context_len: int, max_model_len: int, query_len: int = 1) -> int:
-    """vLLM's clamp of the dummy-run context (v1/worker/gpu/input_batch.py).
-    TODO(integrator): use C2's dspark_calib.fit.profile_context_len and delete this copy."""
-    return max(min(int(context_len), int(max_model_len) - int(query_len)), 0)
 
 
 @dataclass(frozen=True)
@@ -236,17 +232,19 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     reports = tuple(chosen if r is best.report else r for r in reports)
     ctx = best.context_len
     draft, verify = best.table.curves[ctx].as_vllm()
-    unchecked, recorded = _unchecked_and_recorded(best.fingerprint, engine)
+    unchecked, unrecorded, recorded = _key_report(best.fingerprint, engine)
     line = (f"dspark-calib: loaded cost table {label}, context {ctx} for effective context {effective} "
             f"(engine max_model_len {mml if mml else 'unknown'}), {len(draft)} draft / {len(verify)} verify points; "
             "start-up profiling skipped")
     if best.problems:
         line += f"; despite mismatch {'; '.join(best.problems[:4])} (policy warn)"
     if recorded:
-        line += f"; recorded only, differs: {'; '.join(recorded[:4])}"
+        line += f"; recorded only, differs: {'; '.join(recorded[:4])}" + (" ..." if len(recorded) > 4 else "")
+    if unrecorded:
+        line += f"; not recorded in the table: {_names(unrecorded)}"
     if unchecked:
-        line += f"; not checked (engine did not report): {', '.join(unchecked)}"
-    risky = best.problems or recorded
+        line += f"; not checked (engine did not report): {_names(unchecked)}"
+    risky = best.problems or recorded or unrecorded
     return Decision(True, (line + others,), logging.WARNING if risky else logging.INFO, draft_curve=draft,
                     verify_curve=verify, candidates=reports, chosen=chosen, context_len=ctx,
                     pair=best.table.curves[ctx], policy=policy, probe=probe)
@@ -273,19 +271,18 @@ def _others(reports: list[CandidateReport], skipped: int, limits: Limits) -> str
     return "; skipping other files: " + ", ".join(parts)
 
 
-def _unchecked_and_recorded(fp: Any, engine: dict) -> tuple[list[str], list[str]]:
-    """Keys the engine did not report, and recorded-only keys that differ (WARNING, never blocking).
-    Uses C2's registry functions when present. TODO(integrator): drop the fallbacks after the merge."""
-    from dspark_calib import fingerprint as F
-
+def _key_report(fp: Any, engine: dict) -> tuple[list[str], list[str], list[str]]:
+    """(keys the engine did not report, blocking keys the table did not record, recorded-only
+    keys that differ): said in the load line, never a reason to refuse (C2)."""
     try:
-        unchecked = list(F.unchecked_keys(engine)) if hasattr(F, "unchecked_keys") else \
-            [key for key, _ in LOAD_CHECKS if key not in engine]
-        recorded = [escape(m, 160) for m in F.recorded_differences(fp, engine)] \
-            if hasattr(F, "recorded_differences") else []
+        return (F.unchecked_keys(engine), F.unrecorded_keys(fp, engine),
+                [escape(m, 160) for m in F.recorded_differences(fp, engine)])
     except Exception:  # noqa: BLE001 - a report, never a reason to fail the load
-        return [], []
-    return unchecked, recorded
+        return [], [], []
+
+
+def _names(keys: list[str], limit: int = 4) -> str:
+    return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def _no_table(policy: str, why: str, reports: tuple = ()) -> Decision:
@@ -319,16 +316,12 @@ def decide_within(timeout_s: float, policy: str, source: str, fn: Callable[[], D
 
 
 def engine_description(manager: Any, capture_sizes: list[int]) -> dict[str, Any]:
-    """describe_engine plus max_model_len (the context clamp needs it).
-    TODO(integrator): C2's describe_engine reports max_model_len itself."""
+    """describe_engine (C2: every registry key, max_model_len included) on the vLLM config
+    the plugin kept for this manager."""
     from dspark_calib.vllm.engine_info import describe_engine
+    from dspark_calib.vllm.plugin import state_of
 
-    config = getattr(manager, "_dspark_vllm_config", None)
-    engine = describe_engine(manager, capture_sizes, config)
-    mml = getattr(getattr(config, "model_config", None), "max_model_len", None)
-    if isinstance(mml, int) and mml > 0:
-        engine["max_model_len"] = mml
-    return engine
+    return describe_engine(manager, capture_sizes, state_of(manager).vllm_config)
 
 
 def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
