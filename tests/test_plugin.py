@@ -81,7 +81,7 @@ def make_manager(max_num_reqs=256, max_tokens=8192, steps=7, config=None):
     m.num_speculative_steps = steps
     m._cudagraph_limit = 0
     m.cost_tables = None
-    m._dspark_vllm_config = fake_config() if config is None else config
+    plugin.state_of(m).vllm_config = fake_config() if config is None else config  # as the factory wrapper does
     return m
 
 

@@ -56,7 +56,7 @@ def make_manager():
     m = object.__new__(av.AdaptiveVerificationManager)
     m.req_states = SimpleNamespace(max_num_reqs=256, max_num_batched_tokens=8192)
     m.num_speculative_steps, m._cudagraph_limit, m.cost_tables = 7, 0, None
-    m._dspark_vllm_config = SimpleNamespace(
+    plugin.state_of(m).vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         model_config=SimpleNamespace(dtype="bfloat16", quantization=None, model=MODEL, max_model_len=32768),
         cache_config=SimpleNamespace(cache_dtype="auto"), speculative_config=SimpleNamespace(model=DRAFT))
