@@ -94,6 +94,9 @@ class Decision:
     pair: Any = None  # its CurvePair (the probe compares with its spread)
     policy: str = "fallback"
     probe: bool = True
+    # context -> (draft, verify) of every profiled context, for context-aware mode; filled only for
+    # tables with 2+ contexts. Decided on rank 0 and broadcast with the rest, so TP ranks agree.
+    curves: dict = field(default_factory=dict)
 
     @property
     def content_hash(self) -> str:
@@ -247,7 +250,15 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     risky = best.problems or recorded or unrecorded
     return Decision(True, (line + others,), logging.WARNING if risky else logging.INFO, draft_curve=draft,
                     verify_curve=verify, candidates=reports, chosen=chosen, context_len=ctx,
-                    pair=best.table.curves[ctx], policy=policy, probe=probe)
+                    pair=best.table.curves[ctx], policy=policy, probe=probe, curves=_all_curves(best.table))
+
+
+def _all_curves(table: Any) -> dict:
+    if len(table.curves) < 2:
+        return {}
+    from dspark_calib.vllm.context_aware import curves_for_broadcast
+
+    return curves_for_broadcast(table.curves)
 
 
 def _others(reports: list[CandidateReport], skipped: int, limits: Limits) -> str:

@@ -165,3 +165,29 @@ class LoadMode:
             original(samples[run.strip if isinstance(run, LoadRun) else 0:])  # warm-ups and probe are not vLLM's
             return
         manager.set_cost_curves(list(decision.draft_curve), list(decision.verify_curve))
+        if len(decision.curves) >= 2:
+            _context_aware(manager, decision.curves)
+
+
+def _context_aware(manager: Any, curves: dict) -> None:
+    """Price each step at its batch's mean context (context_aware.py), unless the env says no.
+    The curves came from rank 0 with the decision: no broadcast needed here."""
+    from dspark_calib.errors import CalibError
+    from dspark_calib.vllm import context_aware as ca
+    from dspark_calib.vllm import env as E
+    from dspark_calib.vllm.engine_info import tp_rank_and_size
+
+    rank0 = tp_rank_and_size()[0] == 0
+    try:
+        on = E.context_aware_enabled()
+    except CalibError as exc:
+        if rank0:
+            log.warning("dspark-calib: %s; context-aware costs off, static tables kept", exc)
+        return
+    if not on:
+        if rank0:
+            log.info("dspark-calib: context-aware costs off (%s=0): static tables at one context", E.CONTEXT_AWARE)
+        return
+    line = ca.enable(manager, curves, broadcast=False)  # never raises; every rank builds the same grid
+    if rank0:
+        log.log(logging.WARNING if "static tables kept" in line else logging.INFO, line)
