@@ -252,3 +252,83 @@ def test_enable_installs_for_several_contexts_only(reference_table, reference_ta
     broken.req_states = SimpleNamespace()  # no sizes: the grid cannot be built
     line = ca.enable(broken, reference_table.curves)
     assert "off (AttributeError" in line and not ca.is_installed(broken) and broken.cost_tables is base
+
+
+# -- through load mode (the plugin on vLLM's real manager) -----------------------------------
+@pytest.fixture
+def two_context_load(tmp_path, monkeypatch):
+    """A 1024+16384 table loaded by the plugin at context 16384 into vLLM's manager."""
+    import json
+
+    from vllm.v1.worker.gpu import model_runner
+    from vllm.v1.worker.gpu.async_utils import StepTimingSample
+
+    from conftest import build_reference_table, fixture_json
+    from dspark_calib.tablefile import write_table
+    from dspark_calib.vllm import plugin
+
+    table = build_reference_table([fixture_json(1024), fixture_json(16384)])
+    capture_sizes = json.load(open(fixture_json(8192)))["capture_sizes"]
+    for key in [k for k in __import__("os").environ if k.startswith("DSPARK_CALIB_")]:
+        monkeypatch.delenv(key)
+    for k, v in {"DSPARK_CALIB_TABLE": write_table(table, tmp_path), "DSPARK_CALIB_ALLOW_REFERENCE": "1",
+                 "DSPARK_CALIB_CONTEXT_LEN": "16384", "DSPARK_CALIB_PROBE": "0"}.items():
+        monkeypatch.setenv(k, v)
+
+    def load(**env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        plugin.register()
+        m = make_manager()
+        m.cost_tables = None
+        batches = list(m.batches_to_profile(capture_sizes))
+        m.set_initial_cost_curves([StepTimingSample(1.0, 1.0, b["num_tokens"], 1, True) for b in batches])
+        return m
+
+    yield table, load
+    plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
+    for key in ("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"):
+        __import__("os").environ.pop(key, None)
+
+
+def vllm_tables_at(table, ctx, limit):
+    """What vLLM's own set_cost_curves builds from the table's curves at one context."""
+    m = make_manager(cudagraph_limit=limit)
+    av.AdaptiveVerificationManager.set_cost_curves(m, *table.curves[ctx].as_vllm())
+    return m.cost_tables
+
+
+def test_load_mode_prices_each_step_at_the_batch_context(two_context_load, caplog):
+    import logging
+
+    table, load = two_context_load
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        m = load()
+    assert ca.is_installed(m)
+    on = [r for r in caplog.records if "context-aware costs on" in r.getMessage()]
+    assert len(on) == 1 and on[0].levelno == logging.INFO and "contexts 1024..16384" in on[0].getMessage()
+    static = vllm_tables_at(table, 16384, m._cudagraph_limit)
+    assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, static))  # what set_cost_curves installed
+    rng = np.random.default_rng(3)
+    for ctx in (1024, 16384):
+        num_tokens, draft_tokens = schedule(m, np.full(64, ctx, np.int32), rng.integers(0, STEPS + 1, 64), rng)
+        got = m.get_num_tokens(num_tokens, draft_tokens)
+        want_tables = vllm_tables_at(table, ctx, m._cudagraph_limit)
+        assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, want_tables)), ctx
+        assert got == vllm_with_tables(want_tables, m, num_tokens, draft_tokens)[0]
+    assert not all(np.array_equal(a, b) for a, b in zip(vllm_tables_at(table, 1024, m._cudagraph_limit), static))
+
+
+def test_context_aware_0_keeps_vllms_static_tables(two_context_load, caplog):
+    import logging
+
+    table, load = two_context_load
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        m = load(DSPARK_CALIB_CONTEXT_AWARE="0")
+    assert not ca.is_installed(m) and "get_num_tokens" not in vars(m)
+    assert any("context-aware costs off (DSPARK_CALIB_CONTEXT_AWARE=0)" in r.getMessage() for r in caplog.records)
+    static = vllm_tables_at(table, 16384, m._cudagraph_limit)
+    rng = np.random.default_rng(4)
+    num_tokens, draft_tokens = schedule(m, np.full(64, 1024, np.int32), rng.integers(0, STEPS + 1, 64), rng)
+    m.get_num_tokens(num_tokens, draft_tokens)
+    assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, static))

@@ -8,6 +8,8 @@ Tables are real files written to tmp and judged by the loader's own decide().
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from dspark_calib.fingerprint import BLOCKING, COVERS, KEY, KEYS, RECORDED, Fingerprint
@@ -105,6 +107,7 @@ def test_a_recorded_key_that_differs_never_blocks(tmp_path, key):
     engine[key.name] = other(key, engine[key.name])
     d = decide(path, engine, policy="strict")
     assert d.load and not d.refuse
+    assert d.level == logging.WARNING and f"recorded only, differs: {key.name}" in d.lines[0]
 
 
 @pytest.mark.parametrize("key", [k for k in BLOCKING_KEYS if k.optional], ids=lambda k: k.name)
@@ -113,14 +116,17 @@ def test_a_key_the_table_did_not_record_does_not_block(tmp_path, key):
     path = write(tmp_path, FULL.replace(**{key.name: None}))
     engine = engine_of(FULL)
     engine[key.name] = other(key, engine[key.name])
-    assert decide(path, engine, policy="strict").load
+    d = decide(path, engine, policy="strict")
+    assert d.load and d.level == logging.WARNING and "not recorded in the table: " in d.lines[0]
+    assert key.name in d.lines[0].split("not recorded in the table: ")[1]
 
 
 def test_a_key_the_engine_did_not_report_is_not_checked(tmp_path):
     path = write(tmp_path, FULL)
     engine = engine_of(FULL)
     del engine["attention_backend"]
-    assert decide(path, engine, policy="strict").load
+    d = decide(path, engine, policy="strict")
+    assert d.load and d.level == logging.INFO and "not checked (engine did not report): attention_backend" in d.lines[0]
 
 
 def test_registry_rules_are_what_the_loader_reads():

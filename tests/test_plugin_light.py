@@ -85,7 +85,10 @@ def _imports_in_fresh_process(**env):
 
 
 def _beyond_stdlib(modules):
-    ours = {"dspark_calib", "dspark_calib.vllm", "dspark_calib.vllm.plugin"}
+    # env.py (every DSPARK_CALIB_* name) and errors.py import only the standard library themselves:
+    # anything they pulled in would show up here as well.
+    ours = {"dspark_calib", "dspark_calib.vllm", "dspark_calib.vllm.plugin", "dspark_calib.vllm.env",
+            "dspark_calib.errors"}
     return [m for m in modules if m not in ours and m.split(".")[0] not in sys.stdlib_module_names]
 
 
@@ -182,8 +185,7 @@ def test_factory_keeps_the_config_in_one_state_object(monkeypatch, tmp_path):
     config = SimpleNamespace(name="engine config")
     assert model_runner.maybe_create_adaptive_verification_manager(vllm_config=config) is made
     assert plugin.state_of(made).vllm_config is config
-    # _dspark_vllm_config: transitional, for loader.py until it reads state_of(manager)
-    assert {k for k in vars(made) if "dspark" in k} == {plugin.STATE_ATTR, "_dspark_vllm_config"}
+    assert {k for k in vars(made) if "dspark" in k} == {plugin.STATE_ATTR}  # nothing else on vLLM's manager
 
 
 def test_mode_protocol_is_what_the_modes_provide():
@@ -284,3 +286,25 @@ def test_driver_that_unsets_its_variable_is_not_a_worker_that_missed_it(monkeypa
     del os.environ["DSPARK_CALIB_TABLE"]
     plugin.register()
     assert plugin.RAY_EXTRA_VARS not in os.environ
+
+
+def test_every_env_name_lives_in_env_py():
+    """One home for every DSPARK_CALIB_* name: no other module spells one out."""
+    import ast
+    import pathlib
+    import re
+
+    from dspark_calib.vllm import env
+
+    root = pathlib.Path(env.__file__).parents[1]
+    found = {}
+    for path in root.rglob("*.py"):
+        if path.name == "env.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and re.fullmatch(r"DSPARK_CALIB_[A-Z0-9_]*", node.value):
+                found.setdefault(str(path.relative_to(root)), []).append(node.value)
+    assert found == {}
+    assert set(env.ALL) == {v for k, v in vars(env).items() if k.isupper() and isinstance(v, str)
+                            and v.startswith(env.PREFIX) and v != env.PREFIX}

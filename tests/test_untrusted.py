@@ -62,14 +62,23 @@ def test_newline_and_ansi_in_file_names(tmp_path, reference_table, engine, polic
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_ansi_and_newlines_in_table_metadata(tmp_path, reference_table, engine, policy):
-    evil = replace(reference_table, fingerprint=reference_table.fingerprint.replace(gpu_name=f"H100{FORGED_LINE}{ANSI}"),
-                   created_at=f"2026{ANSI}")
+    evil = replace(reference_table, fingerprint=reference_table.fingerprint.replace(gpu_name=f"H100{FORGED_LINE}{ANSI}"))
     write_table(evil, tmp_path)
     d = decide(tmp_path, engine, policy)
     line = d.lines[0]
     clean(line)
-    assert "gpu_name" in line and "\\x1b" in line
+    assert "gpu_name: table 'H100\\nINFO" in line  # escaped (and truncated by Mismatch.__str__)
     assert bool(d.refuse) == (policy == "strict") and d.load == (policy == "warn")
+    # created_at is parsed by the reader (C1): an escape there makes the file unreadable, said cleanly.
+    import pyarrow.parquet as pq
+
+    from dspark_calib.tablefile import to_arrow
+
+    pq.write_table(to_arrow(replace(reference_table, created_at=f"2026{ANSI}")), str(tmp_path / "when.parquet"))
+    d = decide(tmp_path, engine, policy)
+    line = d.lines[0]
+    clean(line)
+    assert "created_at" in line and "\\x1b" in line and "1 unreadable" in line
     for report in d.candidates:
         for text in (report.path, report.reason, report.created_at, report.content_hash):
             clean(text)

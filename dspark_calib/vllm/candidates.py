@@ -7,10 +7,11 @@ Tables come from shared directories and buckets that other people can write to
   fstat the handle (a FIFO or device named x.parquet is refused, never waited on);
 * at most `max_candidates` files per directory (newest modification first), the
   rest skipped with a count; at most `max_scan` directory entries looked at;
-* each file is read once, into memory, up to `max_file_bytes`; its metadata and
-  its curves both come from those bytes, so what is checked is what is loaded;
-* footer limits (metadata bytes, rows, row groups) are checked before the rows
-  are decoded, so a small file cannot decompress into gigabytes;
+* each file is opened once (C1's TableFile): its metadata and its curves come from
+  that one handle and the curve read verifies the content hash the checked metadata
+  states, so what is checked is what is loaded; raw samples are never read;
+* footer limits (metadata bytes, rows, row groups, curve points) are checked before
+  the rows are decoded, so a small file cannot decompress into gigabytes;
 * object stores get connect/request timeouts and no retries; the caller also
   bounds the whole decision with a deadline (loader.decide_within).
 """
@@ -19,25 +20,32 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 from dspark_calib.errors import CalibError, first_line
+from dspark_calib.tablemeta import SERVE_LIMITS as _READ  # C1's read limits (tablemeta imports no pyarrow)
+from dspark_calib.tablemeta import ReadLimits
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Serve-time bounds. TODO(integrator): fold into C1's ReadLimits / SERVE_LIMITS."""
+    """Serve-time bounds: the listing's own, plus C1's ReadLimits (defaults: tablemeta.SERVE_LIMITS)."""
 
     max_candidates: int = 64  # files read per directory
     max_scan: int = 100_000  # directory entries looked at
-    max_file_bytes: int = 8 << 20  # a real table with its samples is ~25 KiB per context
-    max_metadata_bytes: int = 1 << 20
-    max_rows: int = 200_000
-    max_row_groups: int = 64
     io_timeout_s: float = 5.0  # object stores: connect and per-request
+    max_file_bytes: int = _READ.max_file_bytes  # only the footer and curve rows are read, never the samples
+    max_metadata_bytes: int = _READ.max_metadata_bytes
+    max_rows: int = _READ.max_rows
+    max_row_groups: int = _READ.max_row_groups
+    max_curve_points: int = _READ.max_curve_points
+
+    @property
+    def read_limits(self) -> ReadLimits:
+        return ReadLimits(self.max_file_bytes, self.max_metadata_bytes, self.max_rows, self.max_row_groups,
+                          self.max_curve_points)
 
 
 SERVE_LIMITS = Limits()
@@ -174,99 +182,12 @@ def _os_reason(exc: OSError) -> str:
 
 
 # -- one bounded read -------------------------------------------------------------------
-def read_bytes(path: str, fs: Any, limits: Limits = SERVE_LIMITS) -> bytes:
-    """The whole file, read once, refusing anything that is not a regular file of bounded size."""
-    if fs is not None:
-        with fs.open_input_file(path) as fh:
-            size = fh.size()
-            if size > limits.max_file_bytes:
-                raise CalibError(f"{size} bytes, over the {limits.max_file_bytes}-byte limit")
-            return fh.read(size)
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise CalibError("not a regular file (refused without opening)")
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-    except OSError as exc:
-        raise CalibError(_os_reason(exc)) from None
-    try:
-        st = os.fstat(fd)  # what was opened, not what the name pointed at a moment ago
-        if not stat.S_ISREG(st.st_mode):
-            raise CalibError("not a regular file (swapped after listing; refused)")
-        if st.st_size > limits.max_file_bytes:
-            raise CalibError(f"{st.st_size} bytes, over the {limits.max_file_bytes}-byte limit")
-        chunks, left = [], limits.max_file_bytes + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
-        if len(data) > limits.max_file_bytes:
-            raise CalibError(f"grew past the {limits.max_file_bytes}-byte limit while read")
-        return data
-    finally:
-        os.close(fd)
+def open_table(path: str, fs: Any, limits: Limits = SERVE_LIMITS) -> Any:
+    """C1's TableFile over ONE handle: its .meta (checked by the loader) and its
+    .read(samples=False) (the curves loaded) come from that handle, and the read verifies the
+    content hash the metadata states, so what is checked is what is loaded. Local files are
+    stat'ed, opened O_NONBLOCK and fstat'ed (a FIFO is refused, never waited on); the footer
+    limits are checked before any row is decoded. The caller closes it (a context manager)."""
+    from dspark_calib.tablefile import TableFile
 
-
-class _OneBuffer:
-    """A pyarrow-filesystem look-alike serving one in-memory file, so today's
-    read_metadata / read_table parse the bytes already read instead of reopening
-    the path. TODO(integrator): replace with C1's TableFile.open(...).meta / .read(samples=False)."""
-
-    def __init__(self, data: bytes):
-        self._data = data
-
-    def open_input_file(self, path: str) -> Any:
-        import pyarrow as pa
-
-        return pa.BufferReader(self._data)
-
-
-def check_footer(data: bytes, limits: Limits = SERVE_LIMITS) -> None:
-    """Footer-level bounds, before any row is decoded."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        md = pq.ParquetFile(pa.BufferReader(data)).metadata
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
-        raise CalibError(f"not a readable parquet file ({escape(first_line(exc), 120)})") from None
-    kv = md.metadata or {}
-    meta_bytes = sum(len(k) + len(v) for k, v in kv.items())
-    if meta_bytes > limits.max_metadata_bytes:
-        raise CalibError(f"{meta_bytes} bytes of metadata, over the {limits.max_metadata_bytes}-byte limit")
-    if md.num_rows > limits.max_rows:
-        raise CalibError(f"{md.num_rows} rows, over the {limits.max_rows}-row limit")
-    if md.num_row_groups > limits.max_row_groups:
-        raise CalibError(f"{md.num_row_groups} row groups, over the {limits.max_row_groups} limit")
-
-
-def read_meta(data: bytes) -> dict[str, Any]:
-    """The table's metadata dict, from the bytes already read (today's read_metadata)."""
-    from dspark_calib.table import read_metadata
-
-    return read_metadata("<read>", filesystem=_OneBuffer(data))
-
-
-def read_costs(data: bytes) -> Any:
-    """The CostTable from the same bytes (today's read_table: verifies the content hash)."""
-    from dspark_calib.table import read_table
-
-    return read_table("<read>", filesystem=_OneBuffer(data))
-
-
-def created_at_key(text: str, now: float | None = None) -> float:
-    """created_at as a sortable UTC timestamp; unparseable or in the future sorts oldest, so a
-    forged "9999-..." cannot win the newest-table choice (compared as text, it did)."""
-    import datetime as dt
-
-    try:
-        when = dt.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
-        if when.tzinfo is None:
-            return 0.0
-        ts = when.timestamp()
-    except (ValueError, OverflowError, OSError):
-        return 0.0
-    return ts if ts <= (time.time() if now is None else now) + 86400 else 0.0
+    return TableFile.open(path, filesystem=fs, limits=limits.read_limits)

@@ -34,8 +34,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
 from dspark_calib.atomic import atomic_write, atomic_write_json
+from dspark_calib.vllm import env as E
 
-ENV_CAPTURE = "DSPARK_CALIB_CAPTURE"
+ENV_CAPTURE = E.CAPTURE  # env.py is the home of every DSPARK_CALIB_* name
 PLAN_FILE = "plan.json"
 PROGRESS_FILE = "progress.json"
 REFUSAL_FILE = "refusal.txt"

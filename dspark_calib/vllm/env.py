@@ -15,6 +15,7 @@ from typing import Mapping
 
 from dspark_calib.errors import CalibError
 
+PREFIX = "DSPARK_CALIB_"  # every name below; the plugin asks Ray to copy this prefix to its workers
 CAPTURE = "DSPARK_CALIB_CAPTURE"  # capture mode: the capture directory (used by `dspark-calib profile`)
 TABLE = "DSPARK_CALIB_TABLE"  # load mode: a table file, a directory of tables, or a pyarrow.fs URI
 POLICY = "DSPARK_CALIB_POLICY"  # fallback (default) | strict | warn
@@ -23,8 +24,9 @@ ALLOW_REFERENCE = "DSPARK_CALIB_ALLOW_REFERENCE"  # 1: also accept tables conver
 LOAD_TIMEOUT = "DSPARK_CALIB_LOAD_TIMEOUT"  # seconds for the whole load decision (default 5)
 TABLE_SHA256 = "DSPARK_CALIB_TABLE_SHA256"  # comma list of pinned content hashes (64 hex each)
 PROBE = "DSPARK_CALIB_PROBE"  # 0: skip the load-time probe (default 1)
+CONTEXT_AWARE = "DSPARK_CALIB_CONTEXT_AWARE"  # 0: keep vLLM's static tables for a multi-context table (default 1)
 
-ALL = (CAPTURE, TABLE, POLICY, CONTEXT_LEN, ALLOW_REFERENCE, LOAD_TIMEOUT, TABLE_SHA256, PROBE)
+ALL = (CAPTURE, TABLE, POLICY, CONTEXT_LEN, ALLOW_REFERENCE, LOAD_TIMEOUT, TABLE_SHA256, PROBE, CONTEXT_AWARE)
 POLICIES = ("fallback", "strict", "warn")
 DEFAULT_LOAD_TIMEOUT_S = 5.0
 MAX_LOAD_TIMEOUT_S = 600.0  # an engine start waits on it; longer is a typo, not a wish
@@ -86,6 +88,10 @@ def allow_reference(env: Mapping[str, str] | None = None) -> bool:
 
 def probe_enabled(env: Mapping[str, str] | None = None) -> bool:
     return _flag(env, PROBE, True)
+
+
+def context_aware_enabled(env: Mapping[str, str] | None = None) -> bool:
+    return _flag(env, CONTEXT_AWARE, True)
 
 
 def load_timeout(env: Mapping[str, str] | None = None) -> float:

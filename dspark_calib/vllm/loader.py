@@ -31,11 +31,12 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from dspark_calib import fingerprint as F
 from dspark_calib.errors import CalibError, first_line
-from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, LOAD_CHECKS, Fingerprint, Mismatch, load_mismatches
+from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, Fingerprint, Mismatch, load_mismatches
+from dspark_calib.fit import profile_context_len  # vLLM's clamp of the profiled context (C2)
 from dspark_calib.vllm import env as E
-from dspark_calib.vllm.candidates import (SERVE_LIMITS, Limits, check_footer, created_at_key, escape, list_candidates,
-                                          read_bytes, read_costs, read_meta)
+from dspark_calib.vllm.candidates import SERVE_LIMITS, Limits, escape, list_candidates, open_table
 
 # Kept for callers of the old names; env.py is the one home of every variable.
 ENV_TABLE, ENV_POLICY, ENV_CONTEXT_LEN, ENV_ALLOW_REFERENCE = E.TABLE, E.POLICY, E.CONTEXT_LEN, E.ALLOW_REFERENCE
@@ -45,16 +46,9 @@ POLICIES = E.POLICIES
 MAX_CONTEXT_GAP = 0.10
 MAX_NAMED = 3  # files named per decision line; the rest are counted
 PATH_LIMIT = 160
-MIN_COST_MS, MAX_COST_MS = 1e-3, 60_000.0  # 1 us .. 60 s per step
 
 # Under "vllm." so the line lands in vLLM's own log, with its format and level.
 log = logging.getLogger("vllm.dspark_calib")
-
-
-def profile_context_len(context_len: int, max_model_len: int, query_len: int = 1) -> int:
-    """vLLM's clamp of the dummy-run context (v1/worker/gpu/input_batch.py).
-    TODO(integrator): use C2's dspark_calib.fit.profile_context_len and delete this copy."""
-    return max(min(int(context_len), int(max_model_len) - int(query_len)), 0)
 
 
 @dataclass(frozen=True)
@@ -100,6 +94,9 @@ class Decision:
     pair: Any = None  # its CurvePair (the probe compares with its spread)
     policy: str = "fallback"
     probe: bool = True
+    # context -> (draft, verify) of every profiled context, for context-aware mode; filled only for
+    # tables with 2+ contexts. Decided on rank 0 and broadcast with the rest, so TP ranks agree.
+    curves: dict = field(default_factory=dict)
 
     @property
     def content_hash(self) -> str:
@@ -117,32 +114,25 @@ class _Examined:
     mismatches: tuple = ()
 
 
-def _implausible(table: Any) -> str:
-    """Costs no real step has. TODO(integrator): C1's read-time plausibility checks supersede this."""
-    import math
-
-    for ctx, pair in table.curves.items():
-        for kind, curve in (("draft", pair.draft), ("verify", pair.verify)):
-            for size, cost in zip(curve.size.tolist(), curve.cost_ms.tolist()):
-                if not (math.isfinite(cost) and MIN_COST_MS <= cost <= MAX_COST_MS):
-                    return f"implausible {kind} cost {cost!r} ms at size {size}, context {ctx}"
-    return ""
-
-
 def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: frozenset[str] | None,
              effective: int, limits: Limits, beat: tuple | None = None) -> _Examined:
-    """One file, read once; every error stays with this file. The curves are parsed (from the
-    same bytes) only when the metadata says this file could beat `beat`, the best key so far."""
+    """One file, opened once; every error stays with this file. The curves are read (from the
+    same handle, hash-verified against the metadata checked here) only when the metadata says
+    this file could beat `beat`, the best key so far."""
     shown = escape(path, PATH_LIMIT)
     try:
-        data = read_bytes(path, fs, limits)
-        check_footer(data, limits)
-        meta = read_meta(data)
-        content_hash, created = str(meta["content_hash"]), str(meta.get("created_at", ""))
-        fp = Fingerprint.from_dict(meta["fingerprint"])
+        tf = open_table(path, fs, limits)
     except Exception as exc:  # noqa: BLE001 - RecursionError from nested JSON, MemoryError, pyarrow...
         return _Examined(CandidateReport(shown, status="unreadable", reason=_why(exc)), [])
-    base = dict(path=shown, content_hash=escape(content_hash, 64), created_at=escape(created, 40))
+    with tf:
+        return _judge(tf, shown, engine, allow_reference=allow_reference, pins=pins, effective=effective, beat=beat)
+
+
+def _judge(tf: Any, shown: str, engine: dict, *, allow_reference: bool, pins: frozenset[str] | None,
+           effective: int, beat: tuple | None) -> _Examined:
+    meta = tf.meta
+    fp, content_hash = meta.fingerprint, meta.content_hash
+    base = dict(path=shown, content_hash=escape(content_hash, 64), created_at=escape(meta.raw.get("created_at"), 40))
     if pins is not None and content_hash.lower() not in pins:
         return _Examined(CandidateReport(**base, status="unpinned", reason=f"hash {escape(content_hash, 16)} is not "
                                          f"pinned by {E.TABLE_SHA256}"), [])
@@ -154,7 +144,7 @@ def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: f
         want = f"{BACKEND_VLLM!r} ({E.ALLOW_REFERENCE}=1 also allows {BACKEND_REFERENCE!r})"
         mismatches.insert(0, Mismatch("backend", fp.backend, want))
     problems = [escape(m, 200) for m in mismatches]
-    from dspark_calib.table import nearest  # TODO(integrator): C1's CostTable.nearest_context
+    from dspark_calib.table import nearest  # numpy: only once a table is being judged
 
     ctx = nearest(fp.context_lens, effective) if fp.context_lens else 0
     if effective > 0 and abs(ctx - effective) > MAX_CONTEXT_GAP * effective:
@@ -162,15 +152,14 @@ def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: f
         problems.append(f"context_len: table's nearest profiled context {ctx} is {abs(ctx - effective) / effective:.0%}"
                         f" from the effective context {effective}" + (f" (engine max_model_len {mml})" if mml else ""))
     status = "mismatch" if problems else "fits"
+    # created_at is parsed and sanity-bounded by C1 (not before 2025, not over a day ahead):
+    # a forged "9999-..." is unreadable, never the newest.
     ex = _Examined(CandidateReport(**base, status=status, reason=problems[0] if problems else ""), problems,
-                   (-len(problems), created_at_key(created)), None, ctx, fp, tuple(mismatches))
+                   (-len(problems), meta.created_at.timestamp()), None, ctx, fp, tuple(mismatches))
     if beat is not None and ex.sort_key <= beat:
-        return ex  # cannot be chosen: its curves are never parsed
-    try:
-        ex.table = read_costs(data)  # the same bytes: verifies the content hash of exactly what was read
-        bad = _implausible(ex.table)
-        if bad:
-            raise CalibError(bad)
+        return ex  # cannot be chosen: its curves are never read
+    try:  # the same handle; verifies the content hash and C1's plausibility checks on what was read
+        ex.table = tf.read(samples=False)
     except Exception as exc:  # noqa: BLE001
         ex.table = None
         ex.report = replace(ex.report, status="unreadable", reason=_why(exc))
@@ -182,7 +171,10 @@ def _why(exc: BaseException) -> str:
         return "metadata nested too deeply"
     if isinstance(exc, MemoryError):
         return "out of memory while reading"
-    text = str(exc).removeprefix("<read>: ") if isinstance(exc, CalibError) else f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, CalibError):  # the line names the file already: keep only the problem
+        text = str(exc).removeprefix(f"{exc.path}: ") if exc.path else str(exc)
+    else:
+        text = f"{type(exc).__name__}: {exc}"
     return escape(first_line(Exception(text), 300), 200)
 
 
@@ -243,20 +235,30 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     reports = tuple(chosen if r is best.report else r for r in reports)
     ctx = best.context_len
     draft, verify = best.table.curves[ctx].as_vllm()
-    unchecked, recorded = _unchecked_and_recorded(best.fingerprint, engine)
+    unchecked, unrecorded, recorded = _key_report(best.fingerprint, engine)
     line = (f"dspark-calib: loaded cost table {label}, context {ctx} for effective context {effective} "
             f"(engine max_model_len {mml if mml else 'unknown'}), {len(draft)} draft / {len(verify)} verify points; "
             "start-up profiling skipped")
     if best.problems:
         line += f"; despite mismatch {'; '.join(best.problems[:4])} (policy warn)"
     if recorded:
-        line += f"; recorded only, differs: {'; '.join(recorded[:4])}"
+        line += f"; recorded only, differs: {'; '.join(recorded[:4])}" + (" ..." if len(recorded) > 4 else "")
+    if unrecorded:
+        line += f"; not recorded in the table: {_names(unrecorded)}"
     if unchecked:
-        line += f"; not checked (engine did not report): {', '.join(unchecked)}"
-    risky = best.problems or recorded
+        line += f"; not checked (engine did not report): {_names(unchecked)}"
+    risky = best.problems or recorded or unrecorded
     return Decision(True, (line + others,), logging.WARNING if risky else logging.INFO, draft_curve=draft,
                     verify_curve=verify, candidates=reports, chosen=chosen, context_len=ctx,
-                    pair=best.table.curves[ctx], policy=policy, probe=probe)
+                    pair=best.table.curves[ctx], policy=policy, probe=probe, curves=_all_curves(best.table))
+
+
+def _all_curves(table: Any) -> dict:
+    if len(table.curves) < 2:
+        return {}
+    from dspark_calib.vllm.context_aware import curves_for_broadcast
+
+    return curves_for_broadcast(table.curves)
 
 
 def _others(reports: list[CandidateReport], skipped: int, limits: Limits) -> str:
@@ -280,19 +282,18 @@ def _others(reports: list[CandidateReport], skipped: int, limits: Limits) -> str
     return "; skipping other files: " + ", ".join(parts)
 
 
-def _unchecked_and_recorded(fp: Any, engine: dict) -> tuple[list[str], list[str]]:
-    """Keys the engine did not report, and recorded-only keys that differ (WARNING, never blocking).
-    Uses C2's registry functions when present. TODO(integrator): drop the fallbacks after the merge."""
-    from dspark_calib import fingerprint as F
-
+def _key_report(fp: Any, engine: dict) -> tuple[list[str], list[str], list[str]]:
+    """(keys the engine did not report, blocking keys the table did not record, recorded-only
+    keys that differ): said in the load line, never a reason to refuse (C2)."""
     try:
-        unchecked = list(F.unchecked_keys(engine)) if hasattr(F, "unchecked_keys") else \
-            [key for key, _ in LOAD_CHECKS if key not in engine]
-        recorded = [escape(m, 160) for m in F.recorded_differences(fp, engine)] \
-            if hasattr(F, "recorded_differences") else []
+        return (F.unchecked_keys(engine), F.unrecorded_keys(fp, engine),
+                [escape(m, 160) for m in F.recorded_differences(fp, engine)])
     except Exception:  # noqa: BLE001 - a report, never a reason to fail the load
-        return [], []
-    return unchecked, recorded
+        return [], [], []
+
+
+def _names(keys: list[str], limit: int = 4) -> str:
+    return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def _no_table(policy: str, why: str, reports: tuple = ()) -> Decision:
@@ -326,16 +327,12 @@ def decide_within(timeout_s: float, policy: str, source: str, fn: Callable[[], D
 
 
 def engine_description(manager: Any, capture_sizes: list[int]) -> dict[str, Any]:
-    """describe_engine plus max_model_len (the context clamp needs it).
-    TODO(integrator): C2's describe_engine reports max_model_len itself."""
+    """describe_engine (C2: every registry key, max_model_len included) on the vLLM config
+    the plugin kept for this manager."""
     from dspark_calib.vllm.engine_info import describe_engine
+    from dspark_calib.vllm.plugin import state_of
 
-    config = getattr(manager, "_dspark_vllm_config", None)
-    engine = describe_engine(manager, capture_sizes, config)
-    mml = getattr(getattr(config, "model_config", None), "max_model_len", None)
-    if isinstance(mml, int) and mml > 0:
-        engine["max_model_len"] = mml
-    return engine
+    return describe_engine(manager, capture_sizes, state_of(manager).vllm_config)
 
 
 def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:

@@ -30,10 +30,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
-# Env variables this module reads (the integrator moves them to env.py).
-ENV_PREFIX = "DSPARK_CALIB_"
-ENV_CAPTURE = "DSPARK_CALIB_CAPTURE"
-ENV_TABLE = "DSPARK_CALIB_TABLE"
+from dspark_calib.vllm import env as E  # standard library only
+
+# The env names live in env.py; these aliases keep older callers working.
+ENV_PREFIX, ENV_CAPTURE, ENV_TABLE = E.PREFIX, E.CAPTURE, E.TABLE
 # vLLM's own knobs for what Ray copies from the driver to its actors (vllm/ray/ray_env.py).
 RAY_EXTRA_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 RAY_EXTRA_VARS = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
@@ -78,8 +78,7 @@ class State:
 def state_of(manager: Any) -> State:
     state = manager.__dict__.get(STATE_ATTR)
     if state is None:
-        # _dspark_vllm_config: what older code (and tests) set directly; read once here.
-        state = State(vllm_config=getattr(manager, "_dspark_vllm_config", None))
+        state = State()
         setattr(manager, STATE_ATTR, state)
     return state
 
@@ -295,17 +294,9 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
         manager_cls.set_initial_cost_curves = set_initial_cost_curves
     if model_runner is not None:
         _wrap_factory(model_runner)
-    _loader_hooks("install_hooks")
-
-
-def _loader_hooks(name: str) -> None:
-    """The load-time probe's hooks, where the loader provides them (transitional: the
-    integrator makes this a direct call once loader.install_hooks / remove_hooks are merged)."""
     from dspark_calib.vllm import loader
 
-    hook = getattr(loader, name, None)
-    if callable(hook):
-        hook()
+    loader.install_hooks()  # the load-time probe finds vLLM's step timer through it
 
 
 def _record_refusal(exc: BaseException) -> None:
@@ -339,7 +330,6 @@ def _wrap_factory(model_runner: Any) -> None:
         if manager is not None:
             config = kwargs.get("vllm_config")
             state_of(manager).vllm_config = config
-            manager._dspark_vllm_config = config  # transitional: loader.py reads it until it uses state_of
         return manager
 
     setattr(maybe_create, _MARK, orig)
@@ -356,4 +346,6 @@ def unpatch(manager_cls: Any, model_runner: Any | None = None) -> None:
             original = getattr(getattr(owner, name), _MARK, None)
             if original is not None:
                 setattr(owner, name, original)
-    _loader_hooks("remove_hooks")
+    from dspark_calib.vllm import loader
+
+    loader.remove_hooks()

@@ -11,10 +11,11 @@ or all refuse under strict): never a hang.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 from dspark_calib.vllm import probe as P
+from dspark_calib.vllm.plugin import state_of
 
 log = logging.getLogger("vllm.dspark_calib")
 
@@ -74,6 +75,14 @@ def _policy_line(policy: str, why: str) -> tuple[str, int, bool]:
     return f"dspark-calib: {why}; profiling at start-up as usual (policy {policy})", logging.WARNING, False
 
 
+@dataclass
+class LoadRun:
+    """What load mode keeps from batches to install_curves, in state_of(manager).run."""
+
+    decision: Any = None
+    strip: int = 0  # leading timed steps (warm-ups, probe) that are not vLLM's profile
+
+
 class LoadMode:
     name = "load"
 
@@ -88,7 +97,7 @@ class LoadMode:
             for line in decision.lines:
                 log.log(decision.level, line)
         decision = broadcast_from_rank0(decision)
-        manager._dspark_strip = 0
+        run = state_of(manager).run = LoadRun()
         agreed, why, everyone = agree_across_dp("table", (decision.load, decision.content_hash, bool(decision.refuse),
                                                           decision.load and decision.probe))
         if not agreed:  # one replica refusing makes every replica refuse: none may wait on it
@@ -97,7 +106,7 @@ class LoadMode:
             if rank0:
                 log.log(level, line)
             decision = replace(decision, load=False, refuse=line if refuse else "", lines=(line,))
-        manager._dspark_decision = decision
+        run.decision = decision
         if decision.refuse:
             raise RuntimeError(decision.refuse)
         if not decision.load:
@@ -131,11 +140,11 @@ class LoadMode:
         if rank0:
             log.log(level, line)
         if refuse:
-            manager._dspark_decision = replace(decision, load=False, refuse=line, lines=(line,))
+            run.decision = replace(decision, load=False, refuse=line, lines=(line,))
             raise RuntimeError(line)
         # fallback: vLLM's full profile, in this same generator; its samples only reach vLLM.
-        manager._dspark_strip = P.timed_count(collector) or 0
-        manager._dspark_decision = replace(decision, load=False, lines=(line,))
+        run.strip = P.timed_count(collector) or 0
+        run.decision = replace(decision, load=False, lines=(line,))
         yield from vllm_batches
 
     @staticmethod
@@ -150,8 +159,35 @@ class LoadMode:
         return out
 
     def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
-        decision = getattr(manager, "_dspark_decision", None)
+        run = state_of(manager).run
+        decision = run.decision if isinstance(run, LoadRun) else None
         if decision is None or not decision.load:
-            original(samples[getattr(manager, "_dspark_strip", 0):])  # warm-up and probe steps are not vLLM's
+            original(samples[run.strip if isinstance(run, LoadRun) else 0:])  # warm-ups and probe are not vLLM's
             return
         manager.set_cost_curves(list(decision.draft_curve), list(decision.verify_curve))
+        if len(decision.curves) >= 2:
+            _context_aware(manager, decision.curves)
+
+
+def _context_aware(manager: Any, curves: dict) -> None:
+    """Price each step at its batch's mean context (context_aware.py), unless the env says no.
+    The curves came from rank 0 with the decision: no broadcast needed here."""
+    from dspark_calib.errors import CalibError
+    from dspark_calib.vllm import context_aware as ca
+    from dspark_calib.vllm import env as E
+    from dspark_calib.vllm.engine_info import tp_rank_and_size
+
+    rank0 = tp_rank_and_size()[0] == 0
+    try:
+        on = E.context_aware_enabled()
+    except CalibError as exc:
+        if rank0:
+            log.warning("dspark-calib: %s; context-aware costs off, static tables kept", exc)
+        return
+    if not on:
+        if rank0:
+            log.info("dspark-calib: context-aware costs off (%s=0): static tables at one context", E.CONTEXT_AWARE)
+        return
+    line = ca.enable(manager, curves, broadcast=False)  # never raises; every rank builds the same grid
+    if rank0:
+        log.log(logging.WARNING if "static tables kept" in line else logging.INFO, line)
