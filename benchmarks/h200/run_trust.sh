@@ -6,7 +6,7 @@ set -euo pipefail
 . benchmarks/h200/setup.sh
 name=h200-tp1-ctx8192-trust
 case "$1" in
-  profile) bash benchmarks/h200/profile.sh "$name" --tp 1 --context-len 8192 --replays 20 ;;
+  profile) bash benchmarks/h200/profile.sh "$name" --tp 1 --context-len 8192 --replays 20 --max-model-len 32768 ;;
   cases) python3 benchmarks/h200/trust_proof.py "/tmp/results/$name.parquet" /tmp/trust-out "$2"
          cp /tmp/trust-out/trust_proof.json "$OUT/" ;;
 esac
