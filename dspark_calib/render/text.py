@@ -135,27 +135,12 @@ def grid(title: str | None, headers: Sequence[str], rows: Iterable[Any], *, left
 
 # -- inspect -------------------------------------------------------------------------------
 def fingerprint_table(table: "CostTable", title: str = "fingerprint") -> Text:
+    """Every registry key in registry order (fingerprint.display_rows): a key added there shows here."""
+    from dspark_calib.fingerprint import display_rows
+
     fp = table.fingerprint
-    rows = [
-        ("content hash", table.short_hash),
-        ("backend", fp.backend),
-        ("gpu", f"{fp.gpu_name} x{fp.gpu_count}" + (f" (sm {fp.gpu_compute_capability})" if fp.gpu_compute_capability else "")),
-        ("driver / cuda", f"{_short(fp.driver_version)} / {_short(fp.cuda_version)}"),
-        ("vllm / torch", f"{_short(fp.vllm_version)} / {_short(fp.torch_version)}"),
-        ("target", f"{fp.target_model} ({fp.target_config_hash})"),
-        ("draft", f"{fp.draft_model} ({fp.draft_config_hash})"),
-        ("tp / pp", f"{fp.tensor_parallel_size} / {fp.pipeline_parallel_size}"),
-        ("dtype / kv cache", f"{fp.dtype} / {fp.kv_cache_dtype}" + (f" / {fp.quantization}" if fp.quantization else "")),
-        ("speculative tokens", str(fp.num_speculative_tokens)),
-        ("max_num_seqs", str(fp.max_num_seqs)),
-        ("max_num_batched_tokens", str(fp.max_num_batched_tokens)),
-        ("max_model_len", _short(fp.max_model_len)),
-        ("cudagraph sizes", _short(fp.cudagraph_capture_sizes)),
-        ("capture limit", str(fp.cudagraph_limit)),
-        ("context lengths", _short(fp.context_lens)),
-        ("replays / warmup", f"{fp.replays} / {fp.warmup_replays}"),
-        ("created", f"{table.created_at} by dspark-calib {table.tool_version} (schema {table.schema_version})"),
-    ]
+    rows = [("content hash", table.short_hash), *display_rows(fp),
+            ("created", f"{table.created_at} by dspark-calib {table.tool_version} (schema {table.schema_version})")]
     if fp.extra:
         rows.append(("extra", _short(fp.extra)))
     return grid(title, ("", ""), [((k, v), None) for k, v in rows], left=(0, 1))
@@ -390,8 +375,10 @@ def render_check(result: "CheckResult", console: Console) -> None:
     console.print(Text(f"checked: {checked}", style="dim"), no_wrap=False)
     if result.unchecked:
         console.print(Text(f"not checked (not given): {', '.join(result.unchecked)}", style="dim"))
+    if result.unrecorded:
+        console.print(Text(f"not recorded by the table (never blocks): {', '.join(result.unrecorded)}", style="dim"))
     if result.ignored:
-        console.print(Text(f"given but not a load check (the plugin does not compare it): {', '.join(result.ignored)}",
+        console.print(Text(f"given but never blocking (warning only, or not compared): {', '.join(result.ignored)}",
                            style="dim"))
     console.print()
     console.print(Text("plugin log:", style="bold"))
