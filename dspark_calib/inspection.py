@@ -30,8 +30,12 @@ SHORT_VERIFY = "short_verify"
 SHORT_DRAFT = "short_draft"
 
 # Severity: a WARNING is worth acting on (re-profile, profile longer, check the GPU); a NOTE
-# is a fact about the measurement that needs no action, e.g. a median dip smaller than the
-# dipping point's own p25-p75 spread (noise, and vLLM's running max absorbs it anyway).
+# is a fact about the measurement that needs no action. A falling median is a NOTE when the
+# fall (the running max before the point minus the point's median) is no larger than the
+# larger p25-p75 range (IQR) of the two points compared (this point, and the one that set the
+# running max): two medians that close are not told apart by their own samples, and vLLM's
+# running max absorbs the dip anyway. A larger fall is a WARNING, as is any fall where
+# neither point recorded a spread (NaN: noise cannot be told from a real dip).
 WARNING = "warning"
 NOTE = "note"
 SEVERITIES = (WARNING, NOTE)
@@ -124,24 +128,25 @@ def curve_warnings(curve: Curve, kind: str, context_len: int) -> list[TableWarni
         prev_max = np.concatenate(([-np.inf], run_max[:-1]))
         # Index of the point that set the running max so far, to name it in the message.
         setter = np.maximum.accumulate(np.where(arr >= prev_max, np.arange(len(arr)), 0)).tolist()
-        p75 = curve.p75_ms.tolist()
+        iqr = (curve.p75_ms - curve.p25_ms).tolist()
         for i in np.flatnonzero(arr < prev_max).tolist():
             j = setter[i - 1]
             size, earlier, c, top = sizes[i], sizes[j], cost[i], cost[j]
-            within = dip_within_spread(top, p75[i])
+            within = dip_within_spread(top - c, iqr[i], iqr[j])
             out.append(TableWarning(
                 FALLING_MEDIAN,
                 f"{where}: size {size} median {c:.3f} ms is {_drop(1 - c / top)} below size {earlier}'s "
-                f"{top:.3f} ms" + (" (within its own p25-p75 spread)" if within else "") + f"; vLLM charges {top:.3f}",
+                f"{top:.3f} ms" + (" (within the points' p25-p75 spread)" if within else "") + f"; vLLM charges {top:.3f}",
                 context_len, kind, size, NOTE if within else WARNING))
     return out
 
 
-def dip_within_spread(running_max: float, p75: float) -> bool:
-    """A dip is noise when the cost vLLM charges instead (the running max) still lies inside the
-    dipping point's own p25-p75 range: a quarter of its samples cost that much or more. No
-    spread recorded (NaN): it cannot be told apart, so it stays a warning."""
-    return math.isfinite(p75) and running_max <= p75
+def dip_within_spread(fall: float, iqr_here: float, iqr_top: float) -> bool:
+    """The severity rule (see WARNING/NOTE above): a fall no larger than the larger IQR of the
+    dipping point and the point that set the running max is noise. NaN spreads are ignored;
+    with none recorded the fall cannot be called noise."""
+    spreads = [s for s in (iqr_here, iqr_top) if math.isfinite(s)]
+    return bool(spreads) and fall <= max(spreads)
 
 
 def _drop(fraction: float) -> str:

@@ -237,7 +237,7 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
             for line in warnings_view(insp.warnings, severity):
                 _show(console, line)
     if counts[NOTE]:
-        console.print(Text("notes: dips within the point's own p25-p75 spread (noise; vLLM charges the running max)",
+        console.print(Text("notes: dips no larger than the two points' p25-p75 spread (noise; vLLM charges the running max)",
                            style="dim"))
     console.print()
     console.print(Text(f"summary: {insp.summary}", style="yellow" if counts[WARNING] else "green"))
