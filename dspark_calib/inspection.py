@@ -185,6 +185,34 @@ def summary_line(warnings: Sequence[TableWarning]) -> str:
     return ", ".join(parts)
 
 
+# Step sizes at which `inspect` shows cost against context (capped at max_num_batched_tokens).
+CONTEXT_VIEW_SIZES = (1, 16, 64, 256, 1024, 4096, 8192)
+
+
+@dataclass(frozen=True, eq=False)
+class CostByContext:
+    """Verify cost vLLM would charge (its dense table) at a few step sizes, per profiled context:
+    how much context moves the price (issue 9). Only for tables with 2+ contexts."""
+
+    contexts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    verify_ms: tuple[tuple[float, ...], ...]  # [size][context]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"contexts": list(self.contexts), "sizes": list(self.sizes),
+                "verify_ms": [[_num(v) for v in row] for row in self.verify_ms]}
+
+
+def cost_by_context(table: CostTable, sizes: Sequence[int] = CONTEXT_VIEW_SIZES) -> CostByContext | None:
+    ctxs = table.context_lens()
+    if len(ctxs) < 2:
+        return None
+    top = table.fingerprint.max_num_batched_tokens
+    shown = tuple(s for s in sizes if s <= top) + ((top,) if top not in sizes and top < max(sizes) else ())
+    verify = [table.dense_tables(c)[1] for c in ctxs]
+    return CostByContext(tuple(ctxs), shown, tuple(tuple(float(v[s]) for v in verify) for s in shown))
+
+
 @dataclass(eq=False)
 class Inspection:
     table: CostTable
@@ -193,6 +221,7 @@ class Inspection:
     decision: DecisionMap
     path: str | None = None
     notes: list[str] = field(default_factory=list)
+    by_context: CostByContext | None = None  # None: one profiled context
 
     @property
     def counts(self) -> dict[str, int]:
@@ -223,6 +252,7 @@ class Inspection:
             "counts": self.counts,
             "summary": self.summary,
             "decision_map": self.decision.to_dict(),
+            "cost_by_context": self.by_context.to_dict() if self.by_context else None,
             "notes": list(self.notes),
         }
 
@@ -251,4 +281,4 @@ def inspect_table(table: CostTable, *, context_len: int | None = None, path: str
         shown = [ctx]
     decision = table_decision_map(table, context_len)
     return Inspection(table=table, context_lens=shown, warnings=table_warnings(table, shown),
-                      decision=decision, path=path, notes=notes)
+                      decision=decision, path=path, notes=notes, by_context=cost_by_context(table))

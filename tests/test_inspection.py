@@ -165,3 +165,27 @@ def test_summary_and_inspect_output_count_only_warnings_as_warnings(real):
     text = out.getvalue()
     assert text.rstrip().splitlines()[-1] == "summary: 0 warnings, 1 note"
     assert "1 note:" in text and "warning:" not in text and "dip?" in text
+
+
+def test_cost_against_context_for_tables_with_several_contexts(real):
+    """inspect shows verify cost at a few sizes per profiled context: exactly the dense tables
+    vLLM would build, in text and JSON; a one-context table has no such view."""
+    from typer.testing import CliRunner
+
+    from conftest import SHIPPED
+    from dspark_calib.cli import app
+    from dspark_calib.inspection import cost_by_context
+
+    view = inspect_table(real).by_context
+    assert view.contexts == (1024, 8192) and view.sizes == (1, 16, 64, 256, 1024, 4096, 8192)
+    for i, size in enumerate(view.sizes):
+        assert view.verify_ms[i] == tuple(float(real.dense_tables(c)[1][size]) for c in view.contexts)
+    assert view.verify_ms[3][1] > 3 * view.verify_ms[3][0]  # 256 tokens: context matters
+    single = build_reference_table([fixture_json(8192)])
+    assert cost_by_context(single) is None and inspect_table(single).to_dict()["cost_by_context"] is None
+    r = CliRunner().invoke(app, ["inspect", str(SHIPPED)])
+    assert "verify cost (ms) against context" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["256"] and "x" in line)
+    assert row.split() == ["256", "16.807", "74.867", "142.393", "8.47x"]
+    d = json.loads(CliRunner().invoke(app, ["inspect", str(SHIPPED), "--json"]).stdout)
+    assert d["cost_by_context"]["contexts"] == [1024, 8192, 16384] and len(d["cost_by_context"]["verify_ms"]) == 7

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from dspark_calib.fit import CURVE_KINDS, DRAFT, Curve
 from dspark_calib.inspection import (
-    FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, NOTE, WARNING, DecisionMap, Inspection, TableWarning,
+    FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, NOTE, WARNING, CostByContext, DecisionMap, Inspection, TableWarning,
 )
 
 if TYPE_CHECKING:
@@ -208,6 +208,16 @@ def decision_table(dm: DecisionMap, title: str | None = None) -> Text:
     return grid(title, ("R \\ c", *(f"{c:g}" for c in dm.confidence)), rows)
 
 
+def context_cost_table(view: "CostByContext") -> Text:
+    """Verify cost (ms, as vLLM charges it) at a few step sizes against context; the last
+    column is the longest context's cost over the shortest's."""
+    lo, hi = view.contexts[0], view.contexts[-1]
+    headers = ("tokens", *(f"ctx {c}" for c in view.contexts), f"{hi}/{lo}")
+    rows = [((str(size), *(f"{v:.3f}" for v in row), f"{row[-1] / row[0]:.2f}x" if row[0] > 0 else "—"), None)
+            for size, row in zip(view.sizes, view.verify_ms)]
+    return grid("verify cost (ms) against context, as vLLM charges it", headers, rows)
+
+
 def render_inspect(insp: Inspection, console: Console, *, all_points: bool = False) -> None:
     table = insp.table
     if insp.path:
@@ -227,6 +237,9 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
         for kind in CURVE_KINDS:
             console.print()
             _show(console, curve_table(pair.curve(kind), kind, ctx, limit, flags[(ctx, kind)], all_points=all_points))
+    if insp.by_context:
+        console.print()
+        _show(console, context_cost_table(insp.by_context))
     console.print()
     _show(console, decision_table(insp.decision))
     counts = insp.counts
