@@ -253,3 +253,10 @@ def write_table(table: CostTable, path: str | os.PathLike) -> str:
     from dspark_calib.tablefile import write_table as write
 
     return write(table, path)
+
+
+def to_arrow(table: CostTable) -> Any:
+    """The pyarrow table write_table writes (tablefile.to_arrow; kept for callers of the old name)."""
+    from dspark_calib.tablefile import to_arrow as build
+
+    return build(table)
