@@ -1,15 +1,19 @@
 """`check`: which table the plugin would load for an engine described offline, and why not the others.
 
 No running engine, no torch, no vllm import: the engine is described by options, and the
-decision is the plugin's own (dspark_calib.vllm.loader.examine and decide, which import
-neither). Engine keys not given are not checked, exactly as when a running engine
-cannot report them; they are listed, never failed.
+decision is the plugin's own (dspark_calib.vllm.loader.decide, importable without either),
+read from its ``Decision.chosen`` / ``Decision.candidates`` records, never from its log text.
+Which keys exist, how a value is typed and which keys block is the fingerprint registry's
+(fingerprint.KEYS): a key added there is accepted by --engine and compared here unchanged.
+Keys not given are not checked, exactly as when a running engine cannot report them; keys
+the table did not record (an older table) never block. Both are listed, never failed.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dspark_calib.errors import CalibError
@@ -18,39 +22,55 @@ LOADS = "loads"
 FITS = "fits"  # fits, but the plugin picks another (newer) one
 MISMATCH = "mismatch"
 UNREADABLE = "unreadable"
+# The loader's candidate statuses, as check reports them.
+_STATUS = {"chosen": LOADS, "fits": FITS, "mismatch": MISMATCH, "unpinned": MISMATCH, "refused": UNREADABLE,
+           "unreadable": UNREADABLE}
 
 
 def fingerprint_keys() -> list[str]:
-    from dspark_calib.fingerprint import Fingerprint
+    from dspark_calib.fingerprint import KEYS
 
-    return [f.name for f in fields(Fingerprint) if f.name != "extra"]
+    return [k.name for k in KEYS]
 
 
 def parse_engine_pairs(pairs: Sequence[str]) -> dict[str, Any]:
-    """--engine KEY=VALUE: VALUE as JSON when it parses (8192, null, [1, 2, 4]), a comma list of
-    integers as a list, anything else as a string. KEY must be a fingerprint key."""
-    known = fingerprint_keys()
+    """--engine KEY=VALUE, typed by the registry: a list key takes comma-separated integers
+    (1,2,4 or [1, 2, 4]), an integer key an integer, a string key the text as given; ``null``
+    is None (quantization=null: no quantization). KEY must be a registry key."""
+    from dspark_calib.fingerprint import KEYS
+
+    registry = {k.name: k for k in KEYS}
     out: dict[str, Any] = {}
     for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        key = key.strip()
-        if not sep or not key:
+        name, sep, raw = pair.partition("=")
+        name, raw = name.strip(), raw.strip()
+        if not sep or not name:
             raise CalibError(f"--engine {pair!r}: expected KEY=VALUE")
-        if key not in known:
-            raise CalibError(f"--engine {key}: not a fingerprint key (one of {', '.join(known)})")
-        out[key] = _value(raw.strip())
+        key = registry.get(name)
+        if key is None:
+            raise CalibError(f"--engine {name}: not a fingerprint key (one of {', '.join(registry)})")
+        out[name] = _typed(key, raw)
     return out
 
 
-def _value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        pass
-    parts = [p.strip() for p in raw.split(",")]
-    if len(parts) > 1 and all(p.lstrip("-").isdigit() for p in parts):
-        return [int(p) for p in parts]
-    return raw
+def _typed(key: Any, raw: str) -> Any:
+    if raw == "null":
+        return None
+    if key.types == (tuple,):
+        parts = [p.strip() for p in raw.strip("[]").split(",") if p.strip()]
+        if parts and all(p.lstrip("-").isdigit() for p in parts):
+            return [int(p) for p in parts]
+    elif key.types == (int,):
+        if raw.lstrip("-").isdigit():
+            return int(raw)
+    else:  # a string key: the text, or a JSON string when quoted
+        if len(raw) >= 2 and raw[0] == raw[-1] == '"':
+            try:
+                return str(json.loads(raw))
+            except ValueError:
+                pass
+        return raw
+    raise CalibError(f"--engine {key.name}={raw[:40]!r}: must be {key.type_name}")
 
 
 def describe(*, model: str | None = None, draft: str | None = None, extra: dict[str, Any] | None = None,
@@ -68,24 +88,31 @@ def describe(*, model: str | None = None, draft: str | None = None, extra: dict[
 
 
 def unchecked_keys(engine: dict[str, Any]) -> list[str]:
+    """Keys the loader compares (blocking or warning) that were not given."""
     from dspark_calib import fingerprint
 
-    registry = getattr(fingerprint, "unchecked_keys", None)  # C2; LOAD_CHECKS until then
-    if registry is not None:
-        return list(registry(engine))
-    return [key for key, _ in fingerprint.LOAD_CHECKS if key not in engine]
+    return list(fingerprint.unchecked_keys(engine))
 
 
 def ignored_keys(engine: dict[str, Any]) -> list[str]:
-    """Keys given that the plugin does not check before loading (recorded only): said, so a
-    user does not think they were compared."""
-    from dspark_calib import fingerprint
+    """Keys given that never block a load (compared at warning only, or not compared at all):
+    said, so a user does not think they decided anything."""
+    from dspark_calib.fingerprint import BLOCKING, KEYS
 
-    checks = getattr(fingerprint, "LOAD_CHECKS", None)
-    if checks is None:
+    blocking = {k.name for k in KEYS if k.load in BLOCKING}
+    return [key for key in engine if key not in blocking]
+
+
+def unrecorded_keys(path: str, engine: dict[str, Any]) -> list[str]:
+    """Blocking keys given that the table at `path` did not record (an older table): never a refusal."""
+    from dspark_calib import fingerprint
+    from dspark_calib.tablefile import read_metadata
+
+    try:
+        fp = read_metadata(path).fingerprint
+    except (CalibError, OSError):  # the decision read it; a display-escaped name may not reopen
         return []
-    checked = {key for key, _ in checks}
-    return [key for key in engine if key not in checked]
+    return list(fingerprint.unrecorded_keys(fp, engine))
 
 
 @dataclass(frozen=True)
@@ -105,10 +132,11 @@ class TableReport:
 class CheckResult:
     source: str
     engine: dict[str, Any]
-    unchecked: tuple[str, ...]
-    ignored: tuple[str, ...]  # given, but not among the plugin's load checks
+    unchecked: tuple[str, ...]  # compared by the loader, not given
+    ignored: tuple[str, ...]  # given, but never blocking
     tables: tuple[TableReport, ...]
     lines: tuple[str, ...]  # what the plugin would log, word for word
+    unrecorded: tuple[str, ...] = ()  # given, but the chosen table did not record them
 
     @property
     def chosen(self) -> TableReport | None:
@@ -121,43 +149,25 @@ class CheckResult:
     def to_dict(self) -> dict[str, Any]:
         chosen = self.chosen
         return {"source": self.source, "loads": self.loads, "chosen": chosen.to_dict() if chosen else None,
-                "engine": self.engine, "unchecked": list(self.unchecked),
+                "engine": self.engine, "unchecked": list(self.unchecked), "not_recorded": list(self.unrecorded),
                 "not_load_checks": list(self.ignored),
                 "tables": [t.to_dict() for t in self.tables], "plugin_log": list(self.lines)}
 
 
-def _chosen_path(decision: Any, candidates: Sequence[Any]) -> str | None:
-    """The table the decision loads. C3's Decision.chosen when present; until then the one its
-    'loaded cost table' line names (decide() logs exactly one such line when it loads)."""
-    chosen = getattr(decision, "chosen", None)
-    if chosen is not None:
-        return getattr(chosen, "path", chosen)
-    if not decision.load:
-        return None
-    loaded = [line for line in decision.lines if "loaded cost table " in line]
-    for c in sorted(candidates, key=lambda c: -len(c.label)):
-        if loaded and f"loaded cost table {c.label}," in loaded[-1]:
-            return c.path
-    return None
-
-
 def check_tables(source: str, engine: dict[str, Any], *, allow_reference: bool = False,
                  context_len: int | None = None) -> CheckResult:
-    from dspark_calib.vllm.loader import decide, examine
+    from dspark_calib.vllm.loader import decide
 
-    _, candidates = examine(source, engine, allow_reference)
+    if "://" not in source and not os.path.lexists(source):  # a typo is the user's error, not "no table"
+        raise CalibError("no such file or directory", path=source)
     decision = decide(source, engine, policy="fallback", allow_reference=allow_reference, context_len=context_len)
-    chosen = _chosen_path(decision, candidates)
+    chosen = decision.chosen if decision.load else None  # fallback: only a fitting table is chosen
     reports = []
-    for c in sorted(candidates, key=lambda c: c.created_at, reverse=True):
-        if c.error:
-            reports.append(TableReport(c.path, "", "", UNREADABLE, c.error))
-        elif c.path == chosen:
-            reports.append(TableReport(c.path, c.content_hash, c.created_at, LOADS))
-        elif c.mismatches:
-            reports.append(TableReport(c.path, c.content_hash, c.created_at, MISMATCH, str(c.mismatches[0])))
-        else:
-            why = "fits, but the plugin loads a newer fitting table" if chosen else "fits, but could not be read whole"
-            reports.append(TableReport(c.path, c.content_hash, c.created_at, FITS, why))
-    return CheckResult(source, dict(engine), tuple(unchecked_keys(engine)),
-                       tuple(ignored_keys(engine)), tuple(reports), tuple(decision.lines))
+    for c in decision.candidates:
+        status = _STATUS.get(c.status, MISMATCH)
+        reason = c.reason or ("fits, but the plugin loads a newer fitting table" if status == FITS else "")
+        reports.append(TableReport(c.path, c.content_hash, c.created_at, status, reason))
+    reports.sort(key=lambda t: t.created_at, reverse=True)  # newest first, as the plugin prefers
+    unrecorded = unrecorded_keys(chosen.path, engine) if chosen else []
+    return CheckResult(source, dict(engine), tuple(unchecked_keys(engine)), tuple(ignored_keys(engine)),
+                       tuple(reports), tuple(decision.lines), tuple(unrecorded))

@@ -314,6 +314,59 @@ def check_cmd(
         raise typer.Exit(1)
 
 
+@app.command("validate")
+@handled
+def validate_cmd(
+    table: Annotated[str, typer.Argument(metavar="TABLE", help="The cost table the engine served with.")],
+    observed: Annotated[List[str], typer.Argument(
+        metavar="OBSERVED...", help="Observe-mode files; a directory stands for its observed-*.parquet files.")],
+    context: Annotated[Optional[int], typer.Option(
+        "--context", min=1, metavar="L",
+        help="Single-context pricing at the profiled context nearest L (default: nearest vLLM's 8192).")] = None,
+    max_error: Annotated[Optional[float], typer.Option(
+        "--max-error", min=0, metavar="PCT",
+        help="Exit 1 when the context-aware median error of a kind at any context bucket exceeds PCT percent.")] = None,
+    as_json: JsonOpt = False,
+    plot: PlotOpt = None,
+    all_groups: Annotated[bool, typer.Option("--all", help="List every size x context group.")] = False,
+) -> None:
+    """Predicted vs measured step cost on observed serving steps: single-context and context-aware pricing.
+
+    Offline (no GPU, no torch, no vLLM). Exit 1 with --max-error exceeded (for CI and fleet monitoring).
+    """
+    from dspark_calib.observe import observed_paths
+    from dspark_calib.paths import plot_path
+
+    files = observed_paths(observed)  # directories expanded: --plot is checked against every input
+    plot = plot_path(plot, [table, *files])  # before any work
+    from dspark_calib.observe import read_observed
+    from dspark_calib.table import read_table
+    from dspark_calib.validate import max_error_exceeded, validate
+
+    t = read_table(table, samples=False)  # curves and metadata: raw samples are not needed here
+    result = validate(t, read_observed(files), single_context=context)
+    exceeded = max_error is not None and max_error_exceeded(result, max_error)
+    if plot:
+        from dspark_calib.render_validate import plot_validation
+
+        plot = _plot(plot_validation, plot, result)
+    if as_json:
+        _print_json({**result.to_dict(), "max_error": None if max_error is None else
+                     {"pct": max_error, "exceeded": exceeded}, "plot": plot})
+    else:
+        from dspark_calib.render_validate import render_validation
+
+        console = _console()
+        render_validation(result, console, max_error=max_error, all_groups=all_groups)
+        if plot:
+            console.print(f"plot written to {plot}", markup=False)
+        if max_error is not None:
+            console.print(f"max error {max_error:g}%: " + ("exceeded (context-aware median, some kind and context)"
+                                                          if exceeded else "within"), markup=False)
+    if exceeded:
+        raise typer.Exit(1)
+
+
 # -- profile (the vLLM backend; imports vllm/torch only when it runs) --------------------------
 @app.command("profile")
 @handled

@@ -142,7 +142,10 @@ class ContextCosts:
 
     def bracket(self, context_len: int) -> tuple[int, int, float]:
         """(lower, upper, weight) for context_len, clamped to the profiled range."""
-        ctxs = self.contexts
+        return self.bracket_of(self.contexts, context_len)
+
+    @staticmethod
+    def bracket_of(ctxs: Sequence[int], context_len: int) -> tuple[int, int, float]:
         if context_len <= ctxs[0]:
             return ctxs[0], ctxs[0], 0.0
         if context_len >= ctxs[-1]:
@@ -168,9 +171,33 @@ class ContextCosts:
         return PricedTables(draft, verify, context_len, lo, hi, w, warning)
 
 
+class DenseTables(tuple):
+    """A (draft, verify) pair, as vLLM's dense tables always were, that also says where it was
+    priced: ``.priced`` (the PricedTables) and ``.warning`` (OutOfRange or None)."""
+
+    priced: PricedTables
+    warning: OutOfRange | None
+
+    def __new__(cls, priced: PricedTables) -> "DenseTables":
+        self = super().__new__(cls, priced.as_tuple())
+        self.priced, self.warning = priced, priced.warning
+        return self
+
+
 def dense_tables(table: Any, context_len: int, **sizes: int | None) -> PricedTables:
-    """``CostTable.dense_tables(context_len=L)`` with interpolation (issue 9 item 2)."""
-    return ContextCosts.from_table(table, **sizes).at(context_len)
+    """``CostTable.dense_tables(context_len=L)`` with interpolation (issue 9 item 2). Only the
+    one or two bracketing contexts' tables are built (a CLI prices one context at a time)."""
+    ctxs = sorted(table.curves)
+    lo, hi, _ = ContextCosts.bracket_of(ctxs, int(context_len))
+    fp = table.fingerprint
+    costs = ContextCosts({c: table.curves[c] for c in {lo, hi}}, sizes.get("max_num_reqs") or fp.max_num_seqs,
+                         sizes.get("max_num_batched_tokens") or fp.max_num_batched_tokens,
+                         fp.cudagraph_limit if sizes.get("cudagraph_limit") is None else sizes["cudagraph_limit"])
+    priced = costs.at(int(context_len))
+    if priced.warning is not None:  # the warning names the whole profiled range, not just the bracket
+        priced = PricedTables(priced.draft, priced.verify, priced.context_len, priced.lower, priced.upper,
+                              priced.weight, OutOfRange(int(context_len), lo, tuple(ctxs)))
+    return priced
 
 
 class ContextGrid:

@@ -30,8 +30,12 @@ SHORT_VERIFY = "short_verify"
 SHORT_DRAFT = "short_draft"
 
 # Severity: a WARNING is worth acting on (re-profile, profile longer, check the GPU); a NOTE
-# is a fact about the measurement that needs no action, e.g. a median dip smaller than the
-# dipping point's own p25-p75 spread (noise, and vLLM's running max absorbs it anyway).
+# is a fact about the measurement that needs no action. A falling median is a NOTE when the
+# fall (the running max before the point minus the point's median) is no larger than the
+# larger p25-p75 range (IQR) of the two points compared (this point, and the one that set the
+# running max): two medians that close are not told apart by their own samples, and vLLM's
+# running max absorbs the dip anyway. A larger fall is a WARNING, as is any fall where
+# neither point recorded a spread (NaN: noise cannot be told from a real dip).
 WARNING = "warning"
 NOTE = "note"
 SEVERITIES = (WARNING, NOTE)
@@ -124,24 +128,25 @@ def curve_warnings(curve: Curve, kind: str, context_len: int) -> list[TableWarni
         prev_max = np.concatenate(([-np.inf], run_max[:-1]))
         # Index of the point that set the running max so far, to name it in the message.
         setter = np.maximum.accumulate(np.where(arr >= prev_max, np.arange(len(arr)), 0)).tolist()
-        p75 = curve.p75_ms.tolist()
+        iqr = (curve.p75_ms - curve.p25_ms).tolist()
         for i in np.flatnonzero(arr < prev_max).tolist():
             j = setter[i - 1]
             size, earlier, c, top = sizes[i], sizes[j], cost[i], cost[j]
-            within = dip_within_spread(top, p75[i])
+            within = dip_within_spread(top - c, iqr[i], iqr[j])
             out.append(TableWarning(
                 FALLING_MEDIAN,
                 f"{where}: size {size} median {c:.3f} ms is {_drop(1 - c / top)} below size {earlier}'s "
-                f"{top:.3f} ms" + (" (within its own p25-p75 spread)" if within else "") + f"; vLLM charges {top:.3f}",
+                f"{top:.3f} ms" + (" (within the points' p25-p75 spread)" if within else "") + f"; vLLM charges {top:.3f}",
                 context_len, kind, size, NOTE if within else WARNING))
     return out
 
 
-def dip_within_spread(running_max: float, p75: float) -> bool:
-    """A dip is noise when the cost vLLM charges instead (the running max) still lies inside the
-    dipping point's own p25-p75 range: a quarter of its samples cost that much or more. No
-    spread recorded (NaN): it cannot be told apart, so it stays a warning."""
-    return math.isfinite(p75) and running_max <= p75
+def dip_within_spread(fall: float, iqr_here: float, iqr_top: float) -> bool:
+    """The severity rule (see WARNING/NOTE above): a fall no larger than the larger IQR of the
+    dipping point and the point that set the running max is noise. NaN spreads are ignored;
+    with none recorded the fall cannot be called noise."""
+    spreads = [s for s in (iqr_here, iqr_top) if math.isfinite(s)]
+    return bool(spreads) and fall <= max(spreads)
 
 
 def _drop(fraction: float) -> str:
@@ -180,6 +185,34 @@ def summary_line(warnings: Sequence[TableWarning]) -> str:
     return ", ".join(parts)
 
 
+# Step sizes at which `inspect` shows cost against context (capped at max_num_batched_tokens).
+CONTEXT_VIEW_SIZES = (1, 16, 64, 256, 1024, 4096, 8192)
+
+
+@dataclass(frozen=True, eq=False)
+class CostByContext:
+    """Verify cost vLLM would charge (its dense table) at a few step sizes, per profiled context:
+    how much context moves the price (issue 9). Only for tables with 2+ contexts."""
+
+    contexts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    verify_ms: tuple[tuple[float, ...], ...]  # [size][context]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"contexts": list(self.contexts), "sizes": list(self.sizes),
+                "verify_ms": [[_num(v) for v in row] for row in self.verify_ms]}
+
+
+def cost_by_context(table: CostTable, sizes: Sequence[int] = CONTEXT_VIEW_SIZES) -> CostByContext | None:
+    ctxs = table.context_lens()
+    if len(ctxs) < 2:
+        return None
+    top = table.fingerprint.max_num_batched_tokens
+    shown = tuple(s for s in sizes if s <= top) + ((top,) if top not in sizes and top < max(sizes) else ())
+    verify = [table.dense_tables(c)[1] for c in ctxs]
+    return CostByContext(tuple(ctxs), shown, tuple(tuple(float(v[s]) for v in verify) for s in shown))
+
+
 @dataclass(eq=False)
 class Inspection:
     table: CostTable
@@ -188,6 +221,7 @@ class Inspection:
     decision: DecisionMap
     path: str | None = None
     notes: list[str] = field(default_factory=list)
+    by_context: CostByContext | None = None  # None: one profiled context
 
     @property
     def counts(self) -> dict[str, int]:
@@ -218,6 +252,7 @@ class Inspection:
             "counts": self.counts,
             "summary": self.summary,
             "decision_map": self.decision.to_dict(),
+            "cost_by_context": self.by_context.to_dict() if self.by_context else None,
             "notes": list(self.notes),
         }
 
@@ -246,4 +281,4 @@ def inspect_table(table: CostTable, *, context_len: int | None = None, path: str
         shown = [ctx]
     decision = table_decision_map(table, context_len)
     return Inspection(table=table, context_lens=shown, warnings=table_warnings(table, shown),
-                      decision=decision, path=path, notes=notes)
+                      decision=decision, path=path, notes=notes, by_context=cost_by_context(table))

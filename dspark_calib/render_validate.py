@@ -80,7 +80,8 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
 
 
 def plot_validation(result: ValidationResult, path: str | os.PathLike) -> str:
-    """Median absolute % error by context bucket, per kind, both pricings side by side."""
+    """Median absolute % error by context bucket, per kind, both pricings side by side; the
+    format follows the suffix (png, svg, pdf), as every --plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +101,10 @@ def plot_validation(result: ValidationResult, path: str | os.PathLike) -> str:
         ax.set_ylabel("%")
         ax.legend()
     fig.tight_layout()
-    try:  # atomically: never a half-written PNG
-        return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110), durable=False)
+    from dspark_calib.render.plots import plot_format
+
+    fmt = plot_format(path) or "png"  # the CLI has checked the suffix (paths.plot_path)
+    try:  # atomically: never a half-written plot
+        return atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=110), durable=False)
     finally:
         plt.close(fig)

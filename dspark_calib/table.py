@@ -18,7 +18,7 @@ import numpy as np
 from dspark_calib import __version__
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import Fingerprint, merge_mismatches
-from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, CurvePair, build_cost_tables, fit_curves
+from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, CurvePair, fit_curves
 from dspark_calib.samples import SAMPLE_COLUMNS, Sample, Samples
 
 SCHEMA_VERSION = "1.1"  # what write_table writes; tablefile.py's header has the format history
@@ -116,12 +116,17 @@ class CostTable:
         return self.curves[self.nearest_context(context_len)]
 
     def dense_tables(self, context_len: int | None = None, *, max_num_reqs: int | None = None,
-                     max_num_batched_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """vLLM's dense tables for the engine this table was profiled on (or the given limits)."""
-        fp = self.fingerprint
-        draft, verify = self.pair(context_len).as_vllm()
-        return build_cost_tables(draft, verify, max_num_reqs or fp.max_num_seqs,
-                                 max_num_batched_tokens or fp.max_num_batched_tokens, fp.cudagraph_limit)
+                     max_num_batched_tokens: int | None = None) -> "DenseTables":
+        """vLLM's dense (draft, verify) tables priced at context L, for the engine this table was
+        profiled on (or the given limits). Between profiled contexts: per size, linear in
+        context (dspark_calib.context); at a profiled context: exactly vLLM's tables from its
+        curves; outside the range: the nearest context's, with ``.warning`` set (OutOfRange).
+        None: default_context(). Curve display uses pair()/nearest_context() instead."""
+        from dspark_calib.context import DenseTables, dense_tables
+
+        ctx = self.default_context() if context_len is None else int(context_len)
+        return DenseTables(dense_tables(self, ctx, max_num_reqs=max_num_reqs,
+                                        max_num_batched_tokens=max_num_batched_tokens))
 
     def iter_samples(self, context_len: int | None = None) -> list[Sample]:
         return [] if self.samples is None else self.samples.select(context_len=context_len).records()
@@ -248,3 +253,10 @@ def write_table(table: CostTable, path: str | os.PathLike) -> str:
     from dspark_calib.tablefile import write_table as write
 
     return write(table, path)
+
+
+def to_arrow(table: CostTable) -> Any:
+    """The pyarrow table write_table writes (tablefile.to_arrow; kept for callers of the old name)."""
+    from dspark_calib.tablefile import to_arrow as build
+
+    return build(table)

@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 from dspark_calib import _arrow
 from dspark_calib.atomic import atomic_write
 from dspark_calib.errors import CalibError, first_line
+from dspark_calib.fingerprint import KEYS
 from dspark_calib.fit import CURVE_COLUMNS, CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair
 from dspark_calib.samples import SAMPLE_COLUMNS, Samples
 from dspark_calib.safe_open import display_path, open_fs, open_local
@@ -92,8 +93,16 @@ def columns_in(version: str) -> list[str]:
 
 
 # -- content hash ----------------------------------------------------------------------
+_OPTIONAL_KEYS = frozenset(k.name for k in KEYS if k.optional)
+
+
 def _hash_1_0(fingerprint: dict[str, Any], curves: dict[int, CurvePair]) -> str:
-    fp = {k: v for k, v in fingerprint.items() if k != "extra"}  # 1.0: notes were outside the hash
+    """1.0 hashed the fingerprint keys its file holds. Keys added since (``Key.optional``) are
+    absent from a 1.0 file and None once read, so an unrecorded (None) optional key is left
+    out: a 1.0 table hashes the same before and after migration, whatever keys came later.
+    A recorded value (one set on a read 1.0 table) is hashed, so it cannot slip by."""
+    fp = {k: v for k, v in fingerprint.items()
+          if k != "extra" and not (v is None and k in _OPTIONAL_KEYS)}  # 1.0: notes were outside the hash
     body = {"fingerprint": fp, "curves": {str(ctx): {kind: pair.curve(kind).as_vllm() for kind in CURVE_KINDS}
                                           for ctx, pair in sorted(curves.items())}}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

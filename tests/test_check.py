@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,10 +15,13 @@ from typer.testing import CliRunner
 from conftest import DRAFT, MODEL, REPO, SHIPPED, build_reference_table, fixture_json, one_line_error
 from dspark_calib.check import LOADS, MISMATCH, check_tables, describe, parse_engine_pairs
 from dspark_calib.cli import app
-from dspark_calib.fingerprint import LOAD_CHECKS
+from dspark_calib.fingerprint import BLOCKING, EQUAL, KEYS, LOAD_RULES, RECORDED, unchecked_keys
+from dspark_calib.tablefile import read_metadata, read_table, write_table
 from dspark_calib.vllm.loader import decide
 
 runner = CliRunner()
+_GIVEN = {"target_config_hash": "x", "draft_config_hash": "x", "max_num_batched_tokens": 1, "num_speculative_tokens": 1,
+          "kv_cache_dtype": "x", "vllm_version": "x"}
 ENGINE = ("--model", MODEL, "--draft", DRAFT, "--tp", "1", "--max-num-seqs", "256", "--max-num-batched-tokens",
           "8192", "--num-speculative-tokens", "7", "--dtype", "bfloat16", "--kv-cache-dtype", "auto",
           "--gpu-name", "NVIDIA H200", "--vllm-version", "0.33.0")
@@ -42,7 +46,10 @@ def test_the_shipped_table_loads_for_its_engine(shelf):
     r = invoke("check", shelf / SHIPPED.name, *ENGINE)
     assert r.exit_code == 0, r.output
     assert f"would load: {shelf / SHIPPED.name} (hash ad4ef3d97317)" in r.stdout
-    assert "not checked (not given): cudagraph_capture_sizes, pipeline_parallel_size, quantization" in r.stdout
+    given = {"gpu_name", "tensor_parallel_size", "max_num_seqs", "dtype"}
+    unchecked = r.stdout.split("not checked (not given): ")[1].split("\n\n")[0].replace("\n", " ")
+    listed = {k.strip() for k in unchecked.split(",")}
+    assert listed == set(unchecked_keys({k.name: 1 for k in KEYS if k.name in given} | _GIVEN)) and not listed & given
     assert "plugin log:" in r.stdout and "loaded cost table" in r.stdout
 
 
@@ -72,19 +79,51 @@ def test_keys_not_given_are_not_checked_and_never_fail(shelf):
     r = invoke("check", shelf / SHIPPED.name, "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
-    assert d["engine"] == {} and d["unchecked"] == [k for k, _ in LOAD_CHECKS]
+    assert d["engine"] == {} and d["unchecked"] == unchecked_keys({}) == [k.name for k in KEYS if k.load in LOAD_RULES]
+    assert d["not_recorded"] == []
 
 
-@pytest.mark.parametrize("key, _rule", LOAD_CHECKS)
-def test_every_load_check_key_can_be_given_and_fails_when_wrong(shelf, key, _rule):
-    """Driven from the plugin's key list: a check dropped from it (or from check) shows here."""
-    wrong = {"cudagraph_capture_sizes": "1,2,3", "quantization": '"fp8"', "max_num_batched_tokens": "99999"}
-    value = wrong.get(key, '"nope"' if key not in ("num_speculative_tokens", "max_num_seqs", "tensor_parallel_size",
-                                                   "pipeline_parallel_size") else "3")
-    r = invoke("check", shelf / SHIPPED.name, "--engine", f"{key}={value}", "--json")
-    assert r.exit_code == 1, (key, r.output)
+def _values(key):
+    """(a value a table records, an engine value that does not fit it), by the key's registry type."""
+    if key.types == (tuple,):
+        return [1, 2, 4, 8], "1,2,3"
+    if key.types == (int,):
+        return 16, ("17" if key.load == EQUAL else str(10**7))  # COVERS: the engine asks for more
+    return "alpha", "nope"
+
+
+@pytest.mark.parametrize("key", [k for k in KEYS if k.load in BLOCKING], ids=lambda k: k.name)
+def test_every_blocking_key_can_be_given_and_fails_when_wrong(shelf, tmp_path, key):
+    """Driven from the registry: a key dropped from the loader's checks (or from check) shows here.
+    A key the shipped (1.0) table did not record never blocks and is named as not recorded; a
+    table that records it refuses an engine that differs, naming the key."""
+    table_value, wrong = _values(key)
+    if key.name == "quantization":
+        wrong = "fp8"
+    shipped_value = getattr(read_metadata(SHIPPED).fingerprint, key.name)
+    if key.recorded(shipped_value):
+        path = shelf / SHIPPED.name
+    else:
+        r = invoke("check", shelf / SHIPPED.name, "--engine", f"{key.name}={wrong}", "--json")
+        assert r.exit_code == 0, (key.name, r.output)
+        assert json.loads(r.stdout)["not_recorded"] == [key.name]
+        table = read_table(SHIPPED)
+        path = write_table(dataclasses.replace(table, fingerprint=table.fingerprint.replace(**{key.name: table_value})),
+                           tmp_path / "recorded.parquet")
+        ok = ",".join(map(str, table_value)) if isinstance(table_value, list) else str(table_value)
+        assert invoke("check", path, "--engine", f"{key.name}={ok}").exit_code == 0
+    r = invoke("check", path, "--engine", f"{key.name}={wrong}", "--json")
+    assert r.exit_code == 1, (key.name, r.output)
     d = json.loads(r.stdout)
-    assert d["tables"][0]["reason"].startswith(f"{key}:"), d["tables"][0]
+    assert d["tables"][0]["reason"].startswith(f"{key.name}:"), d["tables"][0]
+
+
+def test_a_recorded_only_key_that_differs_loads_and_is_named(shelf):
+    key = next(k for k in KEYS if k.load == RECORDED and k.types == (str,))
+    r = invoke("check", shelf / SHIPPED.name, "--engine", f"{key.name}=nope", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["not_load_checks"] == [key.name] and key.name not in d["unchecked"]
 
 
 def test_same_decision_as_the_plugin(shelf):
@@ -92,18 +131,21 @@ def test_same_decision_as_the_plugin(shelf):
     result = check_tables(str(shelf), engine, context_len=1024)
     plugin = decide(str(shelf), engine, context_len=1024)
     assert result.lines == plugin.lines and result.loads == plugin.load
-    assert "context 1024 (wanted 1024)" in result.lines[-1]
+    assert plugin.context_len == 1024 and "context 1024 for effective context 1024" in result.lines[-1]
     assert result.chosen.status == LOADS
 
 
 def test_engine_pairs():
     assert parse_engine_pairs(["cudagraph_capture_sizes=1,2,4", "max_model_len=32768", "quantization=null",
-                               "dtype=bfloat16"]) == {
-        "cudagraph_capture_sizes": [1, 2, 4], "max_model_len": 32768, "quantization": None, "dtype": "bfloat16"}
+                               "dtype=bfloat16", "kv_block_size=16", "model_impl=\"vllm\"", "vllm_version=0.33.0"]) == {
+        "cudagraph_capture_sizes": [1, 2, 4], "max_model_len": 32768, "quantization": None, "dtype": "bfloat16",
+        "kv_block_size": 16, "model_impl": "vllm", "vllm_version": "0.33.0"}
 
 
 @pytest.mark.parametrize("pair, fragment", [("bogus=1", "--engine bogus: not a fingerprint key"),
-                                            ("dtype", "expected KEY=VALUE")])
+                                            ("dtype", "expected KEY=VALUE"),
+                                            ("kv_block_size=big", "--engine kv_block_size='big': must be an integer"),
+                                            ("cudagraph_capture_sizes=1,x", "must be a list of integers")])
 def test_bad_engine_pairs_are_one_line_errors(pair, fragment):
     one_line_error(invoke("check", SHIPPED, "--engine", pair), fragment)
 
@@ -116,7 +158,7 @@ def test_check_imports_no_torch_or_vllm():
     code = ("import sys\nfrom dspark_calib.cli import main\n"
             f"sys.argv = ['dspark-calib', 'check', {str(SHIPPED)!r}, '--model', {MODEL!r}, '--gpu-name', 'NVIDIA H200']\n"
             "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
-            "heavy = [m for m in ('torch', 'vllm') if m in sys.modules]\n"
+            "heavy = [m for m in ('torch', 'vllm', 'pandas', 'scipy', 'matplotlib') if m in sys.modules]\n"
             "assert not heavy, heavy\nassert code in (0, None), code\nprint('OK')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
@@ -130,5 +172,5 @@ def test_unreadable_tables_are_reported_and_a_missing_source_is_one_line(tmp_pat
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     broken = next(t for t in d["tables"] if t["path"].endswith("broken.parquet"))
-    assert broken["status"] == "unreadable" and "broken.parquet" in broken["reason"]
+    assert broken["status"] == "unreadable" and "not a readable parquet file" in broken["reason"]
     one_line_error(invoke("check", tmp_path / "absent"), str(tmp_path / "absent"), "no such file or directory")

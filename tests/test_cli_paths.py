@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import DRAFT, MODEL, fixture_json, one_line_error
+from dspark_calib.errors import CalibError
 from dspark_calib.cli import app
 
 runner = CliRunner()
@@ -78,13 +79,19 @@ def test_import_out_onto_its_json_is_refused(tmp_path):
     _unchanged(src, before)
 
 
-def test_directory_out_whose_default_name_is_an_input_is_refused(tmp_path):
-    from conftest import build_reference_table
+def test_directory_out_whose_default_name_is_an_input_is_refused(tmp_path, monkeypatch):
+    """The default name carries the content hash, which (format 1.1) covers created_at and the
+    fingerprint's extra.source, i.e. the input's own name: no real input can be predicted to
+    carry it. So the name is pinned to the input's, and the CLI must refuse before writing."""
+    from dspark_calib.paths import table_out
+    from dspark_calib.table import CostTable
 
-    name = build_reference_table([fixture_json(1024)]).default_filename()
-    trap = tmp_path / name  # a JSON input that happens to carry the table's default file name
+    trap = tmp_path / "trap.parquet"  # a JSON input that happens to carry the table's default file name
     shutil.copyfile(fixture_json(1024), trap)
     before = trap.read_bytes()
+    with pytest.raises(CalibError, match="would overwrite the input"):
+        table_out(str(tmp_path), [str(trap)]).file_for(trap.name)
+    monkeypatch.setattr(CostTable, "default_filename", lambda self: trap.name)
     one_line_error(invoke("import-vllm", trap, *IMPORT, "--out", tmp_path), "would overwrite the input")
     _unchanged(trap, before)
 

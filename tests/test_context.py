@@ -179,3 +179,24 @@ def test_blend_is_monotone_in_weight_and_bounded(a, b, w1, w2):
     assert min(a, b) <= first <= max(a, b)
     assert (first <= second) if b >= a else (first >= second)
     assert blend(x, y, 0.0)[0] == a
+
+
+def test_cost_table_dense_tables_prices_any_context(reference_table, costs):
+    """CostTable.dense_tables(context_len=L) is the interpolation, still a (draft, verify) pair:
+    at 4096 it lies between 1024's and 8192's and equals ContextCosts.at; outside the range it
+    is the nearest context's tables and says so; None is the default context's, bit for bit."""
+    lo, hi, mid = reference_table.dense_tables(1024), reference_table.dense_tables(8192), reference_table.dense_tables(4096)
+    draft, verify = mid
+    assert isinstance(mid, tuple) and len(mid) == 2 and mid.warning is None
+    np.testing.assert_array_equal(verify, costs.at(4096).verify)
+    assert np.all(verify >= lo[1]) and np.all(verify <= hi[1]) and np.any(verify > lo[1]) and np.any(verify < hi[1])
+    assert (mid.priced.lower, mid.priced.upper, mid.priced.weight) == (1024, 8192, 3072 / 7168)
+    far = reference_table.dense_tables(65536)
+    assert far.warning is not None and far.warning.used_context == 16384 and far.warning.profiled == (1024, 8192, 16384)
+    assert "above the profiled range 1024..16384" in str(far.warning)
+    np.testing.assert_array_equal(far[1], reference_table.dense_tables(16384)[1])
+    default = reference_table.dense_tables()
+    want = build_cost_tables(*reference_table.pair().as_vllm(), reference_table.fingerprint.max_num_seqs,
+                             reference_table.fingerprint.max_num_batched_tokens, reference_table.fingerprint.cudagraph_limit)
+    for got, exp in zip(default, want):
+        np.testing.assert_array_equal(got, exp)

@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
 DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
 SHIPPED = os.path.join(ROOT, "profiles", "h200", "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
-README_DRAFT = "/work/readme-drafts/registry.md"
+README = os.path.join(ROOT, "README.md")
 HARDWARE = {"gpu_name": "NVIDIA H200", "gpu_compute_capability": "9.0", "gpu_memory_mib": 143771,
             "driver_version": "580.159.04", "cuda_version": "13.0", "torch_version": "2.14.0+cu130"}
 
@@ -293,8 +293,9 @@ def test_display_rows_cover_every_key():
 
 
 # -- README and light paths ---------------------------------------------------------------------
-def test_readme_draft_holds_exactly_the_registry_table():
-    text = open(README_DRAFT, encoding="utf-8").read()
+def test_readme_holds_exactly_the_registry_table():
+    text = open(README, encoding="utf-8").read()
+    assert "## Compatibility: what must match" in text
     start, end = "<!-- compatibility-table:start -->\n", "<!-- compatibility-table:end -->"
     assert start in text and end in text, "markers missing"
     assert text.split(start, 1)[1].split(end, 1)[0] == compatibility_markdown()

@@ -115,7 +115,7 @@ def test_a_dip_within_the_points_own_spread_is_a_note(real):
         8: [5.0, 5.0, 5.0, 5.05, 5.1],  # median 5.0 < 6.0 and p75 5.05 far below: a real dip
     }, max_num_batched_tokens=8, max_num_seqs=8)
     dips = {w.size: w for w in inspect_table(t).warnings if w.code == FALLING_MEDIAN}
-    assert dips[2].severity == NOTE and "within its own p25-p75 spread" in dips[2].message
+    assert dips[2].severity == NOTE and "within the points' p25-p75 spread" in dips[2].message
     assert dips[8].severity == WARNING
     insp = inspect_table(t)
     assert insp.counts == {WARNING: 1, NOTE: 1} and insp.summary == "1 warning, 1 note"
@@ -123,10 +123,27 @@ def test_a_dip_within_the_points_own_spread_is_a_note(real):
     assert d["counts"] == {"warning": 1, "note": 1} and {w["severity"] for w in d["warnings"]} == {"warning", "note"}
 
 
-def test_dip_severity_rule(real):
-    assert dip_within_spread(5.0, 5.2) and dip_within_spread(5.0, 5.0)
-    assert not dip_within_spread(5.0, 4.99)
-    assert not dip_within_spread(5.0, float("nan"))  # no spread recorded: cannot call it noise
+def test_dip_severity_rule():
+    """fall <= max(IQR here, IQR of the running-max point): a note; else a warning."""
+    nan = float("nan")
+    assert dip_within_spread(0.2, 0.3, 0.0) and dip_within_spread(0.2, 0.0, 0.3)  # either point's spread
+    assert dip_within_spread(0.2, 0.2, 0.1)  # equal: still within
+    assert not dip_within_spread(0.21, 0.2, 0.1)
+    assert dip_within_spread(0.1, nan, 0.2) and not dip_within_spread(0.3, nan, 0.2)  # NaN ignored
+    assert not dip_within_spread(0.01, nan, nan)  # no spread recorded: cannot call it noise
+
+
+def test_a_dip_within_the_running_max_points_spread_is_a_note(real):
+    """The point that set the running max was noisy (IQR 0.4), the dipping point steady: a fall
+    of 0.3 is within the larger spread; a fall of 0.5 is not."""
+    t = _synthetic(real, {
+        1: [4.6, 4.8, 5.0, 5.2, 5.4],  # median 5.0, p25 4.8, p75 5.2: IQR 0.4
+        2: [4.7] * 5,  # falls 0.3 <= 0.4: note
+        4: [6.0] * 5,
+        8: [5.5] * 5,  # falls 0.5 > max(0, 0): warning
+    }, max_num_batched_tokens=8, max_num_seqs=8)
+    dips = {w.size: w for w in inspect_table(t).warnings if w.code == FALLING_MEDIAN and w.curve == "verify"}
+    assert dips[2].severity == NOTE and dips[8].severity == WARNING
 
 
 def test_summary_and_inspect_output_count_only_warnings_as_warnings(real):
@@ -148,3 +165,27 @@ def test_summary_and_inspect_output_count_only_warnings_as_warnings(real):
     text = out.getvalue()
     assert text.rstrip().splitlines()[-1] == "summary: 0 warnings, 1 note"
     assert "1 note:" in text and "warning:" not in text and "dip?" in text
+
+
+def test_cost_against_context_for_tables_with_several_contexts(real):
+    """inspect shows verify cost at a few sizes per profiled context: exactly the dense tables
+    vLLM would build, in text and JSON; a one-context table has no such view."""
+    from typer.testing import CliRunner
+
+    from conftest import SHIPPED
+    from dspark_calib.cli import app
+    from dspark_calib.inspection import cost_by_context
+
+    view = inspect_table(real).by_context
+    assert view.contexts == (1024, 8192) and view.sizes == (1, 16, 64, 256, 1024, 4096, 8192)
+    for i, size in enumerate(view.sizes):
+        assert view.verify_ms[i] == tuple(float(real.dense_tables(c)[1][size]) for c in view.contexts)
+    assert view.verify_ms[3][1] > 3 * view.verify_ms[3][0]  # 256 tokens: context matters
+    single = build_reference_table([fixture_json(8192)])
+    assert cost_by_context(single) is None and inspect_table(single).to_dict()["cost_by_context"] is None
+    r = CliRunner().invoke(app, ["inspect", str(SHIPPED)])
+    assert "verify cost (ms) against context" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["256"] and "x" in line)
+    assert row.split() == ["256", "16.807", "74.867", "142.393", "8.47x"]
+    d = json.loads(CliRunner().invoke(app, ["inspect", str(SHIPPED), "--json"]).stdout)
+    assert d["cost_by_context"]["contexts"] == [1024, 8192, 16384] and len(d["cost_by_context"]["verify_ms"]) == 7

@@ -188,6 +188,23 @@ def test_shipped_1_0_tables_read_and_verify_under_their_own_rule(path, tmp_path)
         assert full.curves[ctx].as_vllm() == again.curves[ctx].as_vllm()
 
 
+def test_1_0_hash_leaves_out_only_optional_keys_not_recorded():
+    """The 1.0 rule hashes the keys a 1.0 file holds: keys added later (optional) and unrecorded
+    do not count, so adding registry keys never breaks a shipped table; a value set does count."""
+    from dspark_calib.fingerprint import KEYS
+
+    full = read_table(SHIPPED, samples=False)
+    stored = read_metadata(SHIPPED).raw["fingerprint"]
+    absent = [k for k in KEYS if k.optional and k.name not in stored]
+    assert len(absent) >= 10 and all(getattr(full.fingerprint, k.name) is None for k in absent)
+    assert full.fingerprint.max_model_len == stored["max_model_len"] == 32768  # recorded by 1.0: hashed
+    assert full.content_hash == read_metadata(SHIPPED).content_hash
+    changed = dataclasses.replace(full, fingerprint=full.fingerprint.replace(kv_block_size=16))
+    assert changed.schema_version == "1.0" and changed.content_hash != full.content_hash
+    moved = dataclasses.replace(full, fingerprint=full.fingerprint.replace(tensor_parallel_size=2))
+    assert moved.content_hash != full.content_hash  # a 1.0 key still counts
+
+
 def _arrow_at(version: str, n: int = 5) -> pa.Table:
     """A table with every column of `version`, each holding distinct values."""
     values = {"string": lambda: pa.array([f"r{i}" for i in range(n)]), "int64": lambda: pa.array(range(7, 7 + n)),

@@ -71,11 +71,38 @@ def _style_axis(ax: Any, kind: str, ctx: int | str, limits: Iterable[int]) -> No
     ax.legend(fontsize="small", loc="upper left")
 
 
+CONTEXT_PLOT_SIZES = {DRAFT: (1, 16, 64, 256), "verify": (1, 64, 256, 1024, 8192)}
+
+
+def _plot_cost_by_context(table: "CostTable", axes: Any) -> None:
+    """Cost as vLLM would charge it against context, at a few sizes: dots at the profiled
+    contexts, lines through the interpolation CostTable.dense_tables(L) prices between them."""
+    ctxs = table.context_lens()
+    grid = np.unique(np.concatenate([np.linspace(ctxs[0], ctxs[-1], 24).astype(int), ctxs]))
+    dense = {int(c): table.dense_tables(int(c)) for c in grid}
+    fp = table.fingerprint
+    for col, kind in enumerate(CURVE_KINDS):
+        ax = axes[col]
+        top = fp.max_num_seqs if kind == DRAFT else fp.max_num_batched_tokens
+        for size in (s for s in CONTEXT_PLOT_SIZES[kind] if s <= top):
+            line = ax.plot(grid, [dense[int(c)][col][size] for c in grid], linewidth=1, label=f"{SIZE_LABEL[kind]} {size}")
+            ax.plot(ctxs, [dense[c][col][size] for c in ctxs], "o", color=line[0].get_color(), markersize=4)
+        ax.set_xlabel("context (tokens); dots: profiled, lines: interpolated")
+        ax.set_ylabel("ms")
+        ax.set_title(f"{kind} cost against context")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small", loc="upper left")
+
+
 def plot_table(table: "CostTable", path: str | os.PathLike, *, context_len: int | None = None) -> str:
     """Both curves per context length: raw samples as dots, medians, vLLM's dense cost, capture limit."""
     ctxs = table.context_lens() if context_len is None else [table.nearest_context(context_len)]
-    fig, axes = _new_figure(len(ctxs), 2, 3.8 * len(ctxs))
+    by_context = len(ctxs) >= 2  # a last row: cost against context (issue 9)
+    rows = len(ctxs) + by_context
+    fig, axes = _new_figure(rows, 2, 3.8 * rows)
     fp = table.fingerprint
+    if by_context:
+        _plot_cost_by_context(table, axes[-1])
     for row, ctx in enumerate(ctxs):
         pair = table.curves[ctx]
         dense = table.dense_tables(ctx)

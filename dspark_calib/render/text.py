@@ -16,7 +16,7 @@ from rich.text import Text
 
 from dspark_calib.fit import CURVE_KINDS, DRAFT, Curve
 from dspark_calib.inspection import (
-    FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, NOTE, WARNING, DecisionMap, Inspection, TableWarning,
+    FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, NOTE, WARNING, CostByContext, DecisionMap, Inspection, TableWarning,
 )
 
 if TYPE_CHECKING:
@@ -135,27 +135,12 @@ def grid(title: str | None, headers: Sequence[str], rows: Iterable[Any], *, left
 
 # -- inspect -------------------------------------------------------------------------------
 def fingerprint_table(table: "CostTable", title: str = "fingerprint") -> Text:
+    """Every registry key in registry order (fingerprint.display_rows): a key added there shows here."""
+    from dspark_calib.fingerprint import display_rows
+
     fp = table.fingerprint
-    rows = [
-        ("content hash", table.short_hash),
-        ("backend", fp.backend),
-        ("gpu", f"{fp.gpu_name} x{fp.gpu_count}" + (f" (sm {fp.gpu_compute_capability})" if fp.gpu_compute_capability else "")),
-        ("driver / cuda", f"{_short(fp.driver_version)} / {_short(fp.cuda_version)}"),
-        ("vllm / torch", f"{_short(fp.vllm_version)} / {_short(fp.torch_version)}"),
-        ("target", f"{fp.target_model} ({fp.target_config_hash})"),
-        ("draft", f"{fp.draft_model} ({fp.draft_config_hash})"),
-        ("tp / pp", f"{fp.tensor_parallel_size} / {fp.pipeline_parallel_size}"),
-        ("dtype / kv cache", f"{fp.dtype} / {fp.kv_cache_dtype}" + (f" / {fp.quantization}" if fp.quantization else "")),
-        ("speculative tokens", str(fp.num_speculative_tokens)),
-        ("max_num_seqs", str(fp.max_num_seqs)),
-        ("max_num_batched_tokens", str(fp.max_num_batched_tokens)),
-        ("max_model_len", _short(fp.max_model_len)),
-        ("cudagraph sizes", _short(fp.cudagraph_capture_sizes)),
-        ("capture limit", str(fp.cudagraph_limit)),
-        ("context lengths", _short(fp.context_lens)),
-        ("replays / warmup", f"{fp.replays} / {fp.warmup_replays}"),
-        ("created", f"{table.created_at} by dspark-calib {table.tool_version} (schema {table.schema_version})"),
-    ]
+    rows = [("content hash", table.short_hash), *display_rows(fp),
+            ("created", f"{table.created_at} by dspark-calib {table.tool_version} (schema {table.schema_version})")]
     if fp.extra:
         rows.append(("extra", _short(fp.extra)))
     return grid(title, ("", ""), [((k, v), None) for k, v in rows], left=(0, 1))
@@ -223,6 +208,16 @@ def decision_table(dm: DecisionMap, title: str | None = None) -> Text:
     return grid(title, ("R \\ c", *(f"{c:g}" for c in dm.confidence)), rows)
 
 
+def context_cost_table(view: "CostByContext") -> Text:
+    """Verify cost (ms, as vLLM charges it) at a few step sizes against context; the last
+    column is the longest context's cost over the shortest's."""
+    lo, hi = view.contexts[0], view.contexts[-1]
+    headers = ("tokens", *(f"ctx {c}" for c in view.contexts), f"{hi}/{lo}")
+    rows = [((str(size), *(f"{v:.3f}" for v in row), f"{row[-1] / row[0]:.2f}x" if row[0] > 0 else "—"), None)
+            for size, row in zip(view.sizes, view.verify_ms)]
+    return grid("verify cost (ms) against context, as vLLM charges it", headers, rows)
+
+
 def render_inspect(insp: Inspection, console: Console, *, all_points: bool = False) -> None:
     table = insp.table
     if insp.path:
@@ -242,6 +237,9 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
         for kind in CURVE_KINDS:
             console.print()
             _show(console, curve_table(pair.curve(kind), kind, ctx, limit, flags[(ctx, kind)], all_points=all_points))
+    if insp.by_context:
+        console.print()
+        _show(console, context_cost_table(insp.by_context))
     console.print()
     _show(console, decision_table(insp.decision))
     counts = insp.counts
@@ -252,7 +250,7 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
             for line in warnings_view(insp.warnings, severity):
                 _show(console, line)
     if counts[NOTE]:
-        console.print(Text("notes: dips within the point's own p25-p75 spread (noise; vLLM charges the running max)",
+        console.print(Text("notes: dips no larger than the two points' p25-p75 spread (noise; vLLM charges the running max)",
                            style="dim"))
     console.print()
     console.print(Text(f"summary: {insp.summary}", style="yellow" if counts[WARNING] else "green"))
@@ -390,8 +388,10 @@ def render_check(result: "CheckResult", console: Console) -> None:
     console.print(Text(f"checked: {checked}", style="dim"), no_wrap=False)
     if result.unchecked:
         console.print(Text(f"not checked (not given): {', '.join(result.unchecked)}", style="dim"))
+    if result.unrecorded:
+        console.print(Text(f"not recorded by the table (never blocks): {', '.join(result.unrecorded)}", style="dim"))
     if result.ignored:
-        console.print(Text(f"given but not a load check (the plugin does not compare it): {', '.join(result.ignored)}",
+        console.print(Text(f"given but never blocking (warning only, or not compared): {', '.join(result.ignored)}",
                            style="dim"))
     console.print()
     console.print(Text("plugin log:", style="bold"))

@@ -1,0 +1,101 @@
+"""`dspark-calib validate`: observed files made with ObservedWriter from the shipped table's curves."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import REPO, SHIPPED, one_line_error
+from dspark_calib.cli import app
+from dspark_calib.observe import ObservedWriter
+from dspark_calib.table import read_table
+from test_validate import synthetic_steps
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def shipped_observed(tmp_path_factory):
+    """Steps at 1024, 4096 (between profiled contexts) and 16384, priced truthfully by the
+    shipped table's own curves: 3 rolling files of 100 rows."""
+    d = tmp_path_factory.mktemp("observed")
+    with ObservedWriter(d, rows_per_file=100, metadata={"mode": "context_aware"}) as w:
+        for s in synthetic_steps(read_table(SHIPPED, samples=False), (1024, 4096, 16384), per_context=100):
+            w.append(s)
+    assert len(os.listdir(d)) == 3
+    return d
+
+
+def test_report_on_the_shipped_table(shipped_observed):
+    r = invoke("validate", SHIPPED, shipped_observed)
+    assert r.exit_code == 0, r.output
+    assert "validate table ad4ef3d97317: 300 observed steps from 3 file(s)" in r.stdout
+    assert "single-context pricing at 8192" in r.stdout and "budget would change in 100 of 300 steps" in r.stdout
+
+
+def test_json_and_context(shipped_observed):
+    d = json.loads(invoke("validate", SHIPPED, shipped_observed, "--json", "--context", "1000").stdout)
+    assert d["table_hash"].startswith("ad4ef3d97317") and d["num_steps"] == 300 and d["single_context"] == 1024
+    assert d["max_error"] is None and d["plot"] is None and len(d["files"]) == 3
+    verify = next(g for g in d["overall"] if g["kind"] == "verify")
+    # Truthful steps with 0.2 % noise: context-aware within 1 %, one-context pricing at 1024 far off at 16384.
+    assert verify["context_aware"]["median_pct"] < 1.0 and verify["single_context"]["median_pct"] > 10
+
+
+def test_max_error_sets_the_exit_code(shipped_observed):
+    r = invoke("validate", SHIPPED, shipped_observed, "--max-error", "5")
+    assert r.exit_code == 0 and "max error 5%: within" in r.stdout
+    r = invoke("validate", SHIPPED, shipped_observed, "--max-error", "0.0001")
+    assert r.exit_code == 1 and "exceeded" in r.stdout
+    d = json.loads(invoke("validate", SHIPPED, shipped_observed, "--max-error", "0.0001", "--json").stdout)
+    assert d["max_error"] == {"pct": 0.0001, "exceeded": True}
+
+
+def test_plot_follows_the_suffix_and_never_overwrites_an_input(shipped_observed, tmp_path):
+    out = tmp_path / "v.svg"
+    r = invoke("validate", SHIPPED, shipped_observed, "--plot", out)
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes().startswith(b"<?xml") and f"plot written to {out}" in r.stdout
+    table = tmp_path / SHIPPED.name
+    shutil.copyfile(SHIPPED, table)
+    one_line_error(invoke("validate", table, shipped_observed, "--plot", table), "would overwrite the input")
+    assert table.read_bytes() == SHIPPED.read_bytes()
+    inside = sorted(shipped_observed.iterdir())[0]  # a file the directory stands for is an input too
+    before = inside.read_bytes()
+    one_line_error(invoke("validate", SHIPPED, shipped_observed, "--plot", inside), "would overwrite the input")
+    assert inside.read_bytes() == before
+
+
+def test_bad_inputs_are_one_line(shipped_observed, tmp_path):
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"nope" * 100)
+    # --plot is checked before any input is read: its problem is the one reported.
+    one_line_error(invoke("validate", broken, shipped_observed, "--plot", tmp_path / "x.bmp"), "unknown plot format")
+    one_line_error(invoke("validate", broken, shipped_observed), str(broken))
+    one_line_error(invoke("validate", SHIPPED, tmp_path / "absent.parquet"), "absent.parquet", "no such file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    one_line_error(invoke("validate", SHIPPED, empty), "no observed-*.parquet files")
+    one_line_error(invoke("validate", SHIPPED, SHIPPED), "not an observe file")
+    assert invoke("validate", SHIPPED).exit_code == 2  # OBSERVED is required
+
+
+def test_validate_command_imports_no_torch_or_vllm(shipped_observed):
+    code = ("import sys\nfrom dspark_calib.cli import main\n"
+            f"sys.argv = ['dspark-calib', 'validate', {str(SHIPPED)!r}, {str(shipped_observed)!r}, '--json']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+            "heavy = [m for m in ('torch', 'vllm', 'pandas', 'scipy', 'matplotlib') if m in sys.modules]\n"
+            "assert not heavy, heavy\nassert code in (0, None), code\nprint('OK')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr
