@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,3 +102,19 @@ def table_files(tmp_path_factory, table_1024, table_16384, reference_table_8192,
     d = tmp_path_factory.mktemp("tables")
     tables = {"c1024": table_1024, "c8192": reference_table_8192, "c16384": table_16384, "all": reference_table}
     return {name: write_table(t, d / f"{name}.parquet") for name, t in tables.items()}
+
+
+HEAVY_MODULES = ("torch", "vllm", "pandas", "scipy", "matplotlib")
+
+
+def assert_command_is_light(*argv: str) -> None:
+    """Run `dspark-calib ARGV` in a fresh interpreter: it must succeed without importing
+    torch, vllm, pandas, scipy or matplotlib (offline commands stay fast on any machine)."""
+    code = ("import sys\nfrom dspark_calib.cli import main\n"
+            f"sys.argv = ['dspark-calib', *{[str(a) for a in argv]!r}]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+            f"heavy = [m for m in {HEAVY_MODULES!r} if m in sys.modules]\n"
+            "assert not heavy, heavy\nassert code in (0, None), code\nprint('OK')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 from typer.testing import CliRunner
 
-from conftest import DRAFT, MODEL, REPO, SHIPPED, build_reference_table, fixture_json, one_line_error
+from conftest import assert_command_is_light, DRAFT, MODEL, REPO, SHIPPED, build_reference_table, fixture_json, one_line_error
 from dspark_calib.check import LOADS, MISMATCH, check_tables, describe, parse_engine_pairs
 from dspark_calib.cli import app
 from dspark_calib.fingerprint import BLOCKING, EQUAL, KEYS, LOAD_RULES, RECORDED, unchecked_keys
@@ -155,14 +152,7 @@ def test_missing_model_dir_is_one_line_error(tmp_path):
 
 
 def test_check_imports_no_torch_or_vllm():
-    code = ("import sys\nfrom dspark_calib.cli import main\n"
-            f"sys.argv = ['dspark-calib', 'check', {str(SHIPPED)!r}, '--model', {MODEL!r}, '--gpu-name', 'NVIDIA H200']\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
-            "heavy = [m for m in ('torch', 'vllm', 'pandas', 'scipy', 'matplotlib') if m in sys.modules]\n"
-            "assert not heavy, heavy\nassert code in (0, None), code\nprint('OK')\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr
+    assert_command_is_light('check', str(SHIPPED), '--model', MODEL, '--gpu-name', 'NVIDIA H200')
 
 
 def test_unreadable_tables_are_reported_and_a_missing_source_is_one_line(tmp_path):

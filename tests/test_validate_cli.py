@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 from typer.testing import CliRunner
 
-from conftest import REPO, SHIPPED, one_line_error
+from conftest import assert_command_is_light, REPO, SHIPPED, one_line_error
 from dspark_calib.cli import app
 from dspark_calib.observe import ObservedWriter
 from dspark_calib.table import read_table
@@ -91,11 +89,4 @@ def test_bad_inputs_are_one_line(shipped_observed, tmp_path):
 
 
 def test_validate_command_imports_no_torch_or_vllm(shipped_observed):
-    code = ("import sys\nfrom dspark_calib.cli import main\n"
-            f"sys.argv = ['dspark-calib', 'validate', {str(SHIPPED)!r}, {str(shipped_observed)!r}, '--json']\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
-            "heavy = [m for m in ('torch', 'vllm', 'pandas', 'scipy', 'matplotlib') if m in sys.modules]\n"
-            "assert not heavy, heavy\nassert code in (0, None), code\nprint('OK')\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr
+    assert_command_is_light('validate', str(SHIPPED), str(shipped_observed), '--json')

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping
+from typing import Any, Mapping
 
 from dspark_calib.errors import CalibError
 
@@ -57,14 +57,21 @@ def policy(env: Mapping[str, str] | None = None) -> str:
     return value
 
 
-def context_len(env: Mapping[str, str] | None = None) -> int | None:
-    raw = (_get(env, CONTEXT_LEN) or "").strip()
+def _number(env: Mapping[str, str] | None, name: str, convert: Any, what: str) -> Any:
+    """The variable as a number, None when unset or empty; anything else is one CalibError line."""
+    raw = (_get(env, name) or "").strip()
     if not raw:
         return None
     try:
-        value = int(raw)
+        return convert(raw)
     except ValueError:
-        raise CalibError(f"{CONTEXT_LEN}={shown(raw)} is not an integer") from None
+        raise CalibError(f"{name}={shown(raw)} is not {what}") from None
+
+
+def context_len(env: Mapping[str, str] | None = None) -> int | None:
+    value = _number(env, CONTEXT_LEN, int, "an integer")
+    if value is None:
+        return None
     if value <= 0:
         raise CalibError(f"{CONTEXT_LEN}={value} must be positive")
     return value
@@ -95,15 +102,11 @@ def context_aware_enabled(env: Mapping[str, str] | None = None) -> bool:
 
 
 def load_timeout(env: Mapping[str, str] | None = None) -> float:
-    raw = (_get(env, LOAD_TIMEOUT) or "").strip()
-    if not raw:
+    value = _number(env, LOAD_TIMEOUT, float, "a number of seconds")
+    if value is None:
         return DEFAULT_LOAD_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise CalibError(f"{LOAD_TIMEOUT}={shown(raw)} is not a number of seconds") from None
     if not 0 < value <= MAX_LOAD_TIMEOUT_S:  # also refuses nan and inf
-        raise CalibError(f"{LOAD_TIMEOUT}={shown(raw)} must be > 0 and <= {MAX_LOAD_TIMEOUT_S:g} seconds")
+        raise CalibError(f"{LOAD_TIMEOUT}={value:g} must be > 0 and <= {MAX_LOAD_TIMEOUT_S:g} seconds")
     return value
 
 
