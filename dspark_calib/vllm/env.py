@@ -126,7 +126,7 @@ def pinned_hashes(env: Mapping[str, str] | None = None) -> frozenset[str] | None
             continue
         if not _HEX64.fullmatch(item):
             raise CalibError(f"{TABLE_SHA256}: {shown(item, 20)} is not a full 64-hex content hash "
-                             "(`dspark-calib inspect TABLE` prints it)")
+                             "(`dspark-calib inspect TABLE --json` prints it as content_hash)")
         pins.add(item)
     if not pins:
         raise CalibError(f"{TABLE_SHA256}={shown(raw)} names no hash")
