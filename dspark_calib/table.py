@@ -30,6 +30,12 @@ MAX_STEP_MS = 60_000.0
 # but not fall below its running peak by more than max(FALL_IQRS x IQR, FALL_FRACTION).
 FALL_IQRS = 3.0
 FALL_FRACTION = 0.10
+# A point's IQR / median above this is refused at read time: real H200 tables measure <= 3.8 %
+# (shipped profile 1.5 %, benchmarks/results/h200 0.8-3.8 %), a 2-replay split of the test
+# recording 51 % at one draft point; a forged huge spread (forge.py: 200 %) would widen the
+# probe's tolerance and the fall check.
+MAX_REL_IQR = 1.0
+SPREAD_FLOOR_MS = 0.05  # below this an IQR is timer noise whatever the median (a tiny draft step)
 
 
 def nearest(context_lens: Iterable[int], wanted: int) -> int:
@@ -155,6 +161,20 @@ class CostTable:
                     raise CalibError(f"{where}, size {curve.size[np.flatnonzero(bad)[0]]}: costs must be finite and >= 0")
                 if (curve.n < 1).any():
                     raise CalibError(f"{where}: every point needs n >= 1")
+
+    def check_spread(self) -> None:
+        """Read time only (a merge of several machines' samples may be wide when written): refuse a
+        point whose IQR is implausibly wide for its median, as a forgery widening the probe would be."""
+        for ctx, pair in sorted(self.curves.items()):
+            for kind in CURVE_KINDS:
+                c = pair.curve(kind)
+                iqr = np.nan_to_num(np.maximum(c.p75_ms - c.p25_ms, 0.0))
+                wide = np.flatnonzero((iqr > MAX_REL_IQR * c.cost_ms) & (iqr > SPREAD_FLOOR_MS))
+                if len(wide):
+                    i = int(wide[0])
+                    raise CalibError(f"{kind} curve at context {ctx}, size {c.size[i]}: IQR {iqr[i]:.4g} ms is more "
+                                     f"than {MAX_REL_IQR:.0%} of the {c.cost_ms[i]:.4g} ms median, "
+                                     f"not a plausible spread")
 
     def check_plausible(self) -> None:
         """Costs a GPU can produce, or a CalibError naming the point: a forged or broken table

@@ -278,6 +278,7 @@ class TableFile:
                 raise CalibError(f"content hash mismatch (metadata says {self.meta.content_hash[:12]}, contents "
                                  f"give {found[:12]}): the file was altered or corrupted")
             table.check_plausible()  # a validly hashed table can still be forged
+            table.check_spread()
         except CalibError as exc:
             raise exc if exc.path else CalibError(str(exc), path=path) from None
         if samples and self.meta.samples_digest is not None and table.samples_digest != self.meta.samples_digest:

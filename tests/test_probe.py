@@ -295,3 +295,36 @@ def test_bad_env_value_is_one_line_and_the_policy(monkeypatch, caplog, tmp_path,
         return
     _, batches, _, records = start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, 1.0)
     assert len(batches) == 280 and len(records) == 1 and name in records[0].getMessage()
+
+
+# -- review finding 1: a forged huge spread must not widen the probe's tolerance ----------
+def _forged_spread(table):
+    """forge.py: costs x1.3, p25 = min = 0, p75 = max = 2 x the forged cost (relative IQR 2.0)."""
+    import dataclasses
+    from dspark_calib.fit import Curve, CurvePair
+
+    def forge(c):
+        cols = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+        cols["cost_ms"] = c.cost_ms * 1.3
+        cols["min_ms"] = cols["p25_ms"] = c.cost_ms * 0.0
+        cols["p75_ms"] = cols["max_ms"] = c.cost_ms * 2.6
+        return Curve.from_columns(cols)
+
+    return dataclasses.replace(table, curves={k: CurvePair(draft=forge(p.draft), verify=forge(p.verify))
+                                              for k, p in table.curves.items()})
+
+
+def test_probe_tolerance_is_capped_whatever_the_tables_spread(reference_table):
+    real, forged = reference_table.curves[8192], _forged_spread(reference_table).curves[8192]
+    i, j = list(real.verify.size).index(512), list(real.draft.size).index(256)
+    gpu = [P.Measured(float(real.verify.cost_ms[i]), float(real.draft.cost_ms[j]), 512, 256, True)]
+    verdict = P.judge(forged, gpu, 1)
+    assert not verdict.ok and all(c.tolerance <= P.MAX_TOLERANCE for c in verdict.checks)
+
+
+@pytest.mark.parametrize("policy", ["strict", "fallback"])
+def test_forged_spread_table_is_refused_at_read_time(monkeypatch, tmp_path, reference_table, policy):
+    path = write_table(_forged_spread(reference_table), tmp_path / "forged.parquet")
+    d = loader.decide(str(path), {}, policy=policy, allow_reference=True)
+    assert not d.load
+    assert ("IQR" in d.refuse) if policy == "strict" else (not d.refuse and "profiling" in d.lines[0])
