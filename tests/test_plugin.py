@@ -520,3 +520,50 @@ def test_unknown_backend_is_refused(monkeypatch, tmp_path, reference_table, reco
     path = _write(replace(reference_table, fingerprint=reference_table.fingerprint.replace(backend="sglang")), tmp_path)
     batches, lines = _decide_here(monkeypatch, caplog, recorded, DSPARK_CALIB_TABLE=path, DSPARK_CALIB_ALLOW_REFERENCE=1)
     assert len(batches) == 280 and "backend" in lines[0] and "sglang" in lines[0]
+
+
+# -- review findings 4 and 9 ------------------------------------------------------------------
+class _SyntheticManager:
+    def batches_to_profile(self, capture_sizes):
+        yield {"num_tokens": 1}
+
+    def set_initial_cost_curves(self, samples):
+        pass
+
+
+def test_unknown_shape_without_batches_to_profile_never_raises_in_the_import_hook(monkeypatch, caplog):
+    """Finding 4: a manager class with no batches_to_profile (an unknown vLLM) -> one line, no exception."""
+    class Renamed:  # a future vLLM: the method renamed
+        def profile_batches(self, sizes):
+            pass
+
+    assert not plugin.is_patched(Renamed)
+    fake = SimpleNamespace(AdaptiveVerificationManager=Renamed)
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.spec_decode.adaptive_verification", fake)
+    monkeypatch.setattr(shape, "detect", lambda: shape.ApiShape(None, "no batches_to_profile", "0.99.0"))
+    monkeypatch.setattr(plugin, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
+        plugin._patch_installed_vllm()  # must not raise
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.dspark_calib"]
+    assert len(lines) == 1 and "leaving vLLM untouched" in lines[0]
+    assert not hasattr(Renamed, "batches_to_profile")
+
+
+def test_second_engine_start_in_one_process_logs_again(monkeypatch, caplog):
+    """Finding 9: log_once is per engine start, not per process."""
+    monkeypatch.setattr(plugin, "_logged", set())
+
+    def mode():
+        plugin.log_once(logging.WARNING, "dspark-calib: the same line at every start")
+        return None
+
+    monkeypatch.setattr(plugin, "active_mode", mode)
+    plugin.patch(_SyntheticManager)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
+            for _ in range(2):
+                assert list(_SyntheticManager().batches_to_profile([1])) == [{"num_tokens": 1}]
+    finally:
+        plugin.unpatch(_SyntheticManager)
+    lines = [r.getMessage() for r in caplog.records if "the same line" in r.getMessage()]
+    assert len(lines) == 2

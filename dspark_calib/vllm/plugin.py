@@ -230,11 +230,11 @@ class _ThenPatch(importlib.abc.Loader):
 
 
 def _patch_installed_vllm() -> None:
-    av = sys.modules.get("vllm.v1.worker.gpu.spec_decode.adaptive_verification")
-    manager_cls = getattr(av, "AdaptiveVerificationManager", None)
-    if manager_cls is not None and is_patched(manager_cls):
-        return  # vLLM loads plugins more than once: detect (it parses vLLM's source) once
     try:
+        av = sys.modules.get("vllm.v1.worker.gpu.spec_decode.adaptive_verification")
+        manager_cls = getattr(av, "AdaptiveVerificationManager", None)
+        if manager_cls is not None and is_patched(manager_cls):
+            return  # vLLM loads plugins more than once: detect (it parses vLLM's source) once
         from dspark_calib.vllm.shape import SUPPORTED_VLLM, detect
 
         shape = detect()
@@ -255,7 +255,8 @@ def _patch_installed_vllm() -> None:
 
 
 def is_patched(manager_cls: Any) -> bool:
-    return hasattr(manager_cls.batches_to_profile, _MARK)
+    # getattr: an unknown vLLM shape may lack the method; this runs inside vLLM's import
+    return hasattr(getattr(manager_cls, "batches_to_profile", None), _MARK)
 
 
 def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
@@ -267,6 +268,7 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
         @functools.wraps(orig_batches)
         def batches_to_profile(self: Any, capture_sizes: list[int]):
             # vLLM's own generator sets self._cudagraph_limit and gives its batch plan.
+            _logged.clear()  # each engine start logs its own lines (a second start in one process too)
             vllm_batches = list(orig_batches(self, capture_sizes))
             state = state_of(self)
             state.vllm_fit = orig_init
