@@ -46,7 +46,7 @@ def error_line(exc: BaseException) -> str:
 
 
 def handled(func: F) -> F:
-    """Turn CalibError/OSError/ValueError into one stderr line and exit 2, never a traceback.
+    """Turn CalibError/OSError/ValueError (and RecursionError/MemoryError) into one stderr line and exit 2, never a traceback.
 
     Wraps each command (not just main) so typer's CliRunner sees the same behaviour
     as the console script. Also used for the `profile` command registered below.
@@ -60,6 +60,9 @@ def handled(func: F) -> F:
             raise typer.Exit(0)
         except (CalibError, OSError, ValueError) as exc:
             typer.echo(error_line(exc), err=True)
+            raise typer.Exit(EXIT_ERROR)
+        except (RecursionError, MemoryError) as exc:  # e.g. deeply nested JSON input
+            typer.echo(f"{PROG}: error: input too deeply nested or too large ({type(exc).__name__})", err=True)
             raise typer.Exit(EXIT_ERROR)
 
     return wrapper  # type: ignore[return-value]

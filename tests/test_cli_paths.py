@@ -210,3 +210,27 @@ def test_empty_out_and_directory_plot_are_refused(table_files, tmp_path):
     d = tmp_path / "d.png"
     d.mkdir()
     one_line_error(invoke("inspect", table_files["c1024"], "--plot", d), str(d), "is a directory")
+
+
+# -- review finding 6: deeply nested JSON is one line and exit 2, never a traceback ----------
+DEEP = "[" * 200_000 + "]" * 200_000
+
+
+@pytest.mark.parametrize("where", ["import-vllm", "check-model", "engine-args-json"])
+def test_deeply_nested_json_is_one_line(tmp_path, where):
+    deep = tmp_path / "deep.json"
+    deep.write_text(DEEP)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(DEEP)
+    args = {
+        "import-vllm": ("import-vllm", deep, *IMPORT, "--out", tmp_path / "o.parquet"),
+        "check-model": ("check", tmp_path, "--model", model),
+        "engine-args-json": ("profile", "--model", MODEL, "--draft", DRAFT, "--engine-args-json", deep,
+                             "--out", tmp_path / "p.parquet"),
+    }[where]
+    r = invoke(*args)
+    assert r.exit_code == 2, (r.exit_code, r.exception, r.output[-500:])
+    assert isinstance(r.exception, SystemExit) and "Traceback" not in r.output
+    errors = [line for line in r.output.splitlines() if "error:" in line]
+    assert errors == ["dspark-calib: error: input too deeply nested or too large (RecursionError)"]
