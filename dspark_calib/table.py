@@ -57,6 +57,10 @@ class CostTable:
     schema_version: str = SCHEMA_VERSION
     # Samples.digest(); recomputed whenever samples are present, taken from the file when they were not read.
     samples_digest: str = ""
+    # (recomputed, stored) hash of a table read from a file, set by TableFile.read only: a newer
+    # minor's file (unknown fingerprint keys under extra) recomputes another hash than the stored,
+    # verified one that pins match. Not an init field: dataclasses.replace() drops it.
+    _read_hash: tuple[str, str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         samples = self.samples
@@ -89,7 +93,10 @@ class CostTable:
         """sha256 of what the table means, under its schema version's rule (see tablefile.py)."""
         from dspark_calib.tablefile import content_hash
 
-        return content_hash(self)
+        found = content_hash(self)
+        if self._read_hash is not None and self._read_hash[0] == found:
+            return self._read_hash[1]  # the file's verified hash (the one a pin matches)
+        return found
 
     @property
     def short_hash(self) -> str:

@@ -279,6 +279,7 @@ class TableFile:
                                  f"give {found[:12]}): the file was altered or corrupted")
             table.check_plausible()  # a validly hashed table can still be forged
             table.check_spread()
+            object.__setattr__(table, "_read_hash", (content_hash(table), self.meta.content_hash))
         except CalibError as exc:
             raise exc if exc.path else CalibError(str(exc), path=path) from None
         if samples and self.meta.samples_digest is not None and table.samples_digest != self.meta.samples_digest:
@@ -377,7 +378,7 @@ def to_arrow(table: CostTable) -> pa.Table:
                     **{c: getattr(curve, c) for c in CURVE_COLUMNS}})
     s = table.samples
     add(len(s), {"record": [RECORD_SAMPLE] * len(s), **s.columns()})
-    meta = {**_meta_1_1(table), "content_hash": table.content_hash}
+    meta = {**_meta_1_1(table), "content_hash": content_hash(table)}  # recomputed, never a read one
     return pa.Table.from_arrays([pa.concat_arrays(v) for v in arrays.values()],
                                 schema=SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta).encode()}))
 

@@ -389,3 +389,29 @@ def test_to_arrow_of_a_migrated_table_is_a_valid_current_file(tmp_path):
     old = read_table(SHIPPED)
     back = read_table(forge(tmp_path / "f.parquet", old))
     assert back.schema_version == SCHEMA_VERSION and back.curves[8192].as_vllm() == old.curves[8192].as_vllm()
+
+
+# -- review finding 5: a newer minor's table keeps its stored, verified hash -------------------
+def test_newer_minor_table_reports_its_stored_hash(tmp_path, reference_table):
+    from dspark_calib.tablefile import METADATA_KEY, _hash_1_1, read_metadata
+
+    p = write_table(reference_table, tmp_path / "h11.parquet")
+    arrow = pq.read_table(p)
+    meta = json.loads(arrow.schema.metadata[METADATA_KEY])
+    meta["schema_version"] = "1.2"
+    meta["fingerprint"]["new_key_from_1_2"] = "x"  # this reader moves it under extra
+    meta["content_hash"] = _hash_1_1(meta, read_table(p).curves)
+    newer = tmp_path / "h12.parquet"
+    pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), newer,
+                   row_group_size=meta["curve_rows"], write_page_checksum=True)
+    stored = read_metadata(newer).content_hash
+    t = read_table(newer)
+    assert t.content_hash == stored
+    from typer.testing import CliRunner
+    from dspark_calib.cli import app
+    r = CliRunner().invoke(app, ["inspect", str(newer), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["content_hash"] == stored
+    # a table changed after the read computes its own hash again; one built in memory too
+    changed = dataclasses.replace(t, created_at="2026-01-01T00:00:00Z")
+    assert changed.content_hash != stored
+    assert reference_table.content_hash == read_table(p).content_hash
