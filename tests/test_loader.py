@@ -187,13 +187,35 @@ def test_row_group_limit(tmp_path, reference_table, engine):
     assert "row groups" in one_line(run(tmp_path, engine, limits=C.Limits(max_row_groups=8)))
 
 
-def test_candidate_limit_keeps_the_newest_and_counts_the_rest(tmp_path, reference_table, engine):
+def test_newer_junk_files_never_hide_the_good_table(tmp_path, reference_table, engine):
+    """Review finding 2 (/tmp/flood.py): one-byte junk .parquet files newer than the good table."""
     good = write_table(reference_table, tmp_path / "good.parquet")
+    os.utime(good, (1, 1))  # oldest by modification time
     for i in range(20):
         (tmp_path / f"junk{i:02}.parquet").write_bytes(b"x")
-    os.utime(good, (2e9, 2e9))  # newest by modification time
     line = one_line(run(tmp_path, engine, limits=C.Limits(max_candidates=3)))
-    assert "loaded cost table" in line and "18 not read (over the 3-candidate limit" in line
+    assert "loaded cost table" in line and "20 unreadable" in line and "not read" not in line
+
+
+def test_newer_mismatching_tables_never_hide_the_engines_own(tmp_path, reference_table, engine):
+    """Review finding 2 (/tmp/fleet.py): other engines' tables written later, more than the cap."""
+    tp = reference_table.fingerprint.tensor_parallel_size
+    good = write_table(reference_table, tmp_path / "ours.parquet")
+    os.utime(good, (1, 1))
+    for i in range(5):
+        other = replace(reference_table, fingerprint=reference_table.fingerprint.replace(tensor_parallel_size=tp + 1 + i))
+        write_table(other, tmp_path / f"other{i}.parquet")
+    d = run(tmp_path, {**engine, "tensor_parallel_size": tp}, "strict", limits=C.Limits(max_candidates=3))
+    line = one_line(d)
+    assert d.load and "ours.parquet" in line and "5 mismatch" in line
+
+
+def test_curve_reads_are_capped_best_first_and_counted(tmp_path, reference_table, engine):
+    for i in range(5):  # metadata fits, the read refuses them: each costs a curve read
+        write_unchecked(forged(replace(reference_table, created_at=f"2026-0{i + 1}-01T00:00:00Z"), values=0.0),
+                        tmp_path / f"forged{i}.parquet")
+    line = one_line(run(tmp_path, engine, limits=C.Limits(max_candidates=3)))
+    assert "3 unreadable" in line and "2 not read (over the 3-read limit, best first)" in line
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -5,8 +5,10 @@ Tables come from shared directories and buckets that other people can write to
 
 * only regular files are opened: stat before opening, open with O_NONBLOCK and
   fstat the handle (a FIFO or device named x.parquet is refused, never waited on);
-* at most `max_candidates` files per directory (newest modification first), the
-  rest skipped with a count; at most `max_scan` directory entries looked at;
+* every listed file's metadata (footer, bounded by the footer limits) is checked;
+  at most `max_candidates` curve reads per decision (the best candidates by their
+  checked metadata first), the rest skipped with a count; at most `max_scan`
+  directory entries looked at;
 * each file is opened once (C1's TableFile): its metadata and its curves come from
   that one handle and the curve read verifies the content hash the checked metadata
   states, so what is checked is what is loaded; raw samples are never read;
@@ -33,7 +35,7 @@ from dspark_calib.tablemeta import ReadLimits
 class Limits:
     """Serve-time bounds: the listing's own, plus C1's ReadLimits (defaults: tablemeta.SERVE_LIMITS)."""
 
-    max_candidates: int = 64  # files read per directory
+    max_candidates: int = 64  # curve reads per decision (metadata checks: max_scan and the deadline)
     max_scan: int = 100_000  # directory entries looked at
     io_timeout_s: float = 5.0  # object stores: connect and per-request
     max_file_bytes: int = _READ.max_file_bytes  # only the footer and curve rows are read, never the samples
@@ -71,9 +73,9 @@ def escape(text: Any, limit: int = 80) -> str:
 
 @dataclass(frozen=True)
 class Listing:
-    paths: tuple[str, ...]  # to read, newest modification first
+    paths: tuple[str, ...]  # to check, newest modification first
     refused: tuple[tuple[str, str], ...] = ()  # (path, why) not opened at all
-    skipped: int = 0  # beyond max_candidates / max_scan
+    skipped: int = 0  # beyond max_scan
 
 
 # -- filesystems ------------------------------------------------------------------------
@@ -171,9 +173,10 @@ def _list_local(path: str, limits: Limits) -> Listing:
 
 
 def _cap(found: list[tuple[int, str]], refused: list, limits: Limits, unscanned: int) -> Listing:
+    # No cap by modification time here (64 newer junk or mismatching files would hide the
+    # engine's table): the loader caps the curve reads, the expensive part, instead.
     found.sort(key=lambda item: (-item[0], item[1]))
-    keep = found[: limits.max_candidates]
-    return Listing(tuple(p for _, p in keep), tuple(refused), len(found) - len(keep) + unscanned)
+    return Listing(tuple(p for _, p in found), tuple(refused), unscanned)
 
 
 def _os_reason(exc: OSError) -> str:

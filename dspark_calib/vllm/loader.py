@@ -115,7 +115,7 @@ class _Examined:
 
 
 def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: frozenset[str] | None,
-             effective: int, limits: Limits, beat: tuple | None = None) -> _Examined:
+             effective: int, limits: Limits, beat: tuple | None = None, read: bool = True) -> _Examined:
     """One file, opened once; every error stays with this file. The curves are read (from the
     same handle, hash-verified against the metadata checked here) only when the metadata says
     this file could beat `beat`, the best key so far."""
@@ -125,11 +125,12 @@ def _examine(path: str, fs: Any, engine: dict, *, allow_reference: bool, pins: f
     except Exception as exc:  # noqa: BLE001 - RecursionError from nested JSON, MemoryError, pyarrow...
         return _Examined(CandidateReport(shown, status="unreadable", reason=_why(exc)), [])
     with tf:
-        return _judge(tf, shown, engine, allow_reference=allow_reference, pins=pins, effective=effective, beat=beat)
+        return _judge(tf, shown, engine, allow_reference=allow_reference, pins=pins, effective=effective, beat=beat,
+                      read=read)
 
 
 def _judge(tf: Any, shown: str, engine: dict, *, allow_reference: bool, pins: frozenset[str] | None,
-           effective: int, beat: tuple | None) -> _Examined:
+           effective: int, beat: tuple | None, read: bool = True) -> _Examined:
     meta = tf.meta
     fp, content_hash = meta.fingerprint, meta.content_hash
     base = dict(path=shown, content_hash=escape(content_hash, 64), created_at=escape(meta.raw.get("created_at"), 40))
@@ -156,8 +157,8 @@ def _judge(tf: Any, shown: str, engine: dict, *, allow_reference: bool, pins: fr
     # a forged "9999-..." is unreadable, never the newest.
     ex = _Examined(CandidateReport(**base, status=status, reason=problems[0] if problems else ""), problems,
                    (-len(problems), meta.created_at.timestamp()), None, ctx, fp, tuple(mismatches))
-    if beat is not None and ex.sort_key <= beat:
-        return ex  # cannot be chosen: its curves are never read
+    if not read or (beat is not None and ex.sort_key <= beat):
+        return ex  # metadata only, or cannot be chosen: its curves are never read
     try:  # the same handle; verifies the content hash and C1's plausibility checks on what was read
         ex.table = tf.read(samples=False)
     except Exception as exc:  # noqa: BLE001
@@ -206,19 +207,32 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
         return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: {_why(exc)}")
     seen = [_Examined(CandidateReport(escape(p, PATH_LIMIT), status="refused", reason=escape(w, 120)), [])
             for p, w in listing.refused]
-    best: _Examined | None = None  # highest sort key: fewest problems, then newest created_at
+    # Pass 1: every listed file's metadata (footer-bounded, cheap; the deadline bounds the
+    # whole). Pass 2: curve reads, the expensive part, best sort key first and at most
+    # limits.max_candidates of them; the first that reads wins (no later one can beat it).
+    judged: list[tuple[str, _Examined]] = []
     for path in listing.paths:
         ex = _examine(path, fs, engine, allow_reference=allow_reference, pins=pins, effective=effective, limits=limits,
-                      beat=best.sort_key if best else None)
-        seen.append(ex)  # ties keep the earlier file: the newest modification
-        if ex.table is not None and (best is None or ex.sort_key > best.sort_key):
-            if best is not None:
-                best.table = None  # hold one parsed table at a time
+                      read=False)
+        judged.append((path, ex))
+    # stable: ties keep the earlier file, the newest modification
+    order = sorted((i for i, (_, ex) in enumerate(judged) if ex.report.status in ("fits", "mismatch")),
+                   key=lambda i: judged[i][1].sort_key, reverse=True)
+    best: _Examined | None = None  # highest sort key: fewest problems, then newest created_at
+    skipped = listing.skipped
+    for n, i in enumerate(order):
+        if n >= limits.max_candidates:
+            skipped += len(order) - n
+            break
+        ex = _examine(judged[i][0], fs, engine, allow_reference=allow_reference, pins=pins, effective=effective,
+                      limits=limits)
+        judged[i] = (judged[i][0], ex)
+        if ex.table is not None:
             best = ex
-        else:
-            ex.table = None
+            break
+    seen += [ex for _, ex in judged]
     reports = tuple(e.report for e in seen)
-    others = _others([e.report for e in seen if e is not best], listing.skipped, limits)
+    others = _others([e.report for e in seen if e is not best], skipped, limits)
     if best is None:
         return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: no usable table{others or ' (no *.parquet tables there)'}",
                          reports)
@@ -278,7 +292,7 @@ def _others(reports: list[CandidateReport], skipped: int, limits: Limits) -> str
         word = "older fitting" if status == "fits" else status  # the chosen one is the newest fit
         parts.append(f"{len(items)} {word}" + (f" ({'; '.join(shown)}{more})" if shown else ""))
     if skipped:
-        parts.append(f"{skipped} not read (over the {limits.max_candidates}-candidate limit, newest kept)")
+        parts.append(f"{skipped} not read (over the {limits.max_candidates}-read limit, best first)")
     return "; skipping other files: " + ", ".join(parts)
 
 
