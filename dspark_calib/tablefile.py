@@ -255,6 +255,10 @@ class TableFile:
                 if not 0 < self.meta.curve_rows <= sum(self._groups):
                     raise CalibError(f"metadata curve_rows {self.meta.curve_rows} is not a row count of this file", path=path)
                 groups = [i for i in groups if sum(self._groups[:i]) < self.meta.curve_rows]
+                # the writer ends a group at curve_rows: a group running on into millions of
+                # sample rows would be decoded whole (hundreds of MB) for a few curve points
+                check_limit("rows in the curve row groups", sum(self._groups[i] for i in groups),
+                            self.limits.max_curve_points, "max_curve_points", path)
         try:
             arrow = self._pf.read_row_groups(groups, columns=columns)
             # Page checksums do not cover the footer: a damaged count there makes pyarrow read fewer

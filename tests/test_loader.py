@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -163,6 +164,26 @@ def test_deadline_applies_the_policy(policy):
     line = d.lines[0]
     assert not d.load and "no decision within 0.05 s" in line and E.LOAD_TIMEOUT in line
     assert bool(d.refuse) == (policy == "strict")
+
+
+def test_decision_thread_stops_reading_after_the_deadline(monkeypatch, tmp_path, engine):
+    """Review finding 3: after the deadline vLLM profiles; the decision thread must stop reading."""
+    for i in range(10):
+        (tmp_path / f"junk{i}.parquet").write_bytes(b"x")
+    calls, examine = [], L._examine
+
+    def slow(*a, **k):
+        calls.append(1)
+        time.sleep(0.1)
+        return examine(*a, **k)
+
+    monkeypatch.setattr(L, "_examine", slow)
+    cancel = threading.Event()
+    src = str(tmp_path)
+    d = L.decide_within(0.25, "fallback", src, lambda: L.decide(src, engine, cancel=cancel), cancel)
+    assert not d.load and "no decision within" in d.lines[0] and cancel.is_set()
+    time.sleep(0.6)  # the thread finishes the file in hand, then stops
+    assert len(calls) <= 4, len(calls)
 
 
 def test_exception_in_decision_is_one_line():

@@ -415,3 +415,21 @@ def test_newer_minor_table_reports_its_stored_hash(tmp_path, reference_table):
     changed = dataclasses.replace(t, created_at="2026-01-01T00:00:00Z")
     assert changed.content_hash != stored
     assert reference_table.content_hash == read_table(p).content_hash
+
+
+# -- review finding 3: a curve row group that runs on into sample rows is refused ---------------
+def test_serving_read_refuses_a_curve_row_group_full_of_sample_rows(tmp_path, reference_table):
+    from dspark_calib.tablefile import TableFile, to_arrow
+    from dspark_calib.tablemeta import SERVE_LIMITS
+
+    arrow = to_arrow(reference_table)
+    path = tmp_path / "one-group.parquet"
+    pq.write_table(arrow, str(path), row_group_size=arrow.num_rows)  # curve rows and every sample row: one group
+    curve_rows = json.loads(arrow.schema.metadata[b"dspark_calib"])["curve_rows"]
+    assert curve_rows < arrow.num_rows
+    limits = dataclasses.replace(SERVE_LIMITS, max_curve_points=curve_rows)
+    with TableFile.open(path, limits=limits) as tf:
+        with pytest.raises(CalibError, match="rows in the curve row groups .* max_curve_points"):
+            tf.read(samples=False)
+    with TableFile.open(write_table(reference_table, tmp_path / "good.parquet"), limits=limits) as tf:
+        tf.read(samples=False)  # the writer's layout: the curve group holds exactly curve_rows

@@ -193,8 +193,9 @@ def examine(source: str, engine: dict[str, Any], allow_reference: bool) -> tuple
 
 def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", allow_reference: bool = False,
            context_len: int | None = None, vllm_context_len: int = 8192, pins: frozenset[str] | None = None,
-           limits: Limits = SERVE_LIMITS, probe: bool = True) -> Decision:
-    """Pick the table to load (the newest fitting one that reads), or say why none is loaded. One line."""
+           limits: Limits = SERVE_LIMITS, probe: bool = True, cancel: threading.Event | None = None) -> Decision:
+    """Pick the table to load (the newest fitting one that reads), or say why none is loaded. One line.
+    `cancel` (set by decide_within at its deadline) stops the reads between candidates."""
     if policy not in POLICIES:
         msg = f"dspark-calib: {E.POLICY}={escape(policy, 40)!r} is not one of {', '.join(POLICIES)}; refusing to start"
         return Decision(False, (msg,), logging.ERROR, refuse=msg, policy="strict")
@@ -212,6 +213,8 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     # limits.max_candidates of them; the first that reads wins (no later one can beat it).
     judged: list[tuple[str, _Examined]] = []
     for path in listing.paths:
+        if cancel is not None and cancel.is_set():
+            return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: decision cancelled (deadline)")
         ex = _examine(path, fs, engine, allow_reference=allow_reference, pins=pins, effective=effective, limits=limits,
                       read=False)
         judged.append((path, ex))
@@ -224,6 +227,8 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
         if n >= limits.max_candidates:
             skipped += len(order) - n
             break
+        if cancel is not None and cancel.is_set():
+            return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: decision cancelled (deadline)")
         ex = _examine(judged[i][0], fs, engine, allow_reference=allow_reference, pins=pins, effective=effective,
                       limits=limits)
         judged[i] = (judged[i][0], ex)
@@ -318,9 +323,11 @@ def _no_table(policy: str, why: str, reports: tuple = ()) -> Decision:
                     logging.WARNING, candidates=reports, policy=policy)
 
 
-def decide_within(timeout_s: float, policy: str, source: str, fn: Callable[[], Decision]) -> Decision:
+def decide_within(timeout_s: float, policy: str, source: str, fn: Callable[[], Decision],
+                  cancel: threading.Event | None = None) -> Decision:
     """fn() on a daemon thread, waited for at most timeout_s: a stalled store or file system
-    (reads that ignore their own timeouts) costs the engine the deadline, never a hang."""
+    (reads that ignore their own timeouts) costs the engine the deadline, never a hang. At the
+    deadline `cancel` is set, so a decide() given it stops reading (vLLM is profiling by then)."""
     box: list = []
 
     def run() -> None:
@@ -333,6 +340,8 @@ def decide_within(timeout_s: float, policy: str, source: str, fn: Callable[[], D
     worker.start()
     worker.join(timeout_s)
     if not box:
+        if cancel is not None:
+            cancel.set()
         return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: no decision within {timeout_s:g} s "
                                  f"({E.LOAD_TIMEOUT}); the table source is too slow or not answering")
     if isinstance(box[0], BaseException):
@@ -369,11 +378,14 @@ def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
     # Object-store requests give up before the deadline, so the thread ends soon after it.
     limits = replace(SERVE_LIMITS, io_timeout_s=min(SERVE_LIMITS.io_timeout_s, 0.8 * timeout))
 
+    cancel = threading.Event()
+
     def run() -> Decision:
         return decide(source, engine_description(manager, capture_sizes), policy=policy, allow_reference=allow,
-                      context_len=ctx, vllm_context_len=vllm_ctx, pins=pins, probe=probe, limits=limits)
+                      context_len=ctx, vllm_context_len=vllm_ctx, pins=pins, probe=probe, limits=limits,
+                      cancel=cancel)
 
-    return decide_within(timeout, policy, source, run)
+    return decide_within(timeout, policy, source, run, cancel)
 
 
 from dspark_calib.vllm.serve import LoadMode, agree_across_dp, install_hooks, remove_hooks  # noqa: E402,F401
