@@ -278,7 +278,9 @@ MISMATCHES = [
 def test_policies_on_each_mismatch(monkeypatch, tmp_path, reference_table, recorded, caplog, key, engine,
                                    engine_value, policy):
     path = _write(reference_table, tmp_path)
-    register_with(monkeypatch, DSPARK_CALIB_TABLE=path, DSPARK_CALIB_ALLOW_REFERENCE=1, DSPARK_CALIB_POLICY=policy)
+    # no StepTimingCollector block here: the probe (test_probe.py) is off
+    register_with(monkeypatch, DSPARK_CALIB_TABLE=path, DSPARK_CALIB_ALLOW_REFERENCE=1, DSPARK_CALIB_POLICY=policy,
+                  DSPARK_CALIB_PROBE="0")
     engine = dict(engine)
     capture_sizes = engine.pop("capture_sizes", recorded[0]["capture_sizes"])
     m = make_manager(**engine)
@@ -508,7 +510,7 @@ def test_damaged_newest_table_does_not_hide_an_older_one(monkeypatch, tmp_path, 
     data[100:140] = bytes(40)  # inside the first data page: footer (metadata) still reads
     open(newer, "wb").write(bytes(data))
     batches, lines = _decide_here(monkeypatch, caplog, recorded, DSPARK_CALIB_TABLE=tmp_path,
-                                  DSPARK_CALIB_ALLOW_REFERENCE="True")
+                                  DSPARK_CALIB_ALLOW_REFERENCE="True", DSPARK_CALIB_PROBE="0")
     assert len(batches) == 5
     assert any("skipping" in l and newer in l for l in lines)
     assert "loaded cost table" in lines[-1] and older in lines[-1]
@@ -558,12 +560,15 @@ def test_second_engine_start_in_one_process_logs_again(monkeypatch, caplog):
         return None
 
     monkeypatch.setattr(plugin, "active_mode", mode)
-    plugin.patch(_SyntheticManager)
+    runner = SimpleNamespace(maybe_create_adaptive_verification_manager=lambda *a, **k: _SyntheticManager())
+    plugin.patch(_SyntheticManager, runner)
     try:
         with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
-            for _ in range(2):
-                assert list(_SyntheticManager().batches_to_profile([1])) == [{"num_tokens": 1}]
+            for _ in range(2):  # two engine starts, each building its manager through vLLM's factory
+                manager = runner.maybe_create_adaptive_verification_manager(vllm_config=None)
+                assert list(manager.batches_to_profile([1])) == [{"num_tokens": 1}]
+                list(manager.batches_to_profile([1]))  # a second look in the same engine: still one line
     finally:
-        plugin.unpatch(_SyntheticManager)
+        plugin.unpatch(_SyntheticManager, runner)
     lines = [r.getMessage() for r in caplog.records if "the same line" in r.getMessage()]
     assert len(lines) == 2

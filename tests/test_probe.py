@@ -328,3 +328,50 @@ def test_forged_spread_table_is_refused_at_read_time(monkeypatch, tmp_path, refe
     d = loader.decide(str(path), {}, policy=policy, allow_reference=True)
     assert not d.load
     assert ("IQR" in d.refuse) if policy == "strict" else (not d.refuse and "profiling" in d.lines[0])
+
+
+# -- review finding 7: a probe that cannot run is never a silent unprobed load ----------------
+@pytest.mark.parametrize("policy", POLICIES)
+def test_probe_that_cannot_run_refuses_under_strict_else_warns(monkeypatch, caplog, tmp_path, reference_table, sizes,
+                                                               policy):
+    monkeypatch.setattr(P, "timed_count", lambda collector: None)  # the step timer is not reachable
+    if policy == "strict":
+        with pytest.raises(RuntimeError, match="probe could not run.*policy strict"):
+            start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, 1.0)
+        return
+    m, batches, _, records = start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, 1.0)
+    probe_lines = [r for r in records if "probe could not run" in r.getMessage()]
+    assert len(probe_lines) == 1 and probe_lines[0].levelno == logging.WARNING
+    assert "loading it unprobed" in probe_lines[0].getMessage() and len(batches) == 5
+
+
+def test_plugin_installs_the_timing_hook_before_patching_the_class(monkeypatch):
+    class Manager:
+        def batches_to_profile(self, capture_sizes):
+            yield from ()
+
+        def set_initial_cost_curves(self, samples):
+            pass
+
+    def broken():
+        raise AttributeError("StepTimingCollector has no collect")
+
+    monkeypatch.setattr(loader, "install_hooks", broken)
+    with pytest.raises(AttributeError):
+        plugin.patch(Manager)
+    assert not plugin.is_patched(Manager)  # vLLM untouched, never patched without its probe
+
+
+# -- review finding 8: replicas with different policies disagree ------------------------------
+@pytest.mark.parametrize("mine, theirs", [("fallback", "warn"), ("fallback", "strict"), ("warn", "fallback")])
+def test_dp_replicas_with_different_policies_disagree(monkeypatch, caplog, tmp_path, reference_table, sizes,
+                                                      mine, theirs):
+    stub_dp(monkeypatch, 2, 0, lambda call, obj: [obj[:4] + (theirs,)] if call == 0 else [obj])
+    if "strict" in (mine, theirs):
+        with pytest.raises(RuntimeError, match="data-parallel replicas decided differently"):
+            start(monkeypatch, caplog, tmp_path, reference_table, sizes, mine, 1.0)
+        return
+    m, batches, _, records = start(monkeypatch, caplog, tmp_path, reference_table, sizes, mine, 1.0)
+    line = records[-1].getMessage()
+    assert "data-parallel replicas decided differently" in line and "profiling at start-up as usual" in line
+    assert len(batches) == 280  # vLLM's full profile, as every replica runs

@@ -261,6 +261,11 @@ def is_patched(manager_cls: Any) -> bool:
 
 def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
     """Wrap the profiling methods once; a second call is a no-op."""
+    from dspark_calib.vllm import loader
+
+    # the probe's timing hook first: if it cannot be installed the class stays unpatched
+    # (vLLM untouched), never patched with a probe that cannot run
+    loader.install_hooks()
     if not is_patched(manager_cls):
         orig_batches = manager_cls.batches_to_profile
         orig_init = manager_cls.set_initial_cost_curves
@@ -268,7 +273,6 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
         @functools.wraps(orig_batches)
         def batches_to_profile(self: Any, capture_sizes: list[int]):
             # vLLM's own generator sets self._cudagraph_limit and gives its batch plan.
-            _logged.clear()  # each engine start logs its own lines (a second start in one process too)
             vllm_batches = list(orig_batches(self, capture_sizes))
             state = state_of(self)
             state.vllm_fit = orig_init
@@ -296,9 +300,6 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
         manager_cls.set_initial_cost_curves = set_initial_cost_curves
     if model_runner is not None:
         _wrap_factory(model_runner)
-    from dspark_calib.vllm import loader
-
-    loader.install_hooks()  # the load-time probe finds vLLM's step timer through it
 
 
 def _record_refusal(exc: BaseException) -> None:
@@ -324,6 +325,7 @@ def _wrap_factory(model_runner: Any) -> None:
 
     @functools.wraps(orig)
     def maybe_create(*args: Any, **kwargs: Any) -> Any:
+        _logged.clear()  # a new engine's runner: its lines are logged again (a second start in one process too)
         try:
             manager = orig(*args, **kwargs)
         except ValueError as exc:

@@ -98,10 +98,13 @@ class LoadMode:
                 log.log(decision.level, line)
         decision = broadcast_from_rank0(decision)
         run = state_of(manager).run = LoadRun()
+        # the policy too: replicas with different policies may part ways after the probe (one
+        # profiles, one refuses or keeps the table) and run different step counts
         agreed, why, everyone = agree_across_dp("table", (decision.load, decision.content_hash, bool(decision.refuse),
-                                                          decision.load and decision.probe))
-        if not agreed:  # one replica refusing makes every replica refuse: none may wait on it
-            strict = decision.policy == "strict" or any(v[2] for v in everyone if isinstance(v, tuple) and len(v) > 2)
+                                                          decision.load and decision.probe, decision.policy))
+        if not agreed:  # one replica refusing (or strict) makes every replica refuse: none may wait on it
+            strict = decision.policy == "strict" or any(
+                v[2] or (len(v) > 4 and v[4] == "strict") for v in everyone if isinstance(v, tuple) and len(v) > 2)
             line, level, refuse = _policy_line("strict" if strict else decision.policy, why)
             if rank0:
                 log.log(level, line)
@@ -118,9 +121,18 @@ class LoadMode:
         collector = P.active_collector() if decision.probe else None
         start = P.timed_count(collector) if collector is not None else None
         if start is None:
-            if rank0 and decision.probe:
-                log.debug("dspark-calib: load-time probe not run (vLLM's step timer is not reachable: "
-                         "plugin hook not installed)")
+            if not decision.probe:
+                return
+            why = (f"load-time probe could not run (vLLM's step timer is not reachable: plugin hook not active); "
+                   f"table {decision.chosen.label} is unverified")
+            if decision.policy == "strict":
+                line = f"dspark-calib: {why}; refusing to start (policy strict)"
+                if rank0:
+                    log.error(line)
+                run.decision = replace(decision, load=False, refuse=line, lines=(line,))
+                raise RuntimeError(line)
+            if rank0:
+                log.warning("dspark-calib: %s; loading it unprobed (policy %s)", why, decision.policy)
             return
         probes = self._probe_batches(vllm_batches, limit, warmups, decision.context_len)
         yield from probes
