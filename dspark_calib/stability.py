@@ -85,3 +85,24 @@ def table_level_shifts(samples: Any, replays_per_block: int) -> tuple[LevelShift
         value = np.concatenate([cols["forward_ms"][sel], cols["drafter_ms"][sel][full]])
         found.extend(level_shifts(block, series, value, context_len=int(ctx)))
     return tuple(found)
+
+
+def replays_per_block(table: Any) -> int | None:
+    """vLLM's replays of a size in one block: recorded by `profile` (fingerprint extra); else
+    the timed replays over the timed blocks the telemetry saw; None: blocks unknown (an
+    imported or older table), so no level-shift test."""
+    fp = table.fingerprint
+    per = fp.extra.get("vllm_replays_per_block")
+    if isinstance(per, int) and not isinstance(per, bool) and per > 0:
+        return per
+    if table.telemetry is not None and fp.replays:
+        timed = {b.block for b in table.telemetry.blocks if b.block >= 0}
+        if timed and fp.replays % len(timed) == 0:
+            return fp.replays // len(timed)
+    return None
+
+
+def table_flags(table: Any) -> tuple[LevelShift, ...]:
+    """The level shifts of a whole table (none when its blocks are unknown or samples unread)."""
+    per = replays_per_block(table)
+    return table_level_shifts(table.samples, per) if per else ()
