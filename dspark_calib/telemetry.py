@@ -20,7 +20,7 @@ from typing import Any
 from dspark_calib.errors import CalibError
 
 MAX_BLOCKS = 4096  # a real profile has tens; bounds what an untrusted file may make us build
-_FIELDS = ("sm_mhz", "mem_mhz", "temp_c", "power_w", "load1", "cpu_s")
+_FIELDS = ("sm_mhz", "mem_mhz", "temp_c", "power_w", "load1", "cpu_s", "read_ms")
 
 
 def _opt_num(value: Any, what: str) -> float | None:
@@ -42,6 +42,7 @@ class Reading:
     throttle: tuple[str, ...] = ()  # NVML's active clock-event reasons, idle/app-setting ones left out
     load1: float | None = None  # host 1-minute load average
     cpu_s: float | None = None  # the worker process's CPU time (user + system)
+    read_ms: float | None = None  # what taking this reading cost (NVML ~1 ms): host time between steps
 
     @classmethod
     def from_dict(cls, d: Any) -> "Reading":

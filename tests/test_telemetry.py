@@ -49,7 +49,7 @@ def test_readings_from_nvml(monkeypatch):
     assert r.source == "nvml" and r.note == ""
     assert (got.sm_mhz, got.mem_mhz, got.power_w) == (1980.0, 3201.0, 312.5)
     assert got.throttle == ("hw_slowdown", "sw_thermal")  # 0x1 (idle) is not throttling
-    assert got.load1 is not None and got.cpu_s > 0
+    assert got.load1 is not None and got.cpu_s > 0 and got.read_ms >= 0
 
 
 def test_nvml_failing_falls_back_to_nvidia_smi_or_host_only_and_says_so(monkeypatch):

@@ -2,8 +2,9 @@
 
 Why here: the clocks, temperature and host load that shift vLLM's timings are only
 visible from the process that runs the steps. Readings are taken between the
-generator's yields (never inside a timed step); NVML takes about a millisecond, far
-from any events window. A missing `pynvml` (nvidia-ml-py) or a failing NVML never
+generator's yields: after vLLM's drafter_end event of a block's last step and before the
+forward_start of the next block's first, so never inside a timed step. Each reading
+records its own cost (read_ms; NVML about a millisecond): the host gap it adds there. A missing `pynvml` (nvidia-ml-py) or a failing NVML never
 fails the profile: the next source is `nvidia-smi` (one call per reading), then host
 readings only, and the reason is recorded once in the telemetry's note.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from typing import Any, Callable
 
 from dspark_calib.telemetry import BlockTelemetry, Reading, Telemetry
@@ -80,6 +82,7 @@ class GpuReader:
                 "throttle": list(throttle_names(mask))}
 
     def read(self) -> Reading:
+        t0 = time.perf_counter()
         gpu: dict[str, Any] = {}
         if self.source != "host":
             try:
@@ -87,7 +90,7 @@ class GpuReader:
             except Exception as exc:  # noqa: BLE001 - a reading lost is not a profile lost
                 if not self.note:
                     self.note = f"{self.source} reading failed ({type(exc).__name__}: {str(exc)[:80]})"
-        return Reading.from_dict({**gpu, **host_reading()})
+        return Reading.from_dict({**gpu, **host_reading(), "read_ms": (time.perf_counter() - t0) * 1000.0})
 
 
 class BlockRecorder:
