@@ -238,6 +238,8 @@ def _run(opts: Any, out: str, log_path: str, keep_capture: str | None, strict_st
                    markup=False, highlight=False)
     for line in shifts or ["no level shift between blocks"]:
         terminal.print(line, markup=False, highlight=False)
+    if table.telemetry is not None and table.telemetry.note:
+        terminal.print(f"telemetry ({table.telemetry.source}): {table.telemetry.note}", markup=False, highlight=False)
     from dspark_calib.inspection import inspect_table
     from dspark_calib.render import render_summary
 

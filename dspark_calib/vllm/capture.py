@@ -287,8 +287,15 @@ def block_recorder() -> Any:
     """Rank 0's recorder on its own GPU (NVML counts devices as CUDA_VISIBLE_DEVICES lists them)."""
     from dspark_calib.vllm.gpu_readings import BlockRecorder, GpuReader
 
+    import logging
+
+    from dspark_calib.vllm.plugin import log_once
+
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    return BlockRecorder(GpuReader(int(first) if first.isdigit() else 0))
+    reader = GpuReader(int(first) if first.isdigit() else 0)
+    if reader.note:  # said once here, and kept in the table's telemetry note
+        log_once(logging.WARNING, f"dspark-calib: GPU telemetry: {reader.note}")
+    return BlockRecorder(reader)
 
 
 class CaptureMode:

@@ -4,9 +4,10 @@ Why here: the clocks, temperature and host load that shift vLLM's timings are on
 visible from the process that runs the steps. Readings are taken between the
 generator's yields: after vLLM's drafter_end event of a block's last step and before the
 forward_start of the next block's first, so never inside a timed step. Each reading
-records its own cost (read_ms; NVML about a millisecond): the host gap it adds there. A missing `pynvml` (nvidia-ml-py) or a failing NVML never
-fails the profile: the next source is `nvidia-smi` (one call per reading), then host
-readings only, and the reason is recorded once in the telemetry's note.
+records its own cost (read_ms; NVML about a millisecond): the host gap it adds there.
+A missing `pynvml` (nvidia-ml-py) or a failing NVML never fails the profile: the next
+source is `nvidia-smi` (one call per reading), then host readings only, and the reason
+is recorded once in the telemetry's note.
 """
 
 from __future__ import annotations
