@@ -418,6 +418,9 @@ def profile_cmd(
                                           "log goes beside it.")] = ".",
     keep_capture: Annotated[Optional[str], typer.Option(
         "--keep-capture", metavar="DIR", help="Also copy the raw per-rank capture JSON here.")] = None,
+    strict_stability: Annotated[bool, typer.Option(
+        "--strict-stability", help="Fail (exit 2, no table) when a block's level shifts from the others by over "
+                                   "3 x the points' MAD; re-running is up to you.")] = False,
 ) -> None:
     """Profile vLLM's DSpark draft/verify steps on this machine's GPUs and write a cost table."""
     options = dict(locals())

@@ -17,6 +17,7 @@ from dspark_calib.fingerprint import changed_keys
 from dspark_calib.fit import CURVE_KINDS, Curve
 from dspark_calib.inspection import CONFIDENCE_GRID, DEFAULT_CONTEXT, DecisionMap, num_reqs_grid, table_decision_map
 from dspark_calib.table import CostTable, nearest
+from dspark_calib.telemetry import TelemetrySummary
 
 ALPHA = 0.01  # significance level for "significant" changes
 MIN_SAMPLES_FOR_TEST = 3  # fewer and Mann-Whitney cannot say anything useful
@@ -141,6 +142,10 @@ class DiffResult:
     new_path: str | None = None
     notes: list[str] = field(default_factory=list)
     significance_tested: bool = True
+    # Each table's GPU/host conditions (TelemetrySummary), None where it recorded none: a cost
+    # change beside a clock, temperature or throttling change is explained by it.
+    old_conditions: TelemetrySummary | None = None
+    new_conditions: TelemetrySummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -152,6 +157,8 @@ class DiffResult:
             "curves": {k: c.to_dict() for k, c in self.curves.items()},
             "decisions": self.decisions.to_dict(),
             "notes": list(self.notes),
+            "conditions": {"old": self.old_conditions.to_dict() if self.old_conditions else None,
+                           "new": self.new_conditions.to_dict() if self.new_conditions else None},
         }
 
 
@@ -341,6 +348,8 @@ def compare_tables(old: CostTable, new: CostTable, *, old_context: int | None = 
         fingerprint_changes=_fingerprint_changes(old, new),
         curves=curves, decisions=compare_decisions(old, new, oc, nc),
         old_path=old_path, new_path=new_path, notes=notes, significance_tested=significance,
+        old_conditions=old.telemetry.summary() if old.telemetry else None,
+        new_conditions=new.telemetry.summary() if new.telemetry else None,
     )
 
 

@@ -13,7 +13,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, decision_map
+from dspark_calib.stability import LevelShift, table_flags
 from dspark_calib.table import DEFAULT_CONTEXT, CostTable
+from dspark_calib.telemetry import Telemetry
 
 # A median from fewer samples than this is one outlier away from a wrong cost.
 MIN_SAMPLES = 3
@@ -222,6 +224,7 @@ class Inspection:
     path: str | None = None
     notes: list[str] = field(default_factory=list)
     by_context: CostByContext | None = None  # None: one profiled context
+    level_shifts: tuple[LevelShift, ...] = ()  # stability.py, over the table's timed blocks
 
     @property
     def counts(self) -> dict[str, int]:
@@ -254,7 +257,27 @@ class Inspection:
             "decision_map": self.decision.to_dict(),
             "cost_by_context": self.by_context.to_dict() if self.by_context else None,
             "notes": list(self.notes),
+            "telemetry": telemetry_view(t.telemetry),
+            "level_shifts": [f.to_dict() for f in self.level_shifts],
         }
+
+
+def telemetry_view(telemetry: Telemetry | None) -> dict[str, Any] | None:
+    """One row per block (what `inspect` prints and --json holds), the summary `diff` compares,
+    and where the readings came from. None: the table recorded no telemetry (schema < 1.2)."""
+    if telemetry is None:
+        return None
+    rows = []
+    for b in telemetry.blocks:
+        sm = b.sm_range
+        rows.append({"context_len": b.context_len, "block": b.block, "warmup": b.block < 0,
+                     "sm_mhz_min": sm[0] if sm else None, "sm_mhz_max": sm[1] if sm else None,
+                     "mem_mhz": b.peak("mem_mhz"), "temp_c_max": b.peak("temp_c"), "power_w_max": b.peak("power_w"),
+                     "throttle": list(b.throttle), "load1_max": b.peak("load1"),
+                     "cpu_s": (b.end.cpu_s - b.start.cpu_s) if b.end.cpu_s is not None and b.start.cpu_s is not None
+                     else None})
+    return {"source": telemetry.source, "note": telemetry.note, "summary": telemetry.summary().to_dict(),
+            "blocks": rows}
 
 
 def curve_to_dict(curve: Curve, cudagraph_limit: int) -> dict[str, Any]:
@@ -281,4 +304,5 @@ def inspect_table(table: CostTable, *, context_len: int | None = None, path: str
         shown = [ctx]
     decision = table_decision_map(table, context_len)
     return Inspection(table=table, context_lens=shown, warnings=table_warnings(table, shown),
-                      decision=decision, path=path, notes=notes, by_context=cost_by_context(table))
+                      decision=decision, path=path, notes=notes, by_context=cost_by_context(table),
+                      level_shifts=tuple(f for f in table_flags(table) if f.context_len in shown))

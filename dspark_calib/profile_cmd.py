@@ -133,7 +133,8 @@ def main(*, model: str, draft: str, tp: int, num_speculative_tokens: int | None,
          max_num_batched_tokens: int, context_len: Sequence[int], replays: int, warmup: int, load_format: str,
          dtype: str, kv_cache_dtype: str, quantization: str | None, gpu_memory_utilization: float,
          max_model_len: int | None, distributed_executor_backend: str | None, out: str,
-         keep_capture: str | None, engine_arg: Sequence[str], engine_args_json: str | None) -> None:
+         keep_capture: str | None, engine_arg: Sequence[str], engine_args_json: str | None,
+         strict_stability: bool = False) -> None:
     """The `profile` command: everything checkable first, then one engine start."""
     check_ranges(context_len=context_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  gpu_memory_utilization=gpu_memory_utilization, replays=replays, warmup=warmup, tp=tp,
@@ -153,10 +154,23 @@ def main(*, model: str, draft: str, tp: int, num_speculative_tokens: int | None,
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
         distributed_executor_backend=distributed_executor_backend, extra_engine_args=extra,
         model_name=model_id, draft_name=draft_id))
-    _run(opts, out, log_path, keep_capture)
+    _run(opts, out, log_path, keep_capture, strict_stability)
 
 
-def _run(opts: Any, out: str, log_path: str, keep_capture: str | None) -> None:
+def stability_verdict(table: Any, strict: bool) -> list[str]:
+    """The summary's level-shift lines; with --strict-stability a flagged run is refused in
+    one line before anything is written. Re-running is the user's call (the cause, e.g.
+    another process on the GPU, is outside the tool): we never loop."""
+    from dspark_calib.stability import table_flags
+
+    flags = table_flags(table)
+    if flags and strict:
+        raise CalibError(f"--strict-stability: {len(flags)} level shift(s), first {flags[0]}; no table written "
+                         "(re-run when the GPU and host are idle, or drop --strict-stability)")
+    return [f"level shift: {f}" for f in flags]
+
+
+def _run(opts: Any, out: str, log_path: str, keep_capture: str | None, strict_stability: bool = False) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.text import Text
@@ -212,6 +226,7 @@ def _run(opts: Any, out: str, log_path: str, keep_capture: str | None) -> None:
                 with contextlib.suppress(OSError):
                     os.remove(log_path)
             raise
+        shifts = stability_verdict(table, strict_stability)
         phase("writing table")
         path = write_table(table, out)
         phase("done")
@@ -221,6 +236,10 @@ def _run(opts: Any, out: str, log_path: str, keep_capture: str | None) -> None:
                    f"of which profiling {extra.get('profile_s', 0):.1f} s; total {time.perf_counter() - started:.1f} s; "
                    f"{fp.replays} samples per size ({fp.warmup_replays} warm-up discarded); curves equal vLLM's own",
                    markup=False, highlight=False)
+    for line in shifts or ["no level shift between blocks"]:
+        terminal.print(line, markup=False, highlight=False)
+    if table.telemetry is not None and table.telemetry.note:
+        terminal.print(f"telemetry ({table.telemetry.source}): {table.telemetry.note}", markup=False, highlight=False)
     from dspark_calib.inspection import inspect_table
     from dspark_calib.render import render_summary
 

@@ -20,8 +20,9 @@ from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import Fingerprint, merge_mismatches
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, CurvePair, fit_curves
 from dspark_calib.samples import SAMPLE_COLUMNS, Sample, Samples
+from dspark_calib.telemetry import Telemetry
 
-SCHEMA_VERSION = "1.1"  # what write_table writes; tablefile.py's header has the format history
+SCHEMA_VERSION = "1.2"  # what write_table writes; tablefile.py's header has the format history
 DEFAULT_CONTEXT = 8192  # vLLM's default profiling context length
 # Physical bounds of one step (ms): below a microsecond or above a minute no GPU step is real.
 MIN_STEP_MS = 1e-3
@@ -57,6 +58,8 @@ class CostTable:
     schema_version: str = SCHEMA_VERSION
     # Samples.digest(); recomputed whenever samples are present, taken from the file when they were not read.
     samples_digest: str = ""
+    # GPU/host conditions per profile block (schema 1.2); None: not recorded or an older table.
+    telemetry: Telemetry | None = None
     # (recomputed, stored) hash of a table read from a file, set by TableFile.read only: a newer
     # minor's file (unknown fingerprint keys under extra) recomputes another hash than the stored,
     # verified one that pins match. Not an init field: dataclasses.replace() drops it.

@@ -18,6 +18,10 @@ Format history (SCHEMA_VERSION, "major.minor"):
   the whole fingerprint, curve_rows and samples_digest) and every curve column with
   its spread. created_at must be ISO 8601 UTC, not before 2025 nor over a day ahead.
   Same columns as 1.0. A 1.0 file migrates on read and keeps verifying under 1.0's rule.
+* 1.2: metadata gains ``telemetry`` (telemetry.py: GPU clocks, temperature, power,
+  throttle reasons and host load at each profile block's start and end; null when not
+  recorded), covered by the 1.1 hash rule like every metadata key. Same columns. A 1.1
+  (or 1.0) file migrates on read with telemetry null and keeps verifying under its rule.
 
 Compatibility rules: a reader accepts every minor version of its major. An older
 minor is migrated on read by ``MIGRATIONS`` (append-only; columns it lacked are filled
@@ -51,6 +55,7 @@ from dspark_calib.fit import CURVE_COLUMNS, CURVE_KINDS, DRAFT, VERIFY, Curve, C
 from dspark_calib.samples import SAMPLE_COLUMNS, Samples
 from dspark_calib.safe_open import display_path, open_fs, open_local
 from dspark_calib.table import SCHEMA_VERSION, CostTable
+from dspark_calib.telemetry import Telemetry
 from dspark_calib.tablemeta import (  # noqa: F401 - re-exported: part of this module's API (contract C1)
     CLI_LIMITS,
     METADATA_KEY,
@@ -125,17 +130,21 @@ def _hash_1_1(meta: dict[str, Any], curves: dict[int, CurvePair]) -> str:
     return h.hexdigest()
 
 
-def _meta_1_1(table: CostTable) -> dict[str, Any]:
+def _meta_1_1(table: CostTable, version: str = SCHEMA_VERSION) -> dict[str, Any]:
+    """The metadata as `version` writes it (1.1: no telemetry key, so a read 1.1 table keeps its hash)."""
     curve_rows = sum(len(p.draft) + len(p.verify) for p in table.curves.values())
-    return {"schema_version": SCHEMA_VERSION, "tool_version": table.tool_version, "created_at": table.created_at,
+    meta = {"schema_version": version, "tool_version": table.tool_version, "created_at": table.created_at,
             "fingerprint": table.fingerprint.to_dict(), "curve_rows": curve_rows, "samples_digest": table.samples_digest}
+    if parse_version(version) >= (1, 2):
+        meta["telemetry"] = table.telemetry.to_json() if table.telemetry is not None else None
+    return meta
 
 
 def content_hash(table: CostTable) -> str:
     """The hash under the rule of the table's own schema version (a read 1.0 table keeps its 1.0 hash)."""
     if parse_version(table.schema_version) < (1, 1):
         return _hash_1_0(table.fingerprint.to_dict(), table.curves)
-    return _hash_1_1({**_meta_1_1(table), "schema_version": table.schema_version}, table.curves)
+    return _hash_1_1(_meta_1_1(table, table.schema_version), table.curves)
 
 
 # -- migrations ---------------------------------------------------------------------------
@@ -161,6 +170,12 @@ def _m_1_0_to_1_1(arrow: pa.Table, meta: dict) -> tuple[pa.Table, dict]:
     """1.1 added metadata and a row-group layout, no columns: the columns pass through unchanged.
     A 1.0 file has no curve_rows/samples_digest (None); its hash stays under the 1.0 rule."""
     return arrow, {**meta, "schema_version": "1.1", "curve_rows": None, "samples_digest": None}
+
+
+@migration("1.1", "1.2")
+def _m_1_1_to_1_2(arrow: pa.Table, meta: dict) -> tuple[pa.Table, dict]:
+    """1.2 added the telemetry metadata key, no columns: an older table recorded none."""
+    return arrow, {**meta, "schema_version": "1.2", "telemetry": None}
 
 
 def migrate(arrow: pa.Table, meta: dict, path: str) -> tuple[pa.Table, dict]:
@@ -344,7 +359,8 @@ def _decode(arrow: pa.Table, meta: dict, tm: TableMeta, samples: bool, limits: R
         table_samples = Samples.from_columns(cols)
     return CostTable(fingerprint=tm.fingerprint, curves=pairs, samples=table_samples,
                      samples_digest=tm.samples_digest or "", created_at=str(meta["created_at"]),
-                     tool_version=tm.tool_version, schema_version=tm.schema_version)
+                     tool_version=tm.tool_version, schema_version=tm.schema_version,
+                     telemetry=Telemetry.from_json(meta.get("telemetry")))
 
 
 # -- the public API (contract C1) ---------------------------------------------------------------

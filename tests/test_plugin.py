@@ -363,6 +363,11 @@ def test_capture_round_trips_samples(monkeypatch, tmp_path, recorded):
     assert table.context_lens() == [1024, 8192]
     assert all(len(table.curves[c].verify) == len(sizes) for c in (1024, 8192))
     assert int(table.curves[1024].verify.n[0]) == 5
+    # conditions per block reach the table (no GPU here: NVML fails, the note says so, host load stays)
+    t = table.telemetry
+    assert [(b.context_len, b.block) for b in t.blocks] == [(1024, -1), (1024, 0), (8192, -1), (8192, 0)]
+    assert t.blocks[0].start.cpu_s is not None and (t.source == "nvml" or t.note)
+    assert table.fingerprint.extra["vllm_replays_per_block"] == 5
     # vLLM itself got curves (from the context nearest its own, 8192) and finished "starting"
     assert m.cost_tables is not None
     want = av.build_cost_tables_from_curves(*table.curves[8192].as_vllm(), 256, 8192, 512)

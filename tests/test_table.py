@@ -107,7 +107,7 @@ def test_plain_pandas_and_pyarrow_read_the_file(table_file, reference_table):
     assert arrow.schema.remove_metadata() == pa.schema(list(COLUMNS.items()))
     meta = json.loads(arrow.schema.metadata[METADATA_KEY])
     assert set(meta) >= {"schema_version", "tool_version", "created_at", "content_hash", "fingerprint"}
-    assert meta["schema_version"] == SCHEMA_VERSION == "1.1"
+    assert meta["schema_version"] == SCHEMA_VERSION == "1.2"
     assert meta["tool_version"] == __version__
     created = dt.datetime.fromisoformat(meta["created_at"].replace("Z", "+00:00"))
     assert meta["created_at"].endswith("Z") and created.utcoffset() == dt.timedelta(0)

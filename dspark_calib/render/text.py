@@ -17,7 +17,9 @@ from rich.text import Text
 from dspark_calib.fit import CURVE_KINDS, DRAFT, Curve
 from dspark_calib.inspection import (
     FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, NOTE, WARNING, CostByContext, DecisionMap, Inspection, TableWarning,
+    telemetry_view,
 )
+from dspark_calib.render.conditions import render_conditions_diff, render_telemetry
 
 if TYPE_CHECKING:
     from dspark_calib.check import CheckResult
@@ -242,6 +244,8 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
         _show(console, context_cost_table(insp.by_context))
     console.print()
     _show(console, decision_table(insp.decision))
+    console.print()
+    render_telemetry(telemetry_view(table.telemetry), insp.level_shifts, console, grid, _show)
     counts = insp.counts
     for severity, title in ((WARNING, "warning"), (NOTE, "note")):
         if counts[severity]:
@@ -318,6 +322,9 @@ def render_diff(result: "DiffResult", console: Console, *, verdict: "ThresholdVe
                            left=(0, 1, 2)))
     else:
         console.print(Text("fingerprints identical", style="green"))
+    if result.old_conditions or result.new_conditions:
+        console.print()
+        render_conditions_diff(result.old_conditions, result.new_conditions, console, grid, _show)
     console.print()
     summary = []
     for kind, cd in result.curves.items():

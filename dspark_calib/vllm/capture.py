@@ -252,6 +252,7 @@ class CaptureRun:
     rank: int
     tp_size: int
     start: float
+    recorder: Any = None  # gpu_readings.BlockRecorder on TP rank 0: conditions per block
 
 
 def vllm_curves(vllm_set_initial_cost_curves: Callable, samples: list) -> tuple[list, list]:
@@ -280,6 +281,21 @@ def check_same_curves(ctx: int, ours: tuple[list, list], theirs: tuple[list, lis
                 raise CaptureError(f"dspark-calib: dspark_calib.fit and vLLM's set_initial_cost_curves disagree at "
                                    f"context {ctx}: {kind} size {n}: {float(x)!r} vs vLLM's {float(y)!r} ms; "
                                    "no table written")
+
+
+def block_recorder() -> Any:
+    """Rank 0's recorder on its own GPU (NVML counts devices as CUDA_VISIBLE_DEVICES lists them)."""
+    from dspark_calib.vllm.gpu_readings import BlockRecorder, GpuReader
+
+    import logging
+
+    from dspark_calib.vllm.plugin import log_once
+
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    reader = GpuReader(int(first) if first.isdigit() else 0)
+    if reader.note:  # said once here, and kept in the table's telemetry note
+        log_once(logging.WARNING, f"dspark-calib: GPU telemetry: {reader.note}")
+    return BlockRecorder(reader)
 
 
 class CaptureMode:
@@ -311,15 +327,27 @@ class CaptureMode:
         if isinstance(plan_or_error, str):
             raise CaptureError(plan_or_error)
         schedule = Schedule.build(plan_or_error, vllm_batches)
+        recorder = block_recorder() if rank == 0 else None
         state_of(manager).run = CaptureRun(plan_or_error, schedule, list(capture_sizes), rank, tp_size,
-                                           time.perf_counter())
-        total, last_report = len(schedule.tags), 0.0
+                                           time.perf_counter(), recorder)
+        yield from self._run(schedule, rank, recorder)
+
+    def _run(self, schedule: Schedule, rank: int, recorder: Any) -> Iterator[dict]:
+        """Yield the schedule; telemetry is read at block boundaries, i.e. between yields, after
+        the previous step returned and before the next starts: never inside a timed step."""
+        total, last_report, current = len(schedule.tags), 0.0, None
         for i, (tag, batch) in enumerate(zip(schedule.tags, schedule.batches)):
+            if recorder is not None and (tag.context_len, tag.block) != current:
+                recorder.end()
+                current = (tag.context_len, tag.block)
+                recorder.start(*current)
             now = time.monotonic()
             if rank == 0 and now - last_report > 0.5:
                 last_report = now
                 self.dir.write_progress(i, total, tag.context_len)
             yield batch
+        if recorder is not None:
+            recorder.end()
 
     def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
         from dspark_calib.vllm.plugin import state_of
@@ -377,6 +405,7 @@ class CaptureMode:
             "engine": describe_engine(manager, run.capture_sizes, state.vllm_config),
             "hardware": hardware(),
             "vllm_curves": curves,
+            **({"telemetry": run.recorder.telemetry().to_json()} if run.recorder is not None else {}),
             "samples": [Sample.from_vllm(s, context_len=t.context_len, replay=t.replay).to_dict() for s, t in timed],
         }
         return payload, nearest(run.plan.context_lens, current_context_len())

@@ -10,6 +10,7 @@ from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fingerprint import BACKEND_VLLM, KEYS, Fingerprint, config_hash
 from dspark_calib.samples import samples_from_dicts
 from dspark_calib.table import CostTable
+from dspark_calib.telemetry import Telemetry
 from dspark_calib.vllm.capture import CaptureError, check_same_curves
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) ->
                "engine_start_s": round(capture.get("engine_start_s", 0.0), 3),
                "profile_batches": capture.get("num_batches"), "hostname": os.uname().nodename,
                "replays_asked": opts.replays, "warmup_asked": opts.warmup,
+               "vllm_replays_per_block": int(capture["schedule"]["vllm_replays_per_block"]),
                **({"engine_args": opts.extra_engine_args} if opts.extra_engine_args else {})},
     )
 
@@ -90,6 +92,7 @@ def table_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) -> CostT
         (ctx, size), n = off
         raise CalibError(f"the capture holds {n} samples for size {size} at context {ctx}, its schedule "
                          f"{fp.replays}; no table written")
-    table = CostTable.from_samples(samples, fp.replace(extra={**fp.extra, "vllm_curves_equal": True}))
+    table = CostTable.from_samples(samples, fp.replace(extra={**fp.extra, "vllm_curves_equal": True}),
+                                   telemetry=Telemetry.from_json(capture.get("telemetry")))
     check_against_vllm(table, capture)
     return table

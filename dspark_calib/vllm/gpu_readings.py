@@ -1,0 +1,113 @@
+"""Reading the GPU's and host's conditions in the worker, between profile blocks.
+
+Why here: the clocks, temperature and host load that shift vLLM's timings are only
+visible from the process that runs the steps. Readings are taken between the
+generator's yields: after vLLM's drafter_end event of a block's last step and before the
+forward_start of the next block's first, so never inside a timed step. Each reading
+records its own cost (read_ms; NVML about a millisecond): the host gap it adds there.
+A missing `pynvml` (nvidia-ml-py) or a failing NVML never fails the profile: the next
+source is `nvidia-smi` (one call per reading), then host readings only, and the reason
+is recorded once in the telemetry's note.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from typing import Any, Callable
+
+from dspark_calib.telemetry import BlockTelemetry, Reading, Telemetry
+
+# NVML clock-event reasons worth reporting (idle and application-clock settings are not throttling).
+_REASONS = {
+    0x2: "sw_power_cap", 0x4: "hw_slowdown", 0x8: "sync_boost", 0x20: "sw_thermal",
+    0x40: "hw_thermal", 0x80: "hw_power_brake", 0x100: "display_clocks",
+}
+
+
+def throttle_names(mask: int) -> tuple[str, ...]:
+    return tuple(name for bit, name in sorted(_REASONS.items()) if mask & bit)
+
+
+def host_reading() -> dict[str, Any]:
+    t = os.times()
+    try:
+        load1 = os.getloadavg()[0]
+    except OSError:
+        load1 = None
+    return {"load1": load1, "cpu_s": t.user + t.system}
+
+
+class GpuReader:
+    """One device's readings; `source` is fixed at construction, `note` says what was lost."""
+
+    def __init__(self, device_index: int = 0, *, which: Callable[[str], str | None] = shutil.which):
+        self.index, self.note, self._nvml, self._handle = device_index, "", None, None
+        try:
+            import pynvml  # nvidia-ml-py: optional on the GPU host
+
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self.source = "nvml"
+        except Exception as exc:  # noqa: BLE001 - ImportError or any NVMLError: fall back, never fail
+            self.note = f"NVML unavailable ({type(exc).__name__}: {str(exc)[:80]})"
+            self._smi = which("nvidia-smi")
+            self.source = "nvidia-smi" if self._smi else "host"
+            if not self._smi:
+                self.note += "; no nvidia-smi: host load only"
+
+    def _nvml_reading(self) -> dict[str, Any]:
+        n, h = self._nvml, self._handle
+        reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or n.nvmlDeviceGetCurrentClocksThrottleReasons
+        return {"sm_mhz": n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM),
+                "mem_mhz": n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_MEM),
+                "temp_c": n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU),
+                "power_w": n.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                "throttle": list(throttle_names(int(reasons(h))))}
+
+    def _smi_reading(self) -> dict[str, Any]:
+        fields = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_event_reasons.active"
+        out = subprocess.run([self._smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i",
+                              str(self.index)], capture_output=True, text=True, timeout=5, check=True).stdout
+        vals = [v.strip() for v in out.strip().splitlines()[0].split(",")]
+
+        def num(v: str) -> float | None:
+            try:
+                return float(v)
+            except ValueError:
+                return None
+        mask = int(vals[4], 16) if vals[4].lower().startswith("0x") else 0
+        return {"sm_mhz": num(vals[0]), "mem_mhz": num(vals[1]), "temp_c": num(vals[2]), "power_w": num(vals[3]),
+                "throttle": list(throttle_names(mask))}
+
+    def read(self) -> Reading:
+        t0 = time.perf_counter()
+        gpu: dict[str, Any] = {}
+        if self.source != "host":
+            try:
+                gpu = self._nvml_reading() if self._nvml else self._smi_reading()
+            except Exception as exc:  # noqa: BLE001 - a reading lost is not a profile lost
+                if not self.note:
+                    self.note = f"{self.source} reading failed ({type(exc).__name__}: {str(exc)[:80]})"
+        return Reading.from_dict({**gpu, **host_reading(), "read_ms": (time.perf_counter() - t0) * 1000.0})
+
+
+class BlockRecorder:
+    """Called by the capture schedule at each block boundary (between yields)."""
+
+    def __init__(self, reader: Any):
+        self.reader, self.blocks, self._open = reader, [], None
+
+    def start(self, context_len: int, block: int) -> None:
+        self._open = (context_len, block, self.reader.read())
+
+    def end(self) -> None:
+        if self._open is not None:
+            ctx, block, start = self._open
+            self.blocks.append(BlockTelemetry(ctx, block, start, self.reader.read()))
+            self._open = None
+
+    def telemetry(self) -> Telemetry:
+        return Telemetry(source=self.reader.source, blocks=tuple(self.blocks), note=self.reader.note)

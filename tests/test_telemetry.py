@@ -1,0 +1,171 @@
+"""Telemetry per profile block: the worker's readings (fake NVML), the table's schema 1.2
+metadata (migration from 1.0/1.1, round trip, hash), and the typed record."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+
+import pyarrow.parquet as pq
+import pytest
+
+import test_capture as tc
+from test_capture import clean, make_manager, start_capture, vllm_sequence  # noqa: F401 - autouse fixture
+from dspark_calib.errors import CalibError
+from dspark_calib.table import SCHEMA_VERSION
+from dspark_calib.tablefile import METADATA_KEY, _hash_1_1, read_metadata, read_table, to_arrow, write_table
+from dspark_calib.telemetry import Telemetry
+from dspark_calib.vllm import gpu_readings
+from dspark_calib.vllm.capture import CaptureDir, Plan
+from dspark_calib.vllm.gpu_readings import GpuReader
+
+
+def fake_pynvml(log: list, *, fail_init: bool = False, throttle: int = 0) -> types.ModuleType:
+    m = types.ModuleType("pynvml")
+    m.NVML_CLOCK_SM, m.NVML_CLOCK_MEM, m.NVML_TEMPERATURE_GPU = 1, 2, 0
+
+    class NVMLError(Exception):
+        pass
+
+    def init():
+        if fail_init:
+            raise NVMLError("Driver Not Loaded")
+    m.nvmlInit = init
+    m.nvmlDeviceGetHandleByIndex = lambda i: ("gpu", i)
+    m.nvmlDeviceGetClockInfo = lambda h, c: log.append(("clock", c)) or (1980 if c == 1 else 3201)
+    m.nvmlDeviceGetTemperature = lambda h, s: 41 + len(log) % 3
+    m.nvmlDeviceGetPowerUsage = lambda h: 312_500
+    m.nvmlDeviceGetCurrentClocksEventReasons = lambda h: throttle
+    return m
+
+
+def test_readings_from_nvml(monkeypatch):
+    log: list = []
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(log, throttle=0x1 | 0x20 | 0x4))
+    r = GpuReader(0)
+    got = r.read()
+    assert r.source == "nvml" and r.note == ""
+    assert (got.sm_mhz, got.mem_mhz, got.power_w) == (1980.0, 3201.0, 312.5)
+    assert got.throttle == ("hw_slowdown", "sw_thermal")  # 0x1 (idle) is not throttling
+    assert got.load1 is not None and got.cpu_s > 0 and got.read_ms >= 0
+
+
+def test_nvml_failing_falls_back_to_nvidia_smi_or_host_only_and_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([], fail_init=True))
+    host = GpuReader(0, which=lambda name: None)
+    assert host.source == "host" and "Driver Not Loaded" in host.note and "host load only" in host.note
+    assert host.read().sm_mhz is None and host.read().load1 is not None
+
+    def smi(cmd, **kw):
+        assert cmd[0] == "/bin/nvidia-smi" and cmd[1].startswith("--query-gpu=clocks.sm,clocks.mem")
+        return types.SimpleNamespace(stdout="1755, 2619, 55, 401.20, 0x0000000000000020\n")
+    monkeypatch.setattr(gpu_readings.subprocess, "run", smi)
+    r = GpuReader(0, which=lambda name: "/bin/nvidia-smi")
+    got = r.read()
+    assert r.source == "nvidia-smi" and (got.sm_mhz, got.temp_c, got.power_w, got.throttle) == (1755, 55, 401.2, ("sw_thermal",))
+
+
+def test_missing_pynvml_is_not_an_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
+    r = GpuReader(0, which=lambda name: None)
+    assert r.source == "host" and "ModuleNotFoundError" in r.note
+    assert r.read().cpu_s is not None
+
+
+def test_a_failing_reading_loses_the_reading_not_the_profile(monkeypatch):
+    mod = fake_pynvml([])
+    mod.nvmlDeviceGetPowerUsage = lambda h: (_ for _ in ()).throw(RuntimeError("GPU is lost"))
+    monkeypatch.setitem(sys.modules, "pynvml", mod)
+    r = GpuReader(0)
+    assert r.read().sm_mhz is None and "GPU is lost" in r.note
+
+
+def test_capture_reads_telemetry_at_block_boundaries_only(monkeypatch, tmp_path):
+    """Two readings per block (start, end), taken when the generator resumes between
+    yields: never between a yield and the step vLLM times for it."""
+    log: list = []
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(log))
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024, 4096), replays=10, warmup=5))
+    seq = vllm_sequence()
+    m = make_manager()
+    gen = m.batches_to_profile(list(tc.SIZES))
+    batches, reads_before = [], []
+    for b in gen:
+        reads_before.append(len(log) // 2)  # NVML reads two clocks per reading
+        batches.append(b)
+    per_ctx_blocks = len(batches) // len(seq) // 2
+    new_reading = [i for i in range(1, len(batches)) if reads_before[i] != reads_before[i - 1]]
+    assert new_reading == list(range(len(seq), len(batches), len(seq)))  # only at a block's first batch
+    m.set_initial_cost_curves(tc.random_samples(batches))
+    payload = CaptureDir(tmp_path).read_samples(0)
+    t = Telemetry.from_json(payload["telemetry"])
+    assert t.source == "nvml" and len(log) // 2 == 2 * len(t.blocks)
+    assert [(b.context_len, b.block) for b in t.blocks] == [
+        (ctx, blk) for ctx in (1024, 4096) for blk in range(-payload["schedule"]["warmup_blocks"],
+                                                            payload["schedule"]["timed_blocks"])]
+    assert len(t.blocks) == 2 * per_ctx_blocks and t.blocks[0].sm_range == (1980.0, 1980.0)
+
+
+# -- schema 1.2 ---------------------------------------------------------------------------------------
+TELEMETRY = {"source": "nvml", "note": "", "blocks": [
+    {"context_len": 8192, "block": b, "start": {"sm_mhz": 1980, "mem_mhz": 3201, "temp_c": 40 + b, "power_w": 300.0,
+                                                 "load1": 0.5, "cpu_s": 1.0, "throttle": []},
+     "end": {"sm_mhz": 1965 - 10 * b, "mem_mhz": 3201, "temp_c": 45 + b, "power_w": 650.0, "load1": 0.6,
+             "cpu_s": 2.0, "throttle": ["sw_power_cap"] if b == 3 else []}} for b in range(-1, 4)]}
+
+
+@pytest.fixture
+def with_telemetry(reference_table_8192):
+    return dataclasses.replace(reference_table_8192, telemetry=Telemetry.from_json(TELEMETRY))
+
+
+def test_1_2_round_trips_telemetry(tmp_path, with_telemetry):
+    back = read_table(write_table(with_telemetry, tmp_path / "t.parquet"))
+    assert back.schema_version == SCHEMA_VERSION == "1.2"
+    assert back.telemetry == with_telemetry.telemetry and back.content_hash == with_telemetry.content_hash
+    assert read_table(tmp_path / "t.parquet", samples=False).telemetry == with_telemetry.telemetry
+    s = back.telemetry.summary()
+    assert (s.median_sm_mhz, s.max_temp_c, s.throttle, s.blocks) == (1972.5, 48.0, ("sw_power_cap",), 4)
+
+
+def test_hash_covers_telemetry(tmp_path, with_telemetry):
+    arrow = to_arrow(with_telemetry)
+    meta = json.loads(arrow.schema.metadata[METADATA_KEY])
+    meta["telemetry"]["blocks"][2]["end"]["temp_c"] = 30
+    pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), tmp_path / "x.parquet")
+    with pytest.raises(CalibError, match="content hash mismatch"):
+        read_table(tmp_path / "x.parquet")
+    plain = dataclasses.replace(with_telemetry, telemetry=None)
+    assert plain.content_hash != with_telemetry.content_hash
+
+
+def test_a_1_1_file_reads_with_no_telemetry_and_its_own_hash(tmp_path, reference_table_8192):
+    arrow = to_arrow(reference_table_8192)
+    meta = json.loads(arrow.schema.metadata[METADATA_KEY])
+    del meta["telemetry"]
+    meta["schema_version"] = "1.1"
+    meta["content_hash"] = _hash_1_1(meta, reference_table_8192.curves)
+    pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), tmp_path / "old.parquet")
+    assert read_metadata(tmp_path / "old.parquet").schema_version == "1.1"
+    old = read_table(tmp_path / "old.parquet")
+    assert old.telemetry is None and old.schema_version == "1.1" and old.content_hash == meta["content_hash"]
+    again = read_table(write_table(old, tmp_path / "new.parquet"))
+    assert again.schema_version == "1.2" and again.telemetry is None
+
+
+def test_a_1_0_file_reads_with_no_telemetry():
+    from test_tablefile import SHIPPED
+
+    t = read_table(SHIPPED)
+    assert read_metadata(SHIPPED).schema_version == "1.0" and t.telemetry is None
+
+
+@pytest.mark.parametrize("bad", [[], {"blocks": "x"}, {"blocks": [{"context_len": "8192", "block": 0}]},
+                                 {"blocks": [{"context_len": 1, "block": 0, "start": {"sm_mhz": "fast"}, "end": {}}]},
+                                 {"blocks": [{"context_len": 1, "block": 0, "start": {"throttle": "x"}, "end": {}}]}])
+def test_bad_telemetry_is_one_line(bad):
+    with pytest.raises(CalibError) as err:
+        Telemetry.from_json(bad)
+    assert "\n" not in str(err.value) and "telemetry" in str(err.value)
