@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Step 2 (after the 22 recv.sh calls). GPU 0: the shipped tp1 table, 3 context lengths in one
+# Step 2 (after one recv.sh call per part). GPU 0: the shipped tp1 table, 3 context lengths in one
 # engine start. GPU 1, at the same time: stability profile A (context 8192), own compile cache.
 set -euo pipefail
 . benchmarks/h200/setup.sh
