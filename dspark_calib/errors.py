@@ -18,3 +18,21 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     can span many lines, and every message we pass on must stay one line."""
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:limit]
+
+
+def escape(text: object, limit: int = 80) -> str:
+    """A string from a file name or a table, made safe for one log line.
+
+    Control characters, newlines, ANSI escapes, bidi overrides and undecodable
+    bytes become visible escapes; the result is truncated to `limit` characters.
+    """
+    text = str(text)
+    out, n = [], 0
+    for ch in text:
+        piece = ch if ch.isprintable() else ch.encode("unicode_escape", "backslashreplace").decode("ascii")
+        out.append(piece)
+        n += len(piece)
+        if n > limit:
+            break
+    shown = "".join(out)
+    return shown[:limit] + "..." if len(shown) > limit else shown

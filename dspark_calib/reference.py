@@ -13,12 +13,12 @@ import hashlib
 import json
 import os
 import re
-import stat
 from collections import Counter
 from typing import Any, Sequence
 
 from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fingerprint import BACKEND_REFERENCE, Fingerprint, config_hash
+from dspark_calib.safe_open import open_local
 from dspark_calib.samples import VLLM_SAMPLE_FIELDS, Sample
 from dspark_calib.table import CostTable
 
@@ -91,16 +91,11 @@ def table_from_startup_json(
     engine: dict[str, Any] | None = None
     seen: dict[bytes, str] = {}
     for path in paths:
+        fh, _ = open_local(path, path)  # never blocks on a FIFO; permission/symlink loop said as such
         try:
-            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block open() forever
-                raise CalibError("not a regular file", path=path)
-            with open(path, "rb") as fh:
+            with fh:
                 raw = fh.read()
             data = json.loads(raw)
-        except FileNotFoundError:
-            raise CalibError("no such file", path=path) from None
-        except PermissionError:
-            raise CalibError("permission denied", path=path) from None
         except (OSError, ValueError) as exc:
             raise CalibError(f"not a JSON start-up profile ({first_line(exc)})", path=path) from None
         # The same samples twice would double every count and fake precision and significance.

@@ -30,13 +30,13 @@ def _os_error(exc: OSError) -> str:
     if exc.errno == errno.ELOOP:
         return "symlink loop (too many levels of symbolic links)"
     if isinstance(exc, IsADirectoryError):
-        return "is a directory, not a table file"
+        return "is a directory, not a file"
     return f"cannot open ({exc.strerror or type(exc).__name__})"
 
 
 def _refuse_non_regular(mode: int, shown: str) -> None:
     if stat.S_ISDIR(mode):
-        raise CalibError("is a directory, not a table file", path=shown)
+        raise CalibError("is a directory, not a file", path=shown)
     if not stat.S_ISREG(mode):
         kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
                 else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
@@ -72,7 +72,7 @@ def open_fs(filesystem: Any, path: str, shown: str) -> tuple[Any, int]:
         if info.type == pafs.FileType.NotFound:
             raise CalibError("no such file", path=shown)
         if info.type == pafs.FileType.Directory:
-            raise CalibError("is a directory, not a table file", path=shown)
+            raise CalibError("is a directory, not a file", path=shown)
         if info.type != pafs.FileType.File:
             raise CalibError("is not a regular file; not reading it", path=shown)
         handle = filesystem.open_input_file(path)

@@ -26,7 +26,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from dspark_calib.errors import CalibError, first_line
+from dspark_calib.errors import CalibError, escape, first_line
 from dspark_calib.tablemeta import SERVE_LIMITS as _READ  # C1's read limits (tablemeta imports no pyarrow)
 from dspark_calib.tablemeta import ReadLimits
 
@@ -53,22 +53,6 @@ class Limits:
 SERVE_LIMITS = Limits()
 
 
-def escape(text: Any, limit: int = 80) -> str:
-    """A string from a file name or a table, made safe for one log line.
-
-    Control characters, newlines, ANSI escapes, bidi overrides and undecodable
-    bytes become visible escapes; the result is truncated to `limit` characters.
-    """
-    text = str(text)
-    out, n = [], 0
-    for ch in text:
-        piece = ch if ch.isprintable() else ch.encode("unicode_escape", "backslashreplace").decode("ascii")
-        out.append(piece)
-        n += len(piece)
-        if n > limit:
-            break
-    shown = "".join(out)
-    return shown[:limit] + "..." if len(shown) > limit else shown
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any, Mapping
 
-from dspark_calib.errors import CalibError
+from dspark_calib.errors import CalibError, escape
 
 PREFIX = "DSPARK_CALIB_"  # every name below; the plugin asks Ray to copy this prefix to its workers
 CAPTURE = "DSPARK_CALIB_CAPTURE"  # capture mode: the capture directory (used by `dspark-calib profile`)
@@ -35,9 +35,9 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def shown(value: str, limit: int = 40) -> str:
-    """An env value as a log line may show it: escaped, truncated (local: no import of candidates)."""
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in value)
-    return repr(text[:limit] + ("..." if len(text) > limit else ""))
+    """An env value as a log line may show it: escaped, truncated, quoted."""
+    return repr(escape(value, limit))
+
 
 
 def _get(env: Mapping[str, str] | None, name: str) -> str | None:
