@@ -346,6 +346,8 @@ def test_tp4_rank0_refusal_reaches_every_rank(monkeypatch, tmp_path):
             run_capture(make_manager())
     assert isinstance(bus[0], str) and "plan.json" in bus[0]
     assert _can_lock_elsewhere(tmp_path)  # the refusal released rank 0's lock
+    # the engine core is a child process: its one line waits in the directory for `profile`
+    assert CaptureDir(str(tmp_path)).read_refusal() == bus[0]
 
 
 def test_capture_payload_is_json(monkeypatch, tmp_path):

@@ -69,10 +69,25 @@ def test_path_without_config(tmp_path):
 
 def test_env_for_engine_forces_v2_runner_and_capture(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_PLUGINS", "other")
-    env = driver.engine_env(str(tmp_path), tp=1)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    env = driver.engine_env(str(tmp_path))
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert env["DSPARK_CALIB_CAPTURE"] == str(tmp_path)
     assert env["VLLM_PLUGINS"] == "other,dspark_calib"
+    # tp 1 too: the engine core is a child process (nothing of the CLI beside the timed steps)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    o = resolve_options(opts(context_lens=(8192,)))
+    assert not driver.engine_in_process(o, env)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the user's debugging choice is kept
+    assert driver.engine_in_process(o, driver.engine_env(str(tmp_path)))
+
+
+def test_explain_the_captures_own_line_from_the_engine_core(tmp_path):
+    # The engine core (a child process) left the capture's one line; vLLM's parent only saw a dead core.
+    (tmp_path / "refusal.txt").write_text("dspark-calib: dspark_calib.fit and vLLM's set_initial_cost_curves "
+                                          "disagree at context 8192")
+    msg = str(explain_failure(RuntimeError("Engine core initialization failed. See root cause above."), str(tmp_path)))
+    assert msg.startswith("dspark_calib.fit and vLLM's") and "refused" not in msg
 
 
 def test_explain_refusal_and_oom(tmp_path):
@@ -344,7 +359,8 @@ def engine_stand_in(monkeypatch):
         os.close(capture_mod._HELD.pop(path))
 
 
-def _profile_in_process(tmp_path, **kw):
+def _profile_in_process(tmp_path, monkeypatch, **kw):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the stand-in LLM runs its worker in this process
     o = resolve_options(opts(context_lens=(1024, 8192), **kw))
     lines: list[str] = []
     d = tmp_path / f"cap{len(list(tmp_path.iterdir()))}"
@@ -356,10 +372,10 @@ def _profile_in_process(tmp_path, **kw):
 def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "FOO_")  # the user's own
     monkeypatch.setenv("DSPARK_CALIB_TABLE", "/some/table.parquet")  # profiling never loads it
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in process only when the user asks for it
     before = dict(os.environ)
     for run in range(2):  # a second profile in the same process starts from the same env
-        o, cap, lines, d = _profile_in_process(tmp_path, replays=3, warmup=0)
+        o, cap, lines, d = _profile_in_process(tmp_path, monkeypatch, replays=3, warmup=0)
         assert dict(os.environ) == before
         during = engine_stand_in[-1]["env"]
         assert during["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "FOO_,DSPARK_CALIB_"  # register() added ours once
@@ -384,8 +400,8 @@ def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_p
             assert table.curves[ctx].as_vllm() == theirs
 
 
-def test_driver_checks_the_table_against_vllms_curves(engine_stand_in, tmp_path):
-    o, cap, _, _ = _profile_in_process(tmp_path, replays=5, warmup=5)
+def test_driver_checks_the_table_against_vllms_curves(engine_stand_in, tmp_path, monkeypatch):
+    o, cap, _, _ = _profile_in_process(tmp_path, monkeypatch, replays=5, warmup=5)
     assert driver.table_from_capture(o, cap).fingerprint.warmup_replays == 5
     bent = json.loads(json.dumps(cap))
     bent["vllm_curves"]["8192"]["verify"][3][1] *= 1.001

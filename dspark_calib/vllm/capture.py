@@ -10,7 +10,9 @@ the `profile` command through one directory, whose layout is owned by
 * progress.json (TP rank 0, while profiling): batches done / total.
 * samples-rank{R}.json (every TP rank, atomically, when profiling ends): the tagged
   timed samples, vLLM's own curves per context, the engine and the hardware.
-* refusal.txt: vLLM's reason when it refuses adaptive verification.
+* refusal.txt: vLLM's reason when it refuses adaptive verification, or (starting
+  "dspark-calib:") the capture's own one-line error. The engine core runs in a child
+  process for every tp, so this file is how that line reaches `profile`.
 
 The schedule runs replays the way vLLM runs them: vLLM's batches_to_profile
 yields each size _PROFILE_REPLAYS times back to back; we run that whole
@@ -24,6 +26,7 @@ module in processes that never capture.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import math
@@ -142,12 +145,18 @@ class CaptureDir:
             return None
 
     def write_refusal(self, text: str) -> bool:
-        """Only while this process holds (or can take) the lock: never into another engine's capture."""
+        """Only while this process holds (or can take) the lock: never into another engine's capture.
+        A lock taken only for this write is released again (the directory stays usable)."""
+        held = self.locked
         try:
             self.lock()
         except CaptureError:
             return False
-        atomic_write(self.refusal_path, lambda fh: fh.write(text.encode()))
+        try:
+            atomic_write(self.refusal_path, lambda fh: fh.write(text.encode()))
+        finally:
+            if not held:
+                self.unlock()
         return True
 
     def read_refusal(self) -> str | None:
@@ -325,7 +334,8 @@ class CaptureMode:
                     plan_or_error = str(exc)
         plan_or_error = broadcast_from_rank0(plan_or_error)
         if isinstance(plan_or_error, str):
-            raise CaptureError(plan_or_error)
+            with self._reported(rank):
+                raise CaptureError(plan_or_error)
         schedule = Schedule.build(plan_or_error, vllm_batches)
         recorder = block_recorder() if rank == 0 else None
         state_of(manager).run = CaptureRun(plan_or_error, schedule, list(capture_sizes), rank, tp_size,
@@ -355,7 +365,8 @@ class CaptureMode:
         state = state_of(manager)
         run: CaptureRun = state.run
         try:
-            payload, vllm_ctx = self._payload(manager, state, run, samples)
+            with self._reported(run.rank):
+                payload, vllm_ctx = self._payload(manager, state, run, samples)
             self.dir.write_samples(run.rank, payload)
             if run.rank == 0:
                 last = run.schedule.tags[-1].context_len
@@ -366,6 +377,18 @@ class CaptureMode:
         # vLLM still needs cost curves to finish starting: its own rule, on the timed
         # samples of the profiled context nearest the one it would have profiled itself.
         original([s for s, t in zip(samples, run.schedule.tags) if t.replay >= 0 and t.context_len == vllm_ctx])
+
+    @contextlib.contextmanager
+    def _reported(self, rank: int) -> Iterator[None]:
+        """The engine core is another process: vLLM's parent only says "engine core failed".
+        Rank 0 leaves the capture's one line where `profile` looks (write_refusal re-checks
+        the lock, so never into another engine's directory)."""
+        try:
+            yield
+        except CaptureError as exc:
+            if rank == 0:
+                self.dir.write_refusal(str(exc))
+            raise
 
     def _payload(self, manager: Any, state: Any, run: CaptureRun, samples: list) -> tuple[dict, int]:
         from dspark_calib.fit import fit_pair

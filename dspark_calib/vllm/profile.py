@@ -213,14 +213,16 @@ def check_dtypes(opts: ProfileOptions) -> None:
         raise CalibError(f"--kv-cache-dtype {opts.kv_cache_dtype!r} is not one of vLLM's: {', '.join(kv)}")
 
 
-def engine_env(capture_dir: str, tp: int) -> dict[str, str]:
+def engine_env(capture_dir: str) -> dict[str, str]:
     env = {
         "VLLM_USE_V2_MODEL_RUNNER": "1",  # adaptive verification lives in the V2 runner
         ENV_CAPTURE: capture_dir,
     }
-    # One process for tp 1: worker errors (refusals, OOM) then reach us with their own message.
-    if tp == 1:
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
+    # The engine core runs in its own process at every tp, as under `vllm serve` (vLLM's
+    # default): vLLM times host work inside each step's window, so nothing of the CLI (its
+    # progress bar, the watcher thread) may share the timed process. Errors come back
+    # through the capture directory (refusal.txt). VLLM_ENABLE_V1_MULTIPROCESSING=0 set by
+    # the user still runs it in process (debugging); it is left as the user set it.
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "dspark_calib" not in plugins.split(","):
         env["VLLM_PLUGINS"] = ",".join(p for p in (plugins, "dspark_calib") if p)
@@ -254,12 +256,14 @@ def preflight(opts: ProfileOptions) -> None:
 
 def explain_failure(exc: BaseException, capture: CaptureDir | str, log_path: str | None = None) -> CalibError:
     refusal = (capture if isinstance(capture, CaptureDir) else CaptureDir(capture)).read_refusal()
+    if refusal and refusal.startswith("dspark-calib: "):  # the capture's own line, from the engine core
+        return CalibError(refusal.removeprefix("dspark-calib: "))
     if refusal:
         return CalibError(f"vLLM refused adaptive verification: {refusal}")
     chain: BaseException | None = exc
     text = f"{type(exc).__name__}: {exc}"
     while chain is not None:  # vLLM wraps worker errors; the cause holds the real text
-        if isinstance(chain, CaptureError):  # the plugin's own one line (tp 1: raised in this process)
+        if isinstance(chain, CaptureError):  # the plugin's own one line (raised here only when in process)
             return CalibError(first_line(chain, 400).removeprefix("dspark-calib: "))
         text += f" | {type(chain).__name__}: {chain}"
         chain = chain.__cause__ or chain.__context__
@@ -300,7 +304,8 @@ def _shutdown(llm: Any) -> None:
 
 
 def engine_in_process(opts: ProfileOptions, env: dict[str, str]) -> bool:
-    """tp 1 with V1 multiprocessing off and vLLM's "uni" executor: the worker is this process."""
+    """tp 1, vLLM's "uni" executor and V1 multiprocessing turned off by the user: the worker is
+    this process (never by default: the engine core runs in a child process)."""
     extra = opts.extra_engine_args
     single = all(int(extra.get(k) or 1) == 1 for k in ("pipeline_parallel_size", "data_parallel_size"))
     return (opts.tp == 1 and single and opts.distributed_executor_backend in (None, "uni")
@@ -334,7 +339,7 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
     """Start vLLM once (profiling happens during start-up), return rank 0's capture."""
     capture = CaptureDir(capture_dir)
     capture.write_plan(Plan(context_lens=tuple(opts.context_lens), replays=opts.replays, warmup=opts.warmup))
-    env = engine_env(capture_dir, opts.tp)
+    env = engine_env(capture_dir)
     saved = _env_snapshot(env)
     # TP rank 0 locks the directory for the whole capture. With tp > 1 (or any worker
     # process) that is another process: the driver must not hold the lock, or rank 0
