@@ -283,6 +283,7 @@ def test_fit_disagreeing_with_vllm_is_one_loud_line_and_no_samples(monkeypatch, 
     line = str(err.value)
     assert "\n" not in line and "disagree" in line and "context 1024" in line and "verify size 8" in line
     assert CaptureDir(tmp_path).read_samples(0) is None and m.cost_tables is None
+    assert CaptureDir(tmp_path).read_refusal() == line  # what `profile` shows when the engine core is a child process
 
 
 # -- pairing ------------------------------------------------------------------------------
