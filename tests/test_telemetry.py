@@ -67,8 +67,22 @@ def test_nvml_failing_falls_back_to_nvidia_smi_or_host_only_and_says_so(monkeypa
     assert r.source == "nvidia-smi" and (got.sm_mhz, got.temp_c, got.power_w, got.throttle) == (1755, 55, 401.2, ("sw_thermal",))
 
 
+def test_vllms_own_pynvml_is_used_when_nvidia_ml_py_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
+    import vllm.third_party
+
+    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", fake_pynvml([]))
+    monkeypatch.setattr(vllm.third_party, "pynvml", sys.modules["vllm.third_party.pynvml"], raising=False)
+    r = GpuReader(0, which=lambda name: None)
+    assert r.source == "nvml" and r.note == ""
+
+
 def test_missing_pynvml_is_not_an_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
+    import vllm.third_party
+
+    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", None)  # and vLLM's copy too
+    monkeypatch.delattr(vllm.third_party, "pynvml", raising=False)
     r = GpuReader(0, which=lambda name: None)
     assert r.source == "host" and "ModuleNotFoundError" in r.note
     assert r.read().cpu_s is not None

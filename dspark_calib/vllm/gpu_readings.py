@@ -5,7 +5,7 @@ visible from the process that runs the steps. Readings are taken between the
 generator's yields: after vLLM's drafter_end event of a block's last step and before the
 forward_start of the next block's first, so never inside a timed step. Each reading
 records its own cost (read_ms; NVML about a millisecond): the host gap it adds there.
-A missing `pynvml` (nvidia-ml-py) or a failing NVML never fails the profile: the next
+A missing `pynvml` (nvidia-ml-py, or vLLM's own copy of it) or a failing NVML never fails the profile: the next
 source is `nvidia-smi` (one call per reading), then host readings only, and the reason
 is recorded once in the telemetry's note.
 """
@@ -40,14 +40,23 @@ def host_reading() -> dict[str, Any]:
     return {"load1": load1, "cpu_s": t.user + t.system}
 
 
+def _nvml_module() -> Any:
+    """nvidia-ml-py's `pynvml`, else the copy of it vLLM ships (vllm.third_party.pynvml): the
+    engine's environment always has that one, so NVML readings need no extra package."""
+    try:
+        import pynvml
+    except ImportError:
+        from vllm.third_party import pynvml  # type: ignore[no-redef]
+    return pynvml
+
+
 class GpuReader:
     """One device's readings; `source` is fixed at construction, `note` says what was lost."""
 
     def __init__(self, device_index: int = 0, *, which: Callable[[str], str | None] = shutil.which):
         self.index, self.note, self._nvml, self._handle = device_index, "", None, None
         try:
-            import pynvml  # nvidia-ml-py: optional on the GPU host
-
+            pynvml = _nvml_module()
             pynvml.nvmlInit()
             self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index)
             self.source = "nvml"
