@@ -56,7 +56,8 @@ try:
         "method": "dspark", "model": f"{root}/profiles/configs/dspark-qwen3-8b-block7",
         "num_speculative_tokens": 7, "enable_adaptive_verification": True},
         load_format="dummy", skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=8192,
-        max_model_len=int(os.environ.get("SERVE_MAX_MODEL_LEN", "32768")), gpu_memory_utilization=0.85, seed=0)
+        max_model_len=int(os.environ.get("SERVE_MAX_MODEL_LEN", "32768")), gpu_memory_utilization=0.85, seed=0,
+        tensor_parallel_size=int(os.environ.get("SERVE_TP", "1")))  # tp > 1: workers elsewhere, profile_s not seen here
 except Exception as exc:  # strict policy: the engine must refuse to start
     res["started"] = False
     res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
