@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Issue 7 item 9(c), two-GPU host, device calls back to back in one lease (each under 10 minutes):
 #   bash benchmarks/h200/run_tp2.sh profile [profile options]  # the tp 2 table (rank 0's samples, curves broadcast)
-#   bash benchmarks/h200/run_tp2.sh serve                      # tp2_proof.py: tp 2 stock/table/tp-1-table-strict, DP 2
+#   bash benchmarks/h200/run_tp2.sh serve [CASES]              # tp2_proof.py: tp 2 stock/table/tp-1-table-strict, DP 2
+# Measured 2026-11-30 (x2 host): the three tp 2 cases take ~7 min and DP 2's first start compiles
+# each replica (~4 min): run `serve tp` and `serve dp` as two calls. Never pipe the output
+# through tail in the device command: a call cut by its time limit then returns nothing.
 # serve uses /tmp/results/h200-tp2.parquet and the tp 1 table made earlier in the same lease
 # (/tmp/results/fid-product-a.parquet, run_fidelity.sh product) or $TP1_TABLE.
 set -euo pipefail
@@ -9,6 +12,6 @@ export CUDA_VISIBLE_DEVICES=0,1
 case "$1" in
   profile) shift; bash benchmarks/h200/profile.sh h200-tp2 --tp 2 --max-model-len 32768 "$@" ;;
   serve) . benchmarks/h200/setup.sh
-         python3 benchmarks/h200/tp2_proof.py /tmp/results/h200-tp2.parquet "${TP1_TABLE:-/tmp/results/fid-product-a.parquet}" "$OUT" ;;
+         python3 benchmarks/h200/tp2_proof.py /tmp/results/h200-tp2.parquet "${TP1_TABLE:-/tmp/results/fid-product-a.parquet}" "$OUT" "${2:-tp,dp}" ;;
   *) echo "usage: run_tp2.sh profile|serve" >&2; exit 2 ;;
 esac

@@ -1,6 +1,6 @@
 """Issue 7 item 9(c) on the two-GPU host: tp 2 serving with a table, and DP 2 starting with one.
 
-  python3 benchmarks/h200/tp2_proof.py TP2_TABLE TP1_TABLE OUTDIR
+  python3 benchmarks/h200/tp2_proof.py TP2_TABLE TP1_TABLE OUTDIR [tp,dp]
 
 Cases, one fresh engine each, one after another (nothing else on the GPUs):
   tp2_stock         tp 2, vLLM's own start-up profile (context 8192)
@@ -21,6 +21,7 @@ import json, os, re, signal, subprocess, sys, time, urllib.request
 here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(os.path.dirname(here))
 tp2_table, tp1_table, out_dir = (os.path.abspath(a) for a in sys.argv[1:4])
+which = set((sys.argv[4] if len(sys.argv) > 4 else "tp,dp").split(","))  # tp: the three tp 2 cases; dp: DP 2
 os.makedirs(out_dir, exist_ok=True)
 CAPTURE_RE = re.compile(r"Graph capturing finished in (\d+) secs")
 
@@ -72,7 +73,7 @@ def dp_case(name, table):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            while time.time() - t < 400 and proc.poll() is None:
+            while time.time() - t < 420 and proc.poll() is None:
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                         if r.status == 200:
@@ -110,20 +111,30 @@ def dp_case(name, table):
 
 
 results = []
-for name, extra in (("tp2_stock", {"SERVE_TP": "2"}),
+
+
+def save():
+    """After every case: a call cut by the device's time limit still brings back what ran
+    (2026-11-30: a run piped through `tail` and saved only at the end lost three cases)."""
+    json.dump({"tp2_table": os.path.basename(tp2_table), "tp1_table": os.path.basename(tp1_table), "results": results},
+              open(os.path.join(out_dir, "tp2_proof.json"), "w"), indent=1)
+
+
+for name, extra in () if "tp" not in which else (("tp2_stock", {"SERVE_TP": "2"}),
                     ("tp2_table", {"SERVE_TP": "2", "DSPARK_CALIB_TABLE": tp2_table, "DSPARK_CALIB_POLICY": "strict"}),
                     ("tp2_tp1_strict", {"SERVE_TP": "2", "DSPARK_CALIB_TABLE": tp1_table, "DSPARK_CALIB_POLICY": "strict"})):
     res, text = tp_case(name, extra)
     results.append(res)
+    save()
     print(json.dumps({k: res.get(k) for k in ("case", "started", "engine_start_s", "graph_capture_s", "dspark_log")})[:1200],
           flush=True)
     if name == "tp2_stock" and not res.get("started"):
         print(text[-4000:])
-results.append(dp_case("dp2_table", tp1_table))
-print(json.dumps({k: results[-1].get(k) for k in ("case", "started", "ready_s", "graph_capture_s", "dspark_log",
-                                                 "completion")})[:2000], flush=True)
-json.dump({"tp2_table": os.path.basename(tp2_table), "tp1_table": os.path.basename(tp1_table), "results": results},
-          open(os.path.join(out_dir, "tp2_proof.json"), "w"), indent=1)
+if "dp" in which:
+    results.append(dp_case("dp2_table", tp1_table))
+    save()
+    print(json.dumps({k: results[-1].get(k) for k in ("case", "started", "ready_s", "graph_capture_s", "dspark_log",
+                                                     "completion")})[:2000], flush=True)
 print(f"{'case':16} {'started':8} {'start_s':>8} {'capture_s':>10} dspark-calib lines")
 for r in results:
     print(f"{r['case']:16} {str(r.get('started')):8} {r.get('engine_start_s', r.get('ready_s', 0)) or 0:8.1f} "
