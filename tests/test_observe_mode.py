@@ -361,6 +361,8 @@ def test_files_round_trip_through_validate(engine, table_files):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["num_steps"] == 20 and len(d["files"]) == 4
-    groups = d["by_size_and_context"] if "by_size_and_context" in d else d["by_context"]
+    groups = d["groups"]  # kind x size bucket x context bucket
     assert {g["kind"] for g in groups} == {"draft", "verify"}
-    assert all(g["context_aware"]["n"] > 0 for g in groups)
+    assert {g["context_bucket"] for g in groups} == {"1024-2047", "2048-4095"}
+    assert all(g["context_aware"]["n"] > 0 and g["context_aware"]["median_pct"] is not None for g in groups)
+    assert d["budget_change"]["compared"] == 0  # a stock engine records no alternative budget

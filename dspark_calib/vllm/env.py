@@ -54,7 +54,7 @@ def _get(env: Mapping[str, str] | None, name: str) -> str | None:
 
 def is_active(env: Mapping[str, str] | None = None) -> bool:
     """Does any variable ask the plugin for work? (nothing else is imported until it does)"""
-    return bool(_get(env, CAPTURE) or _get(env, TABLE) or _get(env, OBSERVE))
+    return bool(_get(env, CAPTURE) or _get(env, TABLE) or observe_dir(env))
 
 
 def observe_dir(env: Mapping[str, str] | None = None) -> str | None:
