@@ -30,8 +30,6 @@ import argparse
 import gc
 import json
 import os
-import platform
-import socket
 import sys
 import tempfile
 import time
@@ -45,13 +43,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-import vllm  # noqa: E402
 import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av  # noqa: E402
 from vllm.distributed import parallel_state  # noqa: E402
 
-from bench_context_aware import cpu_model  # noqa: E402
+from bench_context_aware import default_name, machine  # noqa: E402
 from conftest import build_reference_table  # noqa: E402
-from dspark_calib import __version__  # noqa: E402
 from dspark_calib.observe import ObservedWriter  # noqa: E402
 from dspark_calib.vllm import context_aware as ca  # noqa: E402
 from dspark_calib.vllm import observe_mode as om  # noqa: E402
@@ -142,7 +138,7 @@ def bench_flush(tmp):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--name", default=f"{socket.gethostname().split('.')[0]}-{os.cpu_count()}cpu")
+    ap.add_argument("--name", default=default_name())
     ap.add_argument("--steps", type=int, default=5000)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -168,9 +164,7 @@ def main():
             flush = bench_flush(tmp)
     result = {
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "numpy": np.__version__, "vllm": vllm.__version__,
-                    "dspark_calib": __version__, "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": machine(load_before),
         "note": "host time only; event stand-ins (no cudaEventRecord cost); runner stand-in from the tests",
         "steps_per_case": args.steps,
         "by_num_reqs": results,
