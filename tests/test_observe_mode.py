@@ -366,3 +366,22 @@ def test_files_round_trip_through_validate(engine, table_files):
     assert {g["context_bucket"] for g in groups} == {"1024-2047", "2048-4095"}
     assert all(g["context_aware"]["n"] > 0 and g["context_aware"]["median_pct"] is not None for g in groups)
     assert d["budget_change"]["compared"] == 0  # a stock engine records no alternative budget
+
+
+def test_exit_flushes_buffered_rows_and_a_late_exit_hook_is_harmless(engine):
+    import gc
+    import weakref
+
+    runner, clock = engine
+    obs = start(runner, clock)
+    for n in range(1, 7):
+        step(runner, n)
+    assert not os.path.exists(obs.directory) or not os.listdir(obs.directory)  # buffered, pending
+    obs.at_exit()  # what atexit runs (the events are done: resolved with query())
+    assert list(read_observed([obs.directory])["num_reqs"]) == [2, 4, 6]
+    ref, at_exit = weakref.ref(obs), obs.at_exit
+    om.detach(runner)
+    del obs, runner
+    gc.collect()
+    assert ref() is None
+    at_exit()  # a late exit hook is a no-op

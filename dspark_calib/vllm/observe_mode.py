@@ -34,6 +34,7 @@ import functools
 import itertools
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -85,6 +86,7 @@ class Observer:
         self.current: _Step | None = None
         self.pricing: Pricing | None = None
         self.writer: Any = None
+        self.at_exit: Callable[[], None] | None = None
 
     # -- call points ---------------------------------------------------------------------
     def after_budget(self, num_tokens_per_req: Any, draft_tokens: Any) -> None:
@@ -275,8 +277,15 @@ def attach(runner: Any, obs: Observer) -> Observer:
     if callable(getattr(runner, "shutdown", None)):
         _wrap(runner, "shutdown", shutdown)
     setattr(runner, _ATTR, obs)
-    atexit.register(obs.close)
+    obs.at_exit = functools.partial(_close_if_alive, weakref.ref(obs))  # exit flushes; never keeps obs alive
+    atexit.register(obs.at_exit)
     return obs
+
+
+def _close_if_alive(ref: Callable[[], Observer | None]) -> None:
+    obs = ref()
+    if obs is not None:
+        obs.close()
 
 
 def detach(runner: Any) -> Observer | None:
@@ -286,7 +295,7 @@ def detach(runner: Any) -> Observer | None:
         return None
     obs.close()
     obs.on = False
-    atexit.unregister(obs.close)
+    atexit.unregister(obs.at_exit)
     for owner, names in ((runner.adaptive_verification, ("get_num_tokens",)),
                          (runner, ("execute_model", "shutdown")),
                          (runner.step_timing, ("record_batch", "forward_start")),
