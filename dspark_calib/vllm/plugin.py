@@ -15,7 +15,8 @@ Modes, chosen from the env at each engine start:
 It patches vLLM's AdaptiveVerificationManager.batches_to_profile and
 .set_initial_cost_curves, and wraps model_runner's
 maybe_create_adaptive_verification_manager (to hand the manager the engine's
-config), when vLLM's model runner module is imported (processes that never
+config) and GPUModelRunner.initialize_kv_cache (where observe mode starts, per
+runner), when vLLM's model runner module is imported (processes that never
 import it pay nothing). On an API shape it does not know, it logs one line and
 leaves vLLM untouched. Our own failures never stop an engine that would
 otherwise start; capture failures and strict refusals are one line.
