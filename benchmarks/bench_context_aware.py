@@ -134,9 +134,21 @@ def cpu_model():
     return platform.processor()
 
 
+def default_name() -> str:
+    """The results file's host tag: short host name and CPU count."""
+    return f"{socket.gethostname().split('.')[0]}-{os.cpu_count()}cpu"
+
+
+def machine(load_before) -> dict:
+    """What a CPU benchmark result must say about where it ran."""
+    return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "numpy": np.__version__, "vllm": vllm.__version__,
+            "dspark_calib": __version__, "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--name", default=f"{socket.gethostname().split('.')[0]}-{os.cpu_count()}cpu")
+    ap.add_argument("--name", default=default_name())
     ap.add_argument("--calls", type=int, default=20000)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -154,9 +166,7 @@ def main():
         gc.enable()
     result = {
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "numpy": np.__version__, "vllm": vllm.__version__,
-                    "dspark_calib": __version__, "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": machine(load_before),
         "grid": {**grid.describe(), "build_s": grid_s},
         "calls_per_size": args.calls,
         "by_num_reqs": sizes,

@@ -105,6 +105,27 @@ def test_register_with_a_table_still_imports_nothing_heavy_until_the_runner_load
                           "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "DSPARK_CALIB_POLICY,DSPARK_CALIB_TABLE"}
 
 
+def test_observe_alone_activates_the_plugin_and_stays_light(tmp_path):
+    """The stock-vLLM arm is observable: observe alone asks for the patch, still standard library only."""
+    from dspark_calib.vllm import env as E
+
+    assert E.is_active({"DSPARK_CALIB_OBSERVE": str(tmp_path)}) and not E.is_active({"DSPARK_CALIB_OBSERVE": " "})
+    out = _imports_in_fresh_process(DSPARK_CALIB_OBSERVE=str(tmp_path), DSPARK_CALIB_OBSERVE_EVERY="8")
+    assert _beyond_stdlib(out["new"]) == []
+    assert out["env"] == {"VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY": "DSPARK_CALIB_",
+                          "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY": "DSPARK_CALIB_OBSERVE,DSPARK_CALIB_OBSERVE_EVERY"}
+
+
+def test_observe_every_parsing():
+    from dspark_calib.errors import CalibError
+    from dspark_calib.vllm import env as E
+
+    assert E.observe_every({}) == E.DEFAULT_OBSERVE_EVERY and E.observe_every({"DSPARK_CALIB_OBSERVE_EVERY": " 1 "}) == 1
+    for bad in ("0", "-3", "x", "2.5", "10000001"):
+        with pytest.raises(CalibError, match="DSPARK_CALIB_OBSERVE_EVERY"):
+            E.observe_every({"DSPARK_CALIB_OBSERVE_EVERY": bad})
+
+
 # -- quiet: once per engine, from TP rank 0 ---------------------------------------------------
 @pytest.mark.parametrize("rank,expected", [(0, 1), (1, 0), (3, 0)])
 def test_unsupported_shape_is_one_line_from_rank0_only(monkeypatch, caplog, tmp_path, rank, expected):

@@ -37,13 +37,15 @@ _SMALL_BATCH = 48
 class ContextAwareState:
     """What install() keeps on the manager: enough to run the step and to undo it."""
 
-    __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context")
+    __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context", "stacked")
 
-    def __init__(self, grid: ContextGrid, base_tables: Any, original: Callable, wrapper: Callable | None = None):
-        self.grid = grid
+    def __init__(self, grid: ContextGrid | None, base_tables: Any, original: Callable, wrapper: Callable | None = None,
+                 stacked: bool = False):
+        self.grid = grid  # None after an uninstall that could not unwrap (another wrapper on top)
         self.base_tables = base_tables
         self.original = original
         self.wrapper = wrapper
+        self.stacked = stacked  # original is another instance wrapper (e.g. observe mode's)
         self.last_context = -1  # the context the last step was priced at (for observe mode)
 
 
@@ -65,7 +67,8 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
 
     def get_num_tokens(num_tokens_per_req: dict[str, int], draft_tokens: dict[str, list[int]]) -> int:
         n = len(num_tokens_per_req)
-        if n:
+        grid = state.grid
+        if n and grid is not None:
             # batch_context_sum, inlined: this runs every step.
             req_states = manager.req_states
             index = req_states.req_id_to_index.__getitem__
@@ -76,7 +79,7 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
                 total = int(computed[np.fromiter(map(index, num_tokens_per_req), dtype=intp, count=n)].sum())
             ctx = -(-total // n)  # ceil(mean): integers only, identical on every rank
             state.last_context = ctx
-            manager.cost_tables = state.grid.tables_for(ctx)
+            manager.cost_tables = grid.tables_for(ctx)
         return original(num_tokens_per_req, draft_tokens)
 
     return get_num_tokens
@@ -86,14 +89,17 @@ def install(manager: Any, grid: ContextGrid) -> ContextAwareState:
     """Make this manager's get_num_tokens price each step at its batch's mean context.
 
     Per instance (other managers in the process are untouched) and idempotent: a
-    second install replaces the grid and keeps the original method and tables.
+    second install replaces the grid and keeps the original method and tables. It
+    wraps what is there: vLLM's method, or another instance wrapper (observe mode's),
+    so the two compose in either order.
     """
     state = getattr(manager, _STATE, None)
     if state is not None:
         state.grid = grid
         return state
-    original = type(manager).get_num_tokens.__get__(manager)  # vLLM's, never a wrapper
-    state = ContextAwareState(grid, manager.cost_tables, original)
+    own = manager.__dict__.get("get_num_tokens")
+    original = own if own is not None else type(manager).get_num_tokens.__get__(manager)
+    state = ContextAwareState(grid, manager.cost_tables, original, stacked=own is not None)
     state.wrapper = _make_wrapper(manager, state)
     setattr(manager, _STATE, state)
     manager.get_num_tokens = state.wrapper
@@ -106,7 +112,11 @@ def uninstall(manager: Any) -> bool:
     if state is None:
         return False
     if manager.__dict__.get("get_num_tokens") is state.wrapper:
-        del manager.get_num_tokens
+        if state.stacked:
+            manager.get_num_tokens = state.original
+        else:
+            del manager.get_num_tokens
+    state.grid = None  # a wrapper put on top of ours still calls it: it now passes straight through
     manager.cost_tables = state.base_tables
     delattr(manager, _STATE)
     return True

@@ -7,13 +7,16 @@ Modes, chosen from the env at each engine start:
 
 * DSPARK_CALIB_CAPTURE=DIR: capture mode (used by `dspark-calib profile`), capture.py;
 * DSPARK_CALIB_TABLE=PATH: load mode (serve time), loader.py;
+* DSPARK_CALIB_OBSERVE=DIR: observe mode (serving steps timed and written, with or
+  without a table), observe_mode.py; it composes with load mode;
 * neither, but the driver announced DSPARK_CALIB_* names this process did not
   receive (Ray): one ERROR line, vLLM profiles as usual.
 
 It patches vLLM's AdaptiveVerificationManager.batches_to_profile and
 .set_initial_cost_curves, and wraps model_runner's
 maybe_create_adaptive_verification_manager (to hand the manager the engine's
-config), when vLLM's model runner module is imported (processes that never
+config) and GPUModelRunner.initialize_kv_cache (where observe mode starts, per
+runner), when vLLM's model runner module is imported (processes that never
 import it pay nothing). On an API shape it does not know, it logs one line and
 leaves vLLM untouched. Our own failures never stop an engine that would
 otherwise start; capture failures and strict refusals are one line.
@@ -170,7 +173,7 @@ def active_mode() -> Mode | None:
     """Chosen at each engine start from the env (vLLM loads plugins once per process, so
     the patch itself only happens if a DSPARK_CALIB_* variable was set at that first load)."""
     missing = missing_from_driver()
-    if missing and (os.environ.get(ENV_CAPTURE) or os.environ.get(ENV_TABLE)):
+    if missing and E.is_active():
         # e.g. the table arrived but DSPARK_CALIB_POLICY=strict did not: never silently
         log_once(logging.ERROR, f"dspark-calib: the driver set {', '.join(missing)} but this engine's workers "
                                 "did not receive them (not copied to Ray workers?); going on without them")
@@ -191,7 +194,7 @@ def register() -> None:
         names = _ours()
         if names or _announced:
             carry_to_ray_workers(names)
-        if not (os.environ.get(ENV_CAPTURE) or os.environ.get(ENV_TABLE) or missing_from_driver()):
+        if not (E.is_active() or missing_from_driver()):
             return
         if MODEL_RUNNER in sys.modules:
             _patch_installed_vllm()
@@ -300,6 +303,9 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
         manager_cls.set_initial_cost_curves = set_initial_cost_curves
     if model_runner is not None:
         _wrap_factory(model_runner)
+        from dspark_calib.vllm.observe_mode import hook_runner
+
+        hook_runner(model_runner)  # observe starts per engine, when DSPARK_CALIB_OBSERVE is set
 
 
 def _record_refusal(exc: BaseException) -> None:
@@ -350,6 +356,8 @@ def unpatch(manager_cls: Any, model_runner: Any | None = None) -> None:
             original = getattr(getattr(owner, name), _MARK, None)
             if original is not None:
                 setattr(owner, name, original)
-    from dspark_calib.vllm import loader
+    from dspark_calib.vllm import loader, observe_mode
 
     loader.remove_hooks()
+    if model_runner is not None:
+        observe_mode.unhook_runner(model_runner)

@@ -178,3 +178,37 @@ def detect(av: ModuleType | None = None, model_runner: ModuleType | None = None,
     if why:
         return ApiShape(None, why, version)
     return ApiShape(SHAPE_V1, "", version)
+
+
+# -- observe mode's call points (checked per runner instance, at engine start) ----------------
+OBSERVE_EVENT_FIELDS = ("forward_start", "forward_end", "drafter_start", "drafter_end")
+
+
+def observe_problem(runner: Any, async_utils: ModuleType | None = None) -> str:
+    """'' when this runner has every call point observe mode wraps (vLLM 0.33's); else why not.
+
+    Serving steps call the collector's record_batch and forward_start (in execute_model) but
+    never its forward_end/drafter_* (those run in _dummy_run only), so observe ends the
+    forward when execute_model returns and times the drafter around speculator.propose.
+    """
+    try:
+        if async_utils is None:
+            from vllm.v1.worker.gpu import async_utils  # noqa: F811
+    except Exception as exc:  # noqa: BLE001
+        return f"vLLM's async_utils does not import ({type(exc).__name__})"
+    events = getattr(async_utils, "StepTimingEvents", None)
+    if tuple(getattr(events, "__dataclass_fields__", {}) or ()) != OBSERVE_EVENT_FIELDS:
+        return f"StepTimingEvents does not have the fields {OBSERVE_EVENT_FIELDS}"
+    collector = getattr(runner, "step_timing", None)
+    if _params(getattr(collector, "record_batch", None)) != ["input_batch", "full_cudagraph"]:
+        return "the runner's step_timing.record_batch(input_batch, full_cudagraph) is missing"
+    if _params(getattr(collector, "forward_start", None)) != []:
+        return "the runner's step_timing.forward_start() is missing"
+    if "dummy_run" not in _params(getattr(runner, "execute_model", None)):
+        return "the runner's execute_model has no dummy_run parameter"
+    if "dummy_run" not in _params(getattr(getattr(runner, "speculator", None), "propose", None)):
+        return "the runner has no speculator.propose(..., dummy_run=) (no drafter to time)"
+    manager = getattr(runner, "adaptive_verification", None)
+    if not callable(getattr(manager, "get_num_tokens", None)) or not hasattr(manager, "req_states"):
+        return "the runner's adaptive_verification manager has no get_num_tokens/req_states"
+    return ""

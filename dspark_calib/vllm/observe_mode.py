@@ -1,0 +1,445 @@
+"""Observe mode in the engine: time a sample of real serving steps, write them (DSPARK_CALIB_OBSERVE=DIR).
+
+Why here, and how, in vLLM 0.33's V2 runner:
+
+* Serving steps call ``step_timing.record_batch`` and ``.forward_start`` (in
+  execute_model) but never the collector's forward_end/drafter_* (those run in
+  ``_dummy_run`` only), and the collector records nothing outside ``collect()``.
+  So observe keeps its own events (vLLM's ``StepTimingEvents``), recorded on the
+  current stream at the same points vLLM's profile uses: forward_start (wrapped on
+  the collector instance), forward end when execute_model returns (as _dummy_run
+  does), drafter start/end around ``speculator.propose``. vLLM's collector is only
+  ever called through, so its ``collect()`` window behaves as before.
+* The step is joined by construction, not by counting: execute_model starts a
+  step (dropping a sampled step that never reached propose), get_num_tokens picks
+  the sample and captures the budget (observe_step.capture_step), the other
+  points fill that same step. Steps without drafts (no get_num_tokens: prefill,
+  first decode), without a drafter run, and dummy runs are never rows.
+* Sampled steps only (every Nth priced step, DSPARK_CALIB_OBSERVE_EVERY) record
+  events; they are resolved with ``query()`` on later sampled steps and at
+  shutdown (observe.PendingSteps, bounded): never a host sync per step.
+* TP rank 0 only: other ranks install nothing (no collective, no work). Files
+  ``observed-dp{D}-{pid}-e{N}-*.parquet``, rolling and bounded (ObservedWriter).
+* Any failure inside observe is one WARNING line and observe turns off; vLLM's
+  own exceptions pass through untouched.
+
+Wrappers are per instance (manager, collector, runner, speculator); get_num_tokens
+composes with context_aware.install in either order (each wraps what is there).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import itertools
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dspark_calib.vllm import env as E
+from dspark_calib.vllm.plugin import log_once
+
+_ATTR = "_dspark_calib_observer"
+_MARK = "_dspark_calib_original"
+_engines = itertools.count()  # per process: a second engine start in one process writes new names
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How this engine prices its steps (read at the first sampled step: the table loads after install)."""
+
+    mode: str  # "stock" (vLLM's start-up profile), "table" (one context) or "context-aware"
+    static_context: int  # the context of the static tables
+    alt_tables: Any = None  # the static tables when the engine prices context-aware (budget_static)
+    table_hash: str = ""
+
+
+class _Step:
+    """A sampled step in flight on the host (filled by the call points, in order)."""
+
+    __slots__ = ("index", "capture", "batch", "events", "forward_ended")
+
+    def __init__(self, index: int, capture: Any):
+        self.index, self.capture = index, capture
+        self.batch = None  # (full_cudagraph, num_target_tokens, num_reqs), as vLLM's record_batch
+        self.events = None
+        self.forward_ended = False
+
+
+class Observer:
+    """The sampler of one engine (TP rank 0). Hooks never raise: a failure turns observe off."""
+
+    def __init__(self, manager: Any, directory: str, *, every: int, event_factory: Callable[[], Any],
+                 pricing: Callable[[Any], Pricing], metadata: dict | None = None, max_pending: int = 256,
+                 name: str | None = None, writer_kwargs: dict | None = None):
+        from dspark_calib.observe import PendingSteps
+
+        self.manager, self.directory, self.every = manager, directory, every
+        self.event_factory, self._pricing_of = event_factory, pricing
+        self.metadata, self.name, self.writer_kwargs = dict(metadata or {}), name, dict(writer_kwargs or {})
+        self.pending = PendingSteps(max_pending)
+        self.on = True
+        self.priced = 0  # get_num_tokens calls seen (the row's step number)
+        self.untimed = 0  # sampled steps that never reached the drafter
+        self.current: _Step | None = None
+        self.pricing: Pricing | None = None
+        self.writer: Any = None
+        self.at_exit: Callable[[], None] | None = None
+
+    # -- call points ---------------------------------------------------------------------
+    def after_budget(self, num_tokens_per_req: Any, draft_tokens: Any) -> None:
+        self.priced += 1
+        if self.priced % self.every or not self.on:
+            return
+        try:
+            from dspark_calib.vllm.observe_step import capture_step
+
+            self.drain()
+            if self.pricing is None:
+                self.pricing = self._pricing_of(self.manager)
+            p = self.pricing
+            ctx = p.static_context if p.mode != "context-aware" else _last_context(self.manager, p.static_context)
+            capture = capture_step(self.manager, num_tokens_per_req, draft_tokens, priced_context=ctx,
+                                   alt_tables=p.alt_tables)
+            self.current = _Step(self.priced, capture)
+        except Exception as exc:  # noqa: BLE001 - observing must never break serving
+            self.fail(exc)
+
+    def begin_step(self) -> None:
+        if self.current is not None:  # sampled, but no drafter ran (or no forward): not a row
+            self.untimed += 1
+            self.current = None
+
+    def record_batch(self, input_batch: Any, full_cudagraph: bool) -> None:
+        step = self.current
+        if step is not None:
+            step.batch = (bool(full_cudagraph), int(input_batch.num_tokens), int(input_batch.num_reqs))
+
+    def forward_start(self) -> None:
+        step = self.current
+        if step is not None and step.batch is not None and step.events is None:
+            try:
+                step.events = self.event_factory()
+                step.events.forward_start.record()
+            except Exception as exc:  # noqa: BLE001
+                self.fail(exc)
+
+    def forward_end(self) -> None:
+        step = self.current
+        if step is not None and step.events is not None and not step.forward_ended:
+            try:
+                step.events.forward_end.record()
+                step.forward_ended = True
+            except Exception as exc:  # noqa: BLE001
+                self.fail(exc)
+
+    def drafter_start(self) -> bool:
+        step = self.current
+        if step is None or not step.forward_ended:
+            return False
+        try:
+            step.events.drafter_start.record()
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self.fail(exc)
+            return False
+
+    def drafter_end(self) -> None:
+        step, self.current = self.current, None
+        if step is None:
+            return
+        try:
+            step.events.drafter_end.record()
+            self.pending.add(step.events, step)  # full: dropped and counted (PendingSteps bounds it)
+        except Exception as exc:  # noqa: BLE001
+            self.fail(exc)
+
+    # -- resolving and writing -------------------------------------------------------------
+    def drain(self) -> int:
+        """Write every step whose events are done (query() only); returns how many."""
+        from dspark_calib.vllm.observe_step import to_observed
+
+        done = self.pending.resolve_ready()
+        if not done:
+            return 0
+        writer = self.writer or self._open_writer()
+        aware = self.pricing is not None and self.pricing.mode == "context-aware"
+        for forward_ms, drafter_ms, step in done:
+            full_cudagraph, num_target_tokens, _ = step.batch
+            writer.append(to_observed(step.capture, step=step.index, forward_ms=forward_ms, drafter_ms=drafter_ms,
+                                      num_target_tokens=num_target_tokens, full_cudagraph=full_cudagraph,
+                                      context_aware=aware))
+        return len(done)
+
+    def _open_writer(self) -> Any:
+        from dspark_calib.observe import ObservedWriter
+
+        p = self.pricing
+        meta = {**self.metadata, "sample_every": self.every}
+        if p is not None:
+            meta.update(mode=p.mode, static_context=p.static_context, table_hash=p.table_hash)
+        self.writer = ObservedWriter(self.directory, metadata=meta, name=self.name, **self.writer_kwargs)
+        return self.writer
+
+    def close(self) -> None:
+        """Resolve what is done and write it (shutdown, atexit); idempotent, never raises."""
+        if not self.on:
+            return
+        try:
+            self.drain()
+            if self.writer is not None:
+                self.writer.flush()
+        except Exception as exc:  # noqa: BLE001
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        from dspark_calib.errors import first_line
+
+        self.on, self.current = False, None
+        log_once(logging.WARNING, f"dspark-calib: observe off ({type(exc).__name__}: {first_line(exc)}); "
+                                  "serving continues unobserved")
+
+
+def _last_context(manager: Any, default: int) -> int:
+    from dspark_calib.vllm.context_aware import installed_state
+
+    state = installed_state(manager)
+    return state.last_context if state is not None and state.last_context >= 0 else default
+
+
+# -- wrapping one runner's call points ------------------------------------------------------
+def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    """owner.name = make(what is there now), as an instance attribute remembering the original."""
+    inner = getattr(owner, name)
+    wrapper = functools.wraps(inner)(make(inner))
+    setattr(wrapper, _MARK, (inner, name in owner.__dict__))
+    setattr(owner, name, wrapper)
+
+
+def attach(runner: Any, obs: Observer) -> Observer:
+    """Install obs at runner's call points (instance attributes only)."""
+
+    def get_num_tokens(inner: Callable) -> Callable:
+        def wrapper(num_tokens_per_req: Any, draft_tokens: Any) -> Any:
+            out = inner(num_tokens_per_req, draft_tokens)
+            if obs.on:
+                obs.after_budget(num_tokens_per_req, draft_tokens)
+            return out
+        return wrapper
+
+    def execute_model(inner: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            obs.begin_step()  # also for dummy runs: nothing of a serving step may leak into them
+            out = inner(*args, **kwargs)
+            if obs.current is not None:
+                obs.forward_end()
+            return out
+        return wrapper
+
+    def record_batch(inner: Callable) -> Callable:
+        def wrapper(input_batch: Any, full_cudagraph: bool) -> None:
+            inner(input_batch, full_cudagraph)  # vLLM's: records only inside collect()
+            if obs.current is not None:
+                obs.record_batch(input_batch, full_cudagraph)
+        return wrapper
+
+    def forward_start(inner: Callable) -> Callable:
+        def wrapper() -> None:
+            inner()
+            if obs.current is not None:
+                obs.forward_start()
+        return wrapper
+
+    def propose(inner: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if obs.current is None or kwargs.get("dummy_run") or not obs.drafter_start():
+                return inner(*args, **kwargs)
+            out = inner(*args, **kwargs)
+            obs.drafter_end()
+            return out
+        return wrapper
+
+    def shutdown(inner: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return inner(*args, **kwargs)  # vLLM synchronises the device first: every event is done
+            finally:
+                obs.close()
+        return wrapper
+
+    _wrap(runner.adaptive_verification, "get_num_tokens", get_num_tokens)
+    _wrap(runner, "execute_model", execute_model)
+    _wrap(runner.step_timing, "record_batch", record_batch)
+    _wrap(runner.step_timing, "forward_start", forward_start)
+    _wrap(runner.speculator, "propose", propose)
+    if callable(getattr(runner, "shutdown", None)):
+        _wrap(runner, "shutdown", shutdown)
+    setattr(runner, _ATTR, obs)
+    obs.at_exit = functools.partial(_close_if_alive, weakref.ref(obs))  # exit flushes; never keeps obs alive
+    atexit.register(obs.at_exit)
+    return obs
+
+
+def _close_if_alive(ref: Callable[[], Observer | None]) -> None:
+    obs = ref()
+    if obs is not None:
+        obs.close()
+
+
+def detach(runner: Any) -> Observer | None:
+    """Undo attach (tests): each wrapper still on top goes; one under another wrapper stays, inert."""
+    obs = runner.__dict__.pop(_ATTR, None)
+    if obs is None:
+        return None
+    obs.close()
+    obs.on = False
+    atexit.unregister(obs.at_exit)
+    for owner, names in ((runner.adaptive_verification, ("get_num_tokens",)),
+                         (runner, ("execute_model", "shutdown")),
+                         (runner.step_timing, ("record_batch", "forward_start")),
+                         (runner.speculator, ("propose",))):
+        for name in names:
+            current = owner.__dict__.get(name)
+            mark = getattr(current, _MARK, None)
+            if mark is None:
+                continue
+            inner, was_own = mark
+            if was_own:
+                setattr(owner, name, inner)
+            else:
+                delattr(owner, name)
+    return obs
+
+
+def observer_of(runner: Any) -> Observer | None:
+    return runner.__dict__.get(_ATTR)
+
+
+# -- engine start ---------------------------------------------------------------------------
+def prepare_dir(directory: str) -> str:
+    """'' when DIR exists or was created now (its parent must exist: a typo is not silently
+    made into a new tree, as `mkdir -p` would); else the one-line reason."""
+    try:
+        os.mkdir(directory)
+    except FileExistsError:
+        if not os.path.isdir(directory):
+            return "exists and is not a directory"
+    except FileNotFoundError:
+        return "its parent directory does not exist (create it first; observe does not create parents)"
+    except OSError as exc:
+        return f"cannot be created ({exc.strerror or type(exc).__name__})"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "is not writable"
+    return ""
+
+
+def pricing_for(stock_context: int) -> Callable[[Any], Pricing]:
+    """How the manager prices steps once its start-up is done: context-aware grid, a loaded
+    table's one context, or vLLM's own profile (stock_context: its clamped profile context)."""
+
+    def pricing(manager: Any) -> Pricing:
+        from dspark_calib.vllm.context_aware import installed_state
+        from dspark_calib.vllm.plugin import state_of
+
+        decision = getattr(state_of(manager).run, "decision", None)
+        loaded = bool(getattr(decision, "load", False))
+        static = int(decision.context_len) if loaded else int(stock_context)
+        table_hash = str(decision.content_hash) if loaded else ""
+        ca = installed_state(manager)
+        if ca is not None:
+            return Pricing("context-aware", static, ca.base_tables, table_hash)
+        return Pricing("table" if loaded else "stock", static, None, table_hash)
+
+    return pricing
+
+
+def _stock_context(runner: Any) -> int:
+    from dspark_calib.fit import profile_context_len
+    from dspark_calib.vllm.engine_info import current_context_len
+
+    ctx = current_context_len()
+    mml = getattr(runner, "max_model_len", None)
+    return profile_context_len(ctx, mml) if isinstance(mml, int) and mml > 0 else ctx
+
+
+def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None,
+                  writer_kwargs: dict | None = None) -> Observer | None:
+    """Observe this runner's serving steps when DSPARK_CALIB_OBSERVE is set; never raises
+    (an engine that would start without observe starts with it, at worst unobserved)."""
+    directory = E.observe_dir()
+    if not directory or observer_of(runner) is not None:
+        return observer_of(runner)
+    from dspark_calib.errors import escape
+
+    shown = escape(directory, 80)
+    try:
+        every = E.observe_every()
+        manager = getattr(runner, "adaptive_verification", None)
+        if manager is None:
+            log_once(logging.WARNING, "dspark-calib: observe off: adaptive verification is off in this engine "
+                                      "(no draft budget to observe)")
+            return None
+        from dspark_calib.vllm.shape import observe_problem
+
+        why = observe_problem(runner)
+        if why:
+            log_once(logging.WARNING, f"dspark-calib: observe off: this vLLM's step API differs ({why})")
+            return None
+        from dspark_calib.vllm.engine_info import tp_rank_and_size
+
+        if tp_rank_and_size()[0] != 0:
+            return None  # rank 0 writes; the others do nothing at all (no events, no collective)
+        why = prepare_dir(directory)
+        if why:
+            log_once(logging.WARNING, f"dspark-calib: observe off: {E.OBSERVE}={shown} {why}")
+            return None
+        import pyarrow.parquet  # noqa: F401 - at start-up, not inside the first flushing step
+
+        if event_factory is None:
+            from vllm.v1.worker.gpu.async_utils import StepTimingEvents as event_factory
+        dp = int(getattr(runner, "dp_rank", 0) or 0)
+        rs = manager.req_states
+        meta = {"tp_rank": 0, "dp_rank": dp, "max_num_reqs": int(rs.max_num_reqs),
+                "max_num_batched_tokens": int(rs.max_num_batched_tokens)}
+        obs = Observer(manager, directory, every=every, event_factory=event_factory,
+                       pricing=pricing_for(_stock_context(runner)), metadata=meta,
+                       name=f"dp{dp}-{os.getpid()}-e{next(_engines)}", writer_kwargs=writer_kwargs)
+        attach(runner, obs)
+    except Exception as exc:  # noqa: BLE001 - an optional mode must not stop an engine
+        from dspark_calib.errors import first_line
+
+        log_once(logging.WARNING, f"dspark-calib: observe off ({type(exc).__name__}: {first_line(exc)})")
+        return None
+    log_once(logging.INFO, f"dspark-calib: observing 1 in {every} priced steps into {shown} (TP rank 0)")
+    return obs
+
+
+def hook_runner(model_runner: Any) -> None:
+    """Observe starts when the runner has its manager, collector and speculator: right after
+    GPUModelRunner.initialize_kv_cache (which builds the manager). Idempotent; plugin.patch calls it."""
+    cls = getattr(model_runner, "GPUModelRunner", None)
+    orig = getattr(cls, "initialize_kv_cache", None)
+    if orig is None:
+        if E.observe_dir():
+            log_once(logging.WARNING, "dspark-calib: observe off: GPUModelRunner.initialize_kv_cache not found")
+        return
+    if hasattr(orig, _MARK):
+        return
+
+    @functools.wraps(orig)
+    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        maybe_observe(self)
+        return out
+
+    setattr(initialize_kv_cache, _MARK, orig)
+    cls.initialize_kv_cache = initialize_kv_cache
+
+
+def unhook_runner(model_runner: Any) -> None:
+    cls = getattr(model_runner, "GPUModelRunner", None)
+    orig = getattr(getattr(cls, "initialize_kv_cache", None), _MARK, None)
+    if orig is not None:
+        cls.initialize_kv_cache = orig

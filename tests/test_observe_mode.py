@@ -1,0 +1,387 @@
+"""Observe mode in the engine (CPU): vLLM's real AdaptiveVerificationManager and StepTimingCollector
+behind a runner stand-in that calls them in vLLM 0.33's order; CUDA events stubbed.
+
+FakeRunner mirrors model_runner.py: execute_model calls get_num_tokens only when drafts are scheduled
+(gather_batch_req_state), then step_timing.record_batch and .forward_start, then the forward;
+sample_tokens calls speculator.propose; _dummy_run times through vLLM's collector exactly as vLLM's.
+Each step's fake GPU durations encode the step, so a misaligned join shows as a wrong number.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+from vllm.distributed import parallel_state
+from vllm.v1.worker.gpu import model_runner
+from vllm.v1.worker.gpu.async_utils import StepTimingCollector
+
+from dspark_calib.cli import app
+from dspark_calib.observe import ABSENT, read_observed
+from dspark_calib.vllm import context_aware as ca
+from dspark_calib.vllm import observe_mode as om
+from dspark_calib.vllm import plugin
+from dspark_calib.vllm.shape import observe_problem
+from test_context_aware import SingleRank, grid_3ctx, make_manager, schedule  # noqa: F401 - fixture reused
+
+
+class Clock:
+    """The fake device: events take the time of the work enqueued before them; done on demand."""
+
+    def __init__(self):
+        self.t, self.done_upto = 0.0, float("inf")
+        self.syncs = 0  # host syncs: vLLM's collect() makes one; observe none
+
+
+class Event:
+    def __init__(self, clock):
+        self.clock, self.t = clock, None
+
+    def record(self):
+        self.t = self.clock.t
+
+    def query(self):
+        return self.t is not None and self.t <= self.clock.done_upto
+
+    def synchronize(self):
+        self.clock.syncs += 1
+
+    def elapsed_time(self, end):
+        assert self.query() and end.query(), "elapsed_time on an unfinished event would synchronise"
+        return end.t - self.t
+
+
+def events_factory(clock):
+    return lambda: SimpleNamespace(**{f: Event(clock) for f in ("forward_start", "forward_end",
+                                                                 "drafter_start", "drafter_end")})
+
+
+class Speculator:
+    def __init__(self, runner):
+        self.runner = runner
+
+    def propose(self, input_batch, *args, dummy_run=False, **kwargs):
+        self.runner.clock.t += self.runner.drafter_ms
+        return None
+
+
+class FakeRunner:
+    """vLLM's call order (model_runner.py ~1351, ~2045, ~2290, _dummy_run ~945)."""
+
+    def __init__(self, manager, clock):
+        self.adaptive_verification, self.clock = manager, clock
+        self.step_timing = StepTimingCollector()
+        self.speculator = Speculator(self)
+        self.max_model_len, self.dp_rank = 32768, 0
+        self.forward_ms = self.drafter_ms = 0.0
+        self.shut = False
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, **kw):
+        num_tokens, drafts, full = scheduler_output
+        total = sum(num_tokens.values())
+        if drafts and not dummy_run:
+            total = self.adaptive_verification.get_num_tokens(num_tokens, drafts)
+        batch = SimpleNamespace(num_tokens=total, num_reqs=len(num_tokens))
+        self.step_timing.record_batch(batch, full)
+        self.step_timing.forward_start()
+        self.clock.t += self.forward_ms
+        self.batch = batch
+
+    def sample_tokens(self, grammar_output=None):
+        self.clock.t += 0.25  # the sampler: between forward end and drafter start, in neither span
+        self.speculator.propose(self.batch)
+
+    def _dummy_run(self, num_tokens):
+        self.execute_model(({f"d{i}": 1 for i in range(num_tokens)}, {}, True), dummy_run=True)
+        self.step_timing.forward_end()
+        self.step_timing.drafter_start()
+        self.speculator.propose(self.batch, dummy_run=True)
+        self.step_timing.drafter_end()
+
+    def shutdown(self):
+        self.shut = True
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("DSPARK_CALIB_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(av, "get_tp_group", SingleRank)
+    monkeypatch.setattr(parallel_state, "get_tp_group", SingleRank)
+
+
+def lines(caplog):
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "vllm.dspark_calib"]
+
+
+@pytest.fixture
+def engine(monkeypatch, tmp_path, reference_table_8192):
+    """A stock engine (vLLM's tables at 8192) observing every 2nd priced step into tmp/obs."""
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "2")
+    clock = Clock()
+    runner = FakeRunner(make_manager(reference_table_8192.dense_tables(8192)), clock)
+    yield runner, clock
+    om.detach(runner)
+
+
+def start(runner, clock, **writer_kwargs):
+    return om.maybe_observe(runner, event_factory=events_factory(clock), writer_kwargs=writer_kwargs or None)
+
+
+def step(runner, num_reqs, *, drafts=3, context=1000, drafter=True, full=True, rng=None):
+    """One serving step; its forward lasts 10 + num_reqs ms, its drafter 1 + num_reqs / 100 ms."""
+    rng = rng or np.random.default_rng(num_reqs)
+    m = runner.adaptive_verification
+    num_tokens, draft_tokens = schedule(m, np.full(num_reqs, context, np.int32), [drafts] * num_reqs, rng)
+    if not drafts:
+        draft_tokens = {}  # prefill / first decode: vLLM never calls get_num_tokens
+    runner.forward_ms, runner.drafter_ms = 10.0 + num_reqs, 1.0 + num_reqs / 100
+    runner.execute_model((num_tokens, draft_tokens, full))
+    if drafter:
+        runner.sample_tokens()
+
+
+def test_sampled_steps_join_their_own_timings(engine):
+    runner, clock = engine
+    obs = start(runner, clock)
+    assert obs is not None and observe_problem(runner) == ""
+    for n in range(1, 21):
+        step(runner, n)
+    runner.shutdown()  # vLLM synchronises there: every event done, everything written
+    rows = read_observed([obs.directory])
+    assert list(rows["step"]) == list(range(2, 21, 2))  # every 2nd priced step
+    assert list(rows["num_reqs"]) == list(range(2, 21, 2))
+    np.testing.assert_allclose(rows["forward_ms"], 10.0 + rows["num_reqs"])
+    np.testing.assert_allclose(rows["drafter_ms"], 1.0 + rows["num_reqs"] / 100)
+    assert (rows["num_target_tokens"] == rows["num_reqs"] + rows["draft_budget"]).all()
+    assert (rows["context_mean"] == 1000).all() and (rows["priced_context"] == 8192).all()
+    assert (rows["scheduled_drafts"] == 3 * rows["num_reqs"]).all()
+    assert (rows["budget_static"] == rows["draft_budget"]).all() and (rows["budget_context_aware"] == ABSENT).all()
+    tables = runner.adaptive_verification.cost_tables
+    np.testing.assert_allclose(rows["predicted_draft_ms"], tables[0][rows["num_reqs"]])
+    np.testing.assert_allclose(rows["predicted_verify_ms"], tables[1][rows["num_target_tokens"]])
+    meta = read_observed([obs.directory]).metadata[0]
+    assert meta["mode"] == "stock" and meta["sample_every"] == 2 and meta["max_num_reqs"] == 256
+    assert all(n.startswith(f"observed-dp0-{os.getpid()}-e") for n in os.listdir(obs.directory))
+
+
+def test_untimed_steps_never_misalign_the_join(engine, monkeypatch):
+    """Prefill steps (no get_num_tokens), sampled steps without a drafter run, dummy runs inside and
+    outside vLLM's collect() window: the rows still carry their own step's timings."""
+    from vllm.v1.worker.gpu import async_utils
+
+    runner, clock = engine
+    obs = start(runner, clock)
+    monkeypatch.setattr(async_utils, "StepTimingEvents", events_factory(clock))  # vLLM's own collector's
+    with runner.step_timing.collect() as profile:  # vLLM's start-up profile: untouched by observe
+        for n in (4, 8):
+            runner.forward_ms, runner.drafter_ms = 2.0 * n, 0.5
+            runner._dummy_run(n)
+    assert [(s.num_reqs, s.forward_ms, s.drafter_ms, s.full_cudagraph) for s in profile] == [
+        (4, 8.0, 0.5, True), (8, 16.0, 0.5, True)]
+    assert clock.syncs == 1 and len(obs.pending) == 0
+    plan = [(1, {}), (2, {}), (3, {"drafts": 0}), (4, {"drafter": False}), (5, {}), (6, {}), (7, {"drafts": 0}),
+            (8, {}), (9, {"drafter": False}), (10, {}), (11, {}), (12, {})]
+    for n, kw in plan:
+        step(runner, n, **kw)
+        if n == 6:
+            runner._dummy_run(16)  # e.g. a DP padding step between serving steps
+    runner.shutdown()
+    rows = read_observed([obs.directory])
+    # priced: 1 2 4 5 6 8 9 10 11 12 (3 and 7 had no drafts); sampled every 2nd: 2 5 8 10 12 ->
+    # 2 (timed), 5 (timed), 8 (timed), 10 (timed), 12 (timed); 4 and 9 were priced 3rd and 7th
+    assert list(rows["num_reqs"]) == [2, 5, 8, 10, 12]
+    np.testing.assert_allclose(rows["forward_ms"], 10.0 + rows["num_reqs"])
+    np.testing.assert_allclose(rows["drafter_ms"], 1.0 + rows["num_reqs"] / 100)
+    assert obs.untimed == 0 and obs.pending.dropped == 0
+    # a sampled step whose drafter never ran is dropped at the next step, not joined to it
+    obs.priced = 1  # the next priced step is sampled
+    step(runner, 30, drafter=False)
+    step(runner, 31)
+    obs.priced = 1
+    step(runner, 32)
+    runner.shutdown()
+    rows = read_observed([obs.directory])
+    assert clock.syncs == 1  # observe never synchronised
+    assert obs.untimed == 1 and list(rows["num_reqs"])[-1:] == [32]
+    np.testing.assert_allclose(rows["forward_ms"], 10.0 + rows["num_reqs"])
+
+
+def test_pending_events_that_never_complete_are_bounded(engine):
+    runner, clock = engine
+    obs = start(runner, clock)
+    obs.pending.max_pending = 3
+    clock.done_upto = -1.0  # the device never finishes
+    for n in range(1, 21):
+        step(runner, n)
+    assert len(obs.pending) == 3 and obs.pending.dropped == 7 and obs.writer is None
+    clock.done_upto = float("inf")
+    obs.close()
+    assert list(read_observed([obs.directory])["num_reqs"]) == [2, 4, 6]
+
+
+@pytest.mark.parametrize("observe_first", [True, False])
+def test_context_aware_and_observe_compose_in_either_order(monkeypatch, tmp_path, reference_table, grid_3ctx,
+                                                            observe_first):
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "1")
+    clock = Clock()
+    static = reference_table.dense_tables(8192)
+    runner = FakeRunner(make_manager(static), clock)
+    m = runner.adaptive_verification
+    if observe_first:  # the engine's order: observe at initialize_kv_cache, the table later
+        obs = start(runner, clock)
+        ca.install(m, grid_3ctx)
+    else:
+        ca.install(m, grid_3ctx)
+        obs = start(runner, clock)
+    plugin.state_of(m).run = SimpleNamespace(decision=SimpleNamespace(load=True, context_len=8192,
+                                                                      content_hash="ab" * 32))
+    for ctx in (1024, 3000, 16384):
+        for n in (8, 64, 200):
+            step(runner, n, drafts=7, context=ctx, rng=np.random.default_rng(ctx + n))
+    runner.shutdown()
+    rows = read_observed([obs.directory])
+    assert len(rows) == 9 and rows.metadata[0]["mode"] == "context-aware"
+    assert rows.metadata[0]["table_hash"] == "ab" * 32
+    assert list(rows["priced_context"]) == [1024] * 3 + [3000] * 3 + [16384] * 3
+    for i in range(len(rows)):
+        draft, verify = grid_3ctx.tables_for(int(rows["priced_context"][i]))
+        assert rows["predicted_draft_ms"][i] == draft[rows["num_reqs"][i]]
+        assert rows["predicted_verify_ms"][i] == verify[rows["num_target_tokens"][i]]
+    assert (rows["budget_context_aware"] == rows["draft_budget"]).all()
+    assert (rows["budget_static"] != ABSENT).all()
+    assert (rows["budget_static"] != rows["draft_budget"]).any()  # the H200 curves flip some budgets
+    for undo in ((lambda: ca.uninstall(m)), (lambda: om.detach(runner)))[::1 if observe_first else -1]:
+        undo()  # last in, first out: nothing of either is left
+    assert "get_num_tokens" not in m.__dict__ and m.cost_tables is static
+
+
+def test_only_tp_rank_0_observes(engine, monkeypatch):
+    runner, clock = engine
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(rank_in_group=1, world_size=2))
+    assert start(runner, clock) is None
+    assert "execute_model" not in runner.__dict__ and "get_num_tokens" not in runner.adaptive_verification.__dict__
+    for n in range(1, 5):
+        step(runner, n)
+    assert not os.path.exists(os.environ["DSPARK_CALIB_OBSERVE"])
+
+
+@pytest.mark.parametrize("where,why", [("missing-parent/obs", "parent directory does not exist"),
+                                       ("a-file", "is not a directory")])
+def test_a_bad_directory_is_one_warning_and_the_engine_runs(engine, monkeypatch, tmp_path, caplog, where, why):
+    runner, clock = engine
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / where))
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        assert start(runner, clock) is None
+        for n in range(1, 5):
+            step(runner, n)
+    (got,) = lines(caplog)
+    assert got[0] == logging.WARNING and "observe off" in got[1] and why in got[1]
+    assert not (tmp_path / "missing-parent").exists()
+
+
+def test_a_write_failure_turns_observe_off_with_one_warning(engine, caplog, monkeypatch):
+    runner, clock = engine
+    obs = start(runner, clock, rows_per_file=2)
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("dspark_calib.observe._write", disk_full)
+    with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
+        for n in range(1, 30):
+            step(runner, n)  # serving goes on
+    assert not obs.on
+    (got,) = lines(caplog)
+    assert "observe off" in got[1] and "No space left on device" in got[1]
+
+
+def test_a_bad_every_is_one_warning(engine, monkeypatch, caplog):
+    runner, clock = engine
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "0")
+    with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
+        assert start(runner, clock) is None
+    (got,) = lines(caplog)
+    assert "DSPARK_CALIB_OBSERVE_EVERY=0 must be between 1" in got[1]
+
+
+def test_an_unknown_runner_shape_is_one_warning(engine, caplog):
+    runner, clock = engine
+    runner.speculator = SimpleNamespace(propose=lambda *a: None)  # no dummy_run parameter
+    with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
+        assert start(runner, clock) is None
+    (got,) = lines(caplog)
+    assert "observe off: this vLLM's step API differs" in got[1] and "speculator.propose" in got[1]
+
+
+def test_hook_starts_observe_after_initialize_kv_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
+    seen = []
+    fake_module = SimpleNamespace(GPUModelRunner=type("R", (), {"initialize_kv_cache": lambda self, c: seen.append(c)}))
+    monkeypatch.setattr(om, "maybe_observe", lambda runner: seen.append("observe"))
+    om.hook_runner(fake_module)
+    om.hook_runner(fake_module)  # idempotent
+    fake_module.GPUModelRunner().initialize_kv_cache("cfg")
+    assert seen == ["cfg", "observe"]
+    om.unhook_runner(fake_module)
+    fake_module.GPUModelRunner().initialize_kv_cache("cfg2")
+    assert seen == ["cfg", "observe", "cfg2"]
+
+
+def test_plugin_patch_hooks_the_real_runner(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
+    plugin.patch(av.AdaptiveVerificationManager, model_runner)
+    try:
+        assert hasattr(model_runner.GPUModelRunner.initialize_kv_cache, om._MARK)
+    finally:
+        plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
+    assert not hasattr(model_runner.GPUModelRunner.initialize_kv_cache, om._MARK)
+
+
+def test_files_round_trip_through_validate(engine, table_files):
+    runner, clock = engine
+    obs = start(runner, clock, rows_per_file=5)
+    for n in range(1, 41):
+        step(runner, n * 5, drafts=4, context=1024 * (1 + n % 3))
+    runner.shutdown()
+    assert len(os.listdir(obs.directory)) == 4  # 20 rows, 5 per file
+    r = CliRunner().invoke(app, ["validate", table_files["all"], obs.directory, "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["num_steps"] == 20 and len(d["files"]) == 4
+    groups = d["groups"]  # kind x size bucket x context bucket
+    assert {g["kind"] for g in groups} == {"draft", "verify"}
+    assert {g["context_bucket"] for g in groups} == {"1024-2047", "2048-4095"}
+    assert all(g["context_aware"]["n"] > 0 and g["context_aware"]["median_pct"] is not None for g in groups)
+    assert d["budget_change"]["compared"] == 0  # a stock engine records no alternative budget
+
+
+def test_exit_flushes_buffered_rows_and_a_late_exit_hook_is_harmless(engine):
+    import gc
+    import weakref
+
+    runner, clock = engine
+    obs = start(runner, clock)
+    for n in range(1, 7):
+        step(runner, n)
+    assert not os.path.exists(obs.directory) or not os.listdir(obs.directory)  # buffered, pending
+    obs.at_exit()  # what atexit runs (the events are done: resolved with query())
+    assert list(read_observed([obs.directory])["num_reqs"]) == [2, 4, 6]
+    ref, at_exit = weakref.ref(obs), obs.at_exit
+    om.detach(runner)
+    del obs, runner
+    gc.collect()
+    assert ref() is None
+    at_exit()  # a late exit hook is a no-op
