@@ -282,8 +282,8 @@ def request_tpot_s(rec: dict[str, Any]) -> tuple[float | None, str]:
     n = rec.get("n", 0)
     if n < 2:
         return None, "none"
-    ef, el = rec.get("engine_first"), rec.get("engine_last")
-    if ef and el and el >= ef:
+    ef, el = rec.get("engine_first"), rec.get("engine_last")  # None: the engine gave none (vLLM's 0.0)
+    if ef is not None and el is not None and el >= ef:
         return (el - ef) / (n - 1), "engine"
     cf, cl = rec.get("client_first"), rec.get("client_last")
     if cf is not None and cl is not None and cl >= cf:
@@ -320,6 +320,10 @@ def summarize_requests(recs: list[dict[str, Any]], wall_s: float) -> dict[str, A
 
 def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(float(x), nd)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else _r(seconds * 1000.0)
 
 
 # -- observe files (pure: numpy/pyarrow, dspark_calib.observe/validate) --------------------------
@@ -901,7 +905,7 @@ def post_process(arm: str, events: list[dict[str, Any]], obs: str, table: str | 
         summary["workloads"][name] = {"workload": e["workload"], "estimate_s": e.get("estimate_s"), **e["summary"]}
         reqs[name] = [{k: r.get(k) for k in ("i", "prompt_len", "n", "chunks", "ttft", "ttft_engine", "preemptions",
                                              "mean_acceptance_length", "spec_steps", "accepted_drafts", "drafts")}
-                      | {"tpot_ms": _r((request_tpot_s(r)[0] or 0) * 1000)} for r in e["requests"]]
+                      | {"tpot_ms": _ms(request_tpot_s(r)[0])} for r in e["requests"]]
     _write_json(os.path.join(out_dir, f"context-{arm}-requests.json"), reqs)
     # observe
     try:
