@@ -148,7 +148,7 @@ MARKER_PROMPT, MARKER_TOKENS, MARKER_REQS = 17, 64, 3
 MARKER_MAX_CTX = 100  # a marker step's requests are all below this context
 WARMUP = dict(requests=8, prompt=1024, tokens=32)
 CONTEXT_FLOOR = 1024  # validate's context buckets: [0,1024), [1024,2048), ...
-KILL_MARGIN_S = 35.0
+KILL_MARGIN_S = 45.0  # the engine child is stopped this long before the deadline (15 s graceful, then killed)
 LOG_CAP = 4 << 20
 
 
@@ -202,11 +202,11 @@ class Workload:
         return sum(self.prompt_len(i) for i in range(self.num_requests))
 
 
-WORKLOAD_SPECS = (  # name, prompt lengths, wanted concurrency
-    ("ctx1k", (1024,), 256),
-    ("ctx8k", (8192,), 64),
-    ("ctx16k", (16384,), 32),
-    ("mix", (1024, 8192, 16384), 32),
+WORKLOAD_SPECS = (  # name, prompt lengths, wanted concurrency; most telling first (a late one may be skipped)
+    ("ctx1k", (1024,), 256),  # furthest below the 8192 that stock prices at: verify 16.8 vs 73.5 ms at 256 tokens
+    ("ctx16k", (16384,), 32),  # furthest above
+    ("mix", (1024, 8192, 16384), 32),  # contexts mixed within a batch: priced at the batch's mean
+    ("ctx8k", (8192,), 64),  # the control: every pricing is right here
 )
 
 
@@ -315,6 +315,7 @@ def summarize_requests(recs: list[dict[str, Any]], wall_s: float) -> dict[str, A
         "acceptance_length_mean": _r(sum(accept) / len(accept)) if accept else None,
         "tpot_clock": "+".join(sorted(clocks)) or "none",
         "short_requests": sum(1 for r in recs if r.get("n", 0) != r.get("max_tokens", r.get("n", 0))),
+        "preemptions": sum(r.get("preemptions") or 0 for r in recs),
     }
 
 
@@ -625,20 +626,27 @@ def engine_child(args: argparse.Namespace) -> int:
     async def main() -> None:
         t0 = time.time()
         if args.dry_run:
+            t_import = time.time()
             engine = FakeEngine.from_env(args.table)
         else:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
+            t_import = time.time()
             engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(spec)))
         cc = engine.vllm_config.cache_config
         kv_tokens = int((cc.num_gpu_blocks or 0) * cc.block_size)
         fitted = refit(plan, kv_tokens) if kv_tokens else plan
-        sink({"event": "engine", "start_s": round(time.time() - t0, 2), "kv_tokens": kv_tokens,
+        sink({"event": "engine", "import_s": round(t_import - t0, 2), "start_s": round(time.time() - t_import, 2),
+              "kv_tokens": kv_tokens,
               "kv_blocks": cc.num_gpu_blocks, "block_size": cc.block_size, "speculative_config": spec,
               "plan": [asdict(w) for w in fitted]})
+        task = asyncio.current_task()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)  # the parent's deadline
         try:
             await drive(engine, fitted, sink, deadline=args.child_deadline)
+        except asyncio.CancelledError:
+            sink({"event": "cancelled", "at": round(time.time(), 1)})
         finally:
             t1 = time.time()
             engine.shutdown()  # the engine core exits cleanly: observe flushes its last file
@@ -703,9 +711,10 @@ class FakeEngine:
                 return
 
     async def _loop(self) -> None:
+        pause = float(os.environ.get("SERVE_CONTEXT_FAKE_STEP_S", "0"))  # dry runs of the deadline paths
         while self.active:
             self._step()
-            await asyncio.sleep(0)
+            await asyncio.sleep(pause)
 
     def _step(self) -> None:
         from types import SimpleNamespace
@@ -825,8 +834,9 @@ def run_arm(args: argparse.Namespace) -> int:
     t_child = time.time()
     events = _read_jsonl(results_path)
     log_text = _tail(log_path, LOG_CAP)
-    summary = post_process(arm, events, obs, table, out_dir, log_text=log_text, rc=rc, killed=killed,
-                           dry_run=args.dry_run)
+    summary = post_process(arm, events, obs, table, out_dir, log_text=_grep(log_path, LOG_PATTERN), rc=rc,
+                           killed=killed, dry_run=args.dry_run)
+    summary["host"] = _host()
     summary["timing"] = {"engine_child_s": round(t_child - t_start, 1), "post_s": round(time.time() - t_child, 1),
                          "deadline_left_s": round(deadline - time.time(), 1)}
     _write_json(os.path.join(out_dir, f"context-{arm}.json"), summary)
@@ -836,18 +846,27 @@ def run_arm(args: argparse.Namespace) -> int:
     return 0 if summary["workloads"] else 1
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the child's own process group (the engine core with it), SIGKILL after 10 s."""
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+def _kill_group(proc: subprocess.Popen, graceful_s: float = 15.0) -> None:
+    """SIGTERM to the engine child alone (it cancels its work and shuts the engine down, so the
+    engine core exits cleanly and observe can write its last file), then SIGTERM and SIGKILL to
+    its whole process group (it was started in a session of its own: only our processes)."""
+    steps = ((lambda: os.kill(proc.pid, signal.SIGTERM), graceful_s),
+             (lambda: os.killpg(proc.pid, signal.SIGTERM), 5.0),
+             (lambda: os.killpg(proc.pid, signal.SIGKILL), 5.0))
+    for send, wait in steps:
         try:
-            os.killpg(proc.pid, sig)
+            send()
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=wait)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    try:  # the child may be gone with its engine core still up
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -860,6 +879,29 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
                 except ValueError:
                     pass  # a line cut by a kill
     return out
+
+
+LOG_PATTERN = re.compile(r"dspark[-_]calib|Error|Traceback|Using V2 Model Runner|GPU KV cache size|SpecDecoding")
+
+
+def _grep(path: str, pattern: re.Pattern, limit: int = 2000) -> str:
+    """The lines of the whole log that match (the start-up lines may be far from its tail)."""
+    out: list[str] = []
+    if os.path.exists(path):
+        with open(path, "rb") as fh:
+            for raw in fh:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                if pattern.search(line):
+                    out.append(line[-1000:])
+    return "\n".join(out[:limit // 2] + out[-(limit // 2):] if len(out) > limit else out)
+
+
+def _host() -> str | None:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _tail(path: str, cap: int) -> str:
@@ -892,11 +934,15 @@ def post_process(arm: str, events: list[dict[str, Any]], obs: str, table: str | 
         "arm": arm, "dry_run": dry_run, "child_rc": rc, "child_killed": killed,
         "env": {k: v for k, v in arm_env(arm, table, obs, base={}).items() if k.startswith(("DSPARK", "VLLM"))},
         "table": _table_info(table) if table else None,
-        "engine": {k: engine.get(k) for k in ("start_s", "kv_tokens", "kv_blocks", "block_size", "speculative_config")},
+        "engine": {k: engine.get(k) for k in ("import_s", "start_s", "kv_tokens", "kv_blocks", "block_size",
+                                              "speculative_config")},
         "plan": engine.get("plan"),
         "skipped": [e for e in events if e.get("event") == "skipped"],
         "dspark_log": [ln[-600:] for ln in log_text.splitlines() if DSPARK_LINE.search(ln)][-40:],
         "errors": [ln[-600:] for ln in log_text.splitlines() if "Error" in ln or "Traceback" in ln][-20:],
+        "vllm_log": [ln[-400:] for ln in log_text.splitlines()
+                     if "Using V2 Model Runner" in ln or "GPU KV cache size" in ln][:4],
+        "spec_log": [ln[-600:] for ln in log_text.splitlines() if "SpecDecoding metrics" in ln][-30:],
         "workloads": {},
     }
     reqs = {}
