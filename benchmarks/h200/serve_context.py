@@ -649,7 +649,8 @@ def engine_child(args: argparse.Namespace) -> int:
             sink({"event": "cancelled", "at": round(time.time(), 1)})
         finally:
             t1 = time.time()
-            engine.shutdown()  # the engine core exits cleanly: observe flushes its last file
+            # the engine core gets SIGTERM and up to 30 s to exit cleanly (observe writes its last file)
+            engine.shutdown(timeout=30) if not args.dry_run else engine.shutdown()
             sink({"event": "shutdown", "s": round(time.time() - t1, 2)})
 
     asyncio.run(main())
