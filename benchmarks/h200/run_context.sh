@@ -7,7 +7,7 @@
 #   bash benchmarks/h200/run_context.sh arm aware
 # Anywhere (no GPU), after copying each call's files into benchmarks/results/h200/:
 #   bash benchmarks/h200/run_context.sh report         # serve_context.json + serve_context.md there
-#   bash benchmarks/h200/run_context.sh dry-run        # CPU: all three arms on the fake engine + report
+#   PYTHON=.venv/bin/python bash benchmarks/h200/run_context.sh dry-run   # CPU: 3 arms on the fake engine + report
 # The arms use the table from, in order: $TABLE (a path, or "shipped"), /tmp/results (the table
 # call on this host), benchmarks/results/h200/ (copied back into the repo: it travels), the shipped one.
 # Every call writes at most 4 files under $OUT (table: NAME.parquet/.log/.vllm.log/-samples-rank0.json;
@@ -18,6 +18,7 @@ NAME=h200-tp1-ctx3-serve
 SHIPPED=profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet
 HARNESS=benchmarks/h200/serve_context.py
 BUDGET_S=${CALL_BUDGET_S:-570}  # the device tool stops a command at 600 s
+PY=${PYTHON:-python3}  # report / dry-run off the host: a Python with dspark_calib's deps (e.g. .venv/bin/python)
 
 find_table() {
   if [ -n "${TABLE:-}" ]; then
@@ -46,17 +47,18 @@ case "${1:-}" in
       ${ARM_ARGS:-}
     ;;
   report)
-    python3 "$HARNESS" report "${@:2}"
+    "$PY" "$HARNESS" report "${@:2}"
     ;;
   dry-run)
     dry=${DRY_OUT:-/tmp/serve-context-dry}
     rm -rf "$dry" && mkdir -p "$dry"
     table=$(find_table)
     for arm in stock static aware; do
-      python3 "$HARNESS" arm "$arm" --table "$table" --out "$dry" --work "$dry/work-$arm" --dry-run ${ARM_ARGS:-}
+      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$PY" "$HARNESS" arm "$arm" --table "$table" --out "$dry" \
+        --work "$dry/work-$arm" --dry-run ${ARM_ARGS:-}
     done
     rm -rf "$dry"/work-*
-    python3 "$HARNESS" report --results "$dry" --json "$dry/serve_context.json" --md "$dry/serve_context.md"
+    "$PY" "$HARNESS" report --results "$dry" --json "$dry/serve_context.json" --md "$dry/serve_context.md"
     ;;
   *)
     sed -n '2,14p' "$0"; exit 2 ;;

@@ -838,6 +838,11 @@ def run_arm(args: argparse.Namespace) -> int:
     summary = post_process(arm, events, obs, table, out_dir, log_text=_grep(log_path, LOG_PATTERN), rc=rc,
                            killed=killed, dry_run=args.dry_run)
     summary["host"] = _host()
+    try:
+        from dspark_calib import __version__ as tool_version
+    except ImportError:
+        tool_version = None
+    summary["dspark_calib_version"] = tool_version
     summary["timing"] = {"engine_child_s": round(t_child - t_start, 1), "post_s": round(time.time() - t_child, 1),
                          "deadline_left_s": round(deadline - time.time(), 1)}
     _write_json(os.path.join(out_dir, f"context-{arm}.json"), summary)
