@@ -24,11 +24,11 @@ Controlled acceptance. vLLM 0.33 has the knob (read in the installed wheel):
   vllm/config/speculative.py:562  rejection_sample_method: ... = "standard"
   vllm/config/speculative.py:571  synthetic_acceptance_rates: per-position *unconditional* rates, non-increasing
   vllm/config/speculative.py:579  synthetic_acceptance_length: mean acceptance length incl. the bonus token, in [1, K+1]
-  vllm/config/speculative.py:587  _acceptance_length_to_rates: the "minimum-variance schedule":
+  vllm/config/speculative.py:590  _acceptance_length_to_rates: the "minimum-variance schedule":
                                    length 4.0 with K=7 -> rates [1, 1, 1, 0, 0, 0, 0]
   vllm/config/speculative.py:1973 __post_init__ resolves the length to rates
   vllm/v1/worker/gpu/spec_decode/rejection_sampler.py:168  V2 runner: rates -> conditional rates tensor
-  vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py:610  greedy path: accepted = u < rate[i] for
+  vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py:613 (greedy; 692 sampled): accepted = u < rate[i] for
                                    verified position i (positions past the chosen budget are never verified)
 So the speculative config gets {"rejection_sample_method": "synthetic",
 "synthetic_acceptance_length": 4.0} (3 of 7 drafts accepted, deterministically, when at
