@@ -1,0 +1,340 @@
+"""The H200 serving harness's pure parts (benchmarks/h200/serve_context.py), on CPU.
+
+Workload sizing against KV capacity, metrics from timestamps, observe-file segmentation,
+budget distributions, prediction errors, compaction + validate round trip, the arms'
+environments, the report, and the whole drive loop on the harness's fake engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dspark_calib.observe import ObservedStep, ObservedWriter, read_observed
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "profiles" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
+
+
+@pytest.fixture(scope="module")
+def sc():
+    spec = importlib.util.spec_from_file_location("serve_context", REPO / "benchmarks" / "h200" / "serve_context.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["serve_context"] = mod  # dataclasses resolve their module
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# -- sizing -----------------------------------------------------------------------------------
+def test_kv_arithmetic_matches_the_h200_log(sc):
+    assert sc.kv_bytes_per_token() == 41 * 2 * 8 * 128 * 2 == 167_936
+    # the arithmetic lands within 0.1 % of what vLLM reported on the H200
+    assert abs(sc.kv_capacity_tokens() - 625_680) / 625_680 < 1e-3
+    assert sc.tokens_per_request(16384) == 16_656 and sc.tokens_per_request(1024) == 1_296
+
+
+def test_plan_is_pinned_and_never_preempts(sc):
+    plan = {w.name: w for w in sc.plan_workloads()}
+    assert {n: (w.concurrency, w.num_requests) for n, w in plan.items()} == {
+        "ctx1k": (256, 512), "ctx8k": (64, 128), "ctx16k": (32, 64), "mix": (32, 66)}
+    for w in plan.values():
+        worst = w.concurrency * sc.tokens_per_request(w.longest, w.output_len)
+        assert worst <= 0.9 * sc.KV_TOKENS_MEASURED, w
+        assert w.concurrency % 8 == 0 and w.output_len == 256
+    mix = plan["mix"]
+    lens = [mix.prompt_len(i) for i in range(mix.num_requests)]
+    assert {L: lens.count(L) for L in set(lens)} == {1024: 22, 8192: 22, 16384: 22}
+    # 16k prompts cannot run 256 at once
+    assert sc.fit_concurrency(256, sc.KV_TOKENS_MEASURED, 16384) == 32
+
+
+def test_fit_concurrency_edges(sc):
+    assert sc.fit_concurrency(256, 10**9, 1024) == 256  # max_num_seqs caps
+    assert sc.fit_concurrency(64, 20_000, 16384) == 1  # not even one fits in 90 %: still one request
+    assert sc.fit_concurrency(5, 10**9, 1024) == 5  # small wanted values are kept as they are
+    caps = [sc.fit_concurrency(256, kv, 8192) for kv in range(50_000, 700_000, 25_000)]
+    assert caps == sorted(caps)
+
+
+def test_refit_shrinks_only_what_no_longer_fits(sc):
+    plan = sc.plan_workloads()
+    same = sc.refit(plan, sc.KV_TOKENS_MEASURED)
+    assert same == plan
+    small = {w.name: w for w in sc.refit(plan, 400_000)}
+    assert small["ctx1k"] == plan[0]  # 256 x 1,296 still fits in 90 % of 400k
+    assert small["ctx16k"].shrunk and small["ctx16k"].concurrency == 16 and small["ctx16k"].num_requests == 32
+    assert small["mix"].num_requests % 3 == 0
+    for w in small.values():
+        assert w.concurrency * sc.tokens_per_request(w.longest) <= 0.9 * 400_000
+
+
+def test_estimates_fit_one_call(sc):
+    total = sum(sc.estimate_seconds(w) for w in sc.plan_workloads())
+    assert 60 < total < 300  # leaves room for a cold engine start (230 s) in a 570 s budget
+    w = sc.plan_workloads()
+    by = {x.name: x for x in w}
+    assert sc.estimate_seconds(by["ctx16k"]) > sc.estimate_seconds(by["mix"])  # all long > a third long
+
+
+def test_prompts_are_deterministic_and_unique(sc):
+    a, b = sc.make_prompt("ctx8k", 3, 8192), sc.make_prompt("ctx8k", 3, 8192)
+    assert a == b and len(a) == 8192 and min(a) >= 1000 and max(a) < 150_000
+    assert sc.make_prompt("ctx8k", 4, 8192)[:16] != a[:16]  # no shared prefix block between requests
+    assert sc.make_prompt("mix", 3, 8192)[:16] != a[:16]
+
+
+# -- metrics from timestamps --------------------------------------------------------------------
+def test_tpot_prefers_engine_timestamps(sc):
+    rec = {"n": 11, "engine_first": 100.0, "engine_last": 100.5, "client_first": 5.0, "client_last": 6.0}
+    assert sc.request_tpot_s(rec) == (pytest.approx(0.05), "engine")
+    rec.update(engine_first=None)
+    assert sc.request_tpot_s(rec) == (pytest.approx(0.1), "client")
+    assert sc.request_tpot_s({"n": 1, "engine_first": 1.0, "engine_last": 1.0}) == (None, "none")
+
+
+def test_summarize_requests(sc):
+    recs = [{"n": 101, "max_tokens": 101, "engine_first": 0.0 + i, "engine_last": 1.0 + i + i * 0.1, "chunks": 25,
+             "ttft": 0.01 * (i + 1), "mean_acceptance_length": 4.0} for i in range(10)]
+    recs[0]["engine_first"] = None  # one falls back to the client clock
+    recs[0].update(client_first=0.0, client_last=2.0)
+    s = sc.summarize_requests(recs, wall_s=4.0)
+    tpots = [20.0] + [(1.0 + i * 0.1) / 100 * 1000 for i in range(1, 10)]
+    assert s["output_tokens"] == 1010 and s["output_tok_s"] == pytest.approx(252.5)
+    assert s["tpot_p50_ms"] == pytest.approx(np.percentile(tpots, 50), abs=1e-3)
+    assert s["tpot_p90_ms"] == pytest.approx(np.percentile(tpots, 90), abs=1e-3)
+    assert s["tpot_clock"] == "client+engine" and s["tokens_per_step_mean"] == pytest.approx(4.04)
+    assert s["ttft_p50_ms"] == pytest.approx(55.0) and s["short_requests"] == 0
+    assert sc.percentile([], 50) is None
+
+
+# -- observe files --------------------------------------------------------------------------------
+def _step(i, reqs, ctxs, *, budget=None, sched=None, pred=1.0, meas=1.0, full=True, bs=None, ba=None):
+    ctxs = list(ctxs)
+    sched = 7 * reqs if sched is None else sched
+    budget = 3 * reqs if budget is None else budget
+    return ObservedStep(step=i, forward_ms=meas, drafter_ms=meas / 4, num_target_tokens=reqs + budget,
+                        num_reqs=reqs, full_cudagraph=full, context_mean=sum(ctxs) / reqs,
+                        context_max=max(ctxs), context_sum=sum(ctxs), scheduled_drafts=sched, draft_budget=budget,
+                        priced_context=8192, predicted_draft_ms=pred / 4, predicted_verify_ms=pred,
+                        budget_static=bs, budget_context_aware=ba)
+
+
+def _stream(workloads, *, final_marker=True, trailing=0):
+    """warm-up, then (marker, workload) per entry, then a final marker; steps numbered in order."""
+    rows, i = [], 0
+
+    def add(s):
+        nonlocal i
+        rows.append(s(i))
+        i += 1
+
+    for _ in range(5):
+        add(lambda j: _step(j, 8, [1024 + j] * 8))  # warm-up
+    for n, reqs, ctx in workloads:
+        for m in range(10):
+            add(lambda j, m=m: _step(j, 3, [17 + 4 * m] * 3))  # marker
+        add(lambda j, reqs=reqs: _step(j, 1, [0], budget=0, sched=0))  # a workload's first prefill step
+        for _ in range(n - 1):
+            add(lambda j, reqs=reqs, ctx=ctx: _step(j, reqs, [ctx] * reqs))
+    if final_marker:
+        for m in range(10):
+            add(lambda j, m=m: _step(j, min(3, 1 + m % 3), [20 + 4 * m]))
+    for _ in range(trailing):
+        add(lambda j: _step(j, 4, [16384] * 4))
+    return rows
+
+
+def _write(dirpath, rows, per_file=7, shuffle=False):
+    if shuffle:
+        rows = [rows[i] for i in np.random.default_rng(1).permutation(len(rows))]
+    with ObservedWriter(dirpath, rows_per_file=per_file, metadata={"mode": "context_aware", "max_num_reqs": 256,
+                                                                   "max_num_batched_tokens": 8192}) as w:
+        for r in rows:
+            w.append(r)
+
+
+def _cols(sc, d):
+    return sc.sorted_columns(dict(read_observed([d]).columns))
+
+
+def test_segmentation_by_markers(sc, tmp_path):
+    _write(tmp_path, _stream([(40, 64, 8300), (25, 32, 16500), (30, 16, 2000)]), shuffle=True)
+    cols = _cols(sc, tmp_path)
+    segs, why = sc.segment_steps(cols, 3)
+    assert why == "ok"
+    # the workload's first step (1 request, context 0) looks like a marker and stays with it
+    assert [len(s) for s in segs] == [39, 24, 29]
+    assert set(cols["context_max"][segs[1]]) == {16500}
+    assert sc.segment_steps(cols, 2)[0] is None and "found 4 marker runs" in sc.segment_steps(cols, 2)[1]
+
+
+def test_segmentation_after_a_kill(sc, tmp_path):
+    # the third workload was killed: its marker ran, no final marker, its rows trail
+    _write(tmp_path, _stream([(40, 64, 8300), (25, 32, 16500), (30, 16, 2000)], final_marker=False, trailing=5))
+    segs, why = sc.segment_steps(_cols(sc, tmp_path), 2)
+    assert why == "ok" and [len(s) for s in segs] == [39, 24]
+
+
+def test_budget_distribution(sc, tmp_path):
+    rows = [_step(0, 4, [9000] * 4, budget=28, bs=20, ba=28),  # full: 7 per request
+            _step(1, 4, [9000] * 4, budget=0, bs=0, ba=0),  # zero
+            _step(2, 4, [9000] * 4, budget=12, bs=12, ba=12),
+            _step(3, 2, [9000] * 2, budget=6, bs=None, ba=6),
+            _step(4, 2, [0, 0], budget=0, sched=0)]  # no drafts: not a budget choice
+    _write(tmp_path, rows)
+    b = sc.budget_distribution(_cols(sc, tmp_path))
+    assert b["steps"] == 4 and b["share_full"] == 0.25 and b["share_zero"] == 0.25
+    assert b["per_request_mean"] == pytest.approx(46 / 14, abs=1e-3)
+    assert b["per_request_hist"] == [1, 0, 0, 2, 0, 0, 0, 1]
+    assert b["verified_share"] == pytest.approx(46 / 98, abs=1e-4)
+    assert b["pricings_compared"] == 3 and b["pricings_disagree_share"] == pytest.approx(1 / 3, abs=1e-4)
+    sub = sc.budget_distribution(_cols(sc, tmp_path), np.array([1, 2]))
+    assert sub["steps"] == 2 and sub["share_zero"] == 0.5
+
+
+def test_own_prediction_errors_by_context(sc, tmp_path):
+    rows = ([_step(i, 4, [1500] * 4, pred=1.1, meas=1.0) for i in range(10)]
+            + [_step(10 + i, 4, [17000] * 4, pred=0.5, meas=1.0, full=i % 2 == 0) for i in range(10)])
+    _write(tmp_path, rows)
+    errs = {(e["kind"], e["context_bucket"]): e for e in sc.own_prediction_errors(_cols(sc, tmp_path))}
+    assert errs[("verify", "1024-2047")]["median_pct"] == pytest.approx(10.0)
+    assert errs[("verify", "1024-2047")]["median_signed_pct"] == pytest.approx(10.0)
+    assert errs[("verify", "16384-32767")]["median_pct"] == pytest.approx(50.0)
+    assert errs[("draft", "16384-32767")]["n"] == 5  # draft: full-graph steps only
+    assert errs[("verify", "all")]["n"] == 20
+
+
+def test_compaction_round_trips_through_validate(sc, tmp_path):
+    src = tmp_path / "obs"
+    rows = _stream([(40, 64, 8300), (25, 32, 16500)])
+    _write(src, rows, per_file=9)
+    assert len(list(src.glob("observed-*.parquet"))) > 3
+    dst = tmp_path / "compact.parquet"
+    info = sc.compact_observed(str(src), str(dst))
+    assert info["rows"] == len(rows) and info["files"] == -(-len(rows) // 9) and info["metadata_variants"] == 1
+    back = read_observed([dst])
+    assert back.metadata[0]["mode"] == "context_aware" and sorted(back["step"]) == list(range(len(rows)))
+    out = sc.run_validate(str(SHIPPED), str(dst))
+    assert out["rc"] == 0 and out["doc"]["num_steps"] == len(rows)
+    flat = sc.validate_by_context(out["doc"])
+    assert {r["kind"] for r in flat} == {"draft", "verify"}
+    assert all("context_aware_median_pct" in r and "single_context_p90_pct" in r for r in flat)
+
+
+def test_compaction_of_nothing_is_an_error(sc, tmp_path):
+    from dspark_calib.errors import CalibError
+
+    with pytest.raises(CalibError):
+        sc.compact_observed(str(tmp_path), str(tmp_path / "x.parquet"))
+
+
+# -- arms and vLLM's config ------------------------------------------------------------------------
+def test_arm_envs(sc):
+    base = {"PATH": "/bin", "DSPARK_CALIB_TABLE": "/stale", "DSPARK_CALIB_PROBE": "0",
+            "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "1024"}
+    stock = sc.arm_env("stock", "/t.parquet", "/o", base=base)
+    assert "DSPARK_CALIB_TABLE" not in stock and "DSPARK_CALIB_PROBE" not in stock and stock["PATH"] == "/bin"
+    assert stock["VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN"] == "8192"
+    static = sc.arm_env("static", "/t.parquet", "/o", base=base)
+    aware = sc.arm_env("aware", "/t.parquet", "/o", every=4, base=base)
+    assert static["DSPARK_CALIB_CONTEXT_AWARE"] == "0" and static["DSPARK_CALIB_CONTEXT_LEN"] == "8192"
+    assert aware["DSPARK_CALIB_CONTEXT_AWARE"] == "1" and "DSPARK_CALIB_CONTEXT_LEN" not in aware
+    for env in (stock, static, aware):
+        assert env["DSPARK_CALIB_OBSERVE"] == "/o" and env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert aware["DSPARK_CALIB_OBSERVE_EVERY"] == "4" and static["DSPARK_CALIB_POLICY"] == "warn"
+    with pytest.raises(ValueError):
+        sc.arm_env("fast", None, "/o", base={})
+    with pytest.raises(ValueError):
+        sc.arm_env("aware", None, "/o", base={})
+
+
+def test_vllm_accepts_the_engine_config(sc):
+    pytest.importorskip("vllm")
+    import dataclasses
+
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    spec = sc.speculative_config()
+    assert spec["rejection_sample_method"] == "synthetic" and spec["synthetic_acceptance_length"] == 4.0
+    fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    assert set(spec) <= fields, set(spec) - fields
+    # vLLM's own resolution: 3 of 7 accepted, deterministically
+    assert SpeculativeConfig._resolve_synthetic_acceptance_rates(7, None, 4.0) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    rates = sc.speculative_config(acceptance_rates=[0.9, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0])
+    assert "synthetic_acceptance_length" not in rates
+    kwargs = sc.engine_kwargs(spec)
+    assert set(kwargs) <= {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    AsyncEngineArgs(**kwargs)  # constructs (the engine config itself needs a GPU)
+
+
+# -- the drive loop on the fake engine, and the report ------------------------------------------------
+def test_drive_skips_what_cannot_finish_and_segments(sc, tmp_path):
+    obs = tmp_path / "obs"
+    eng = sc.FakeEngine(str(obs), 1, str(SHIPPED), "aware")
+    plan = [sc.Workload("a", (512,), 8, 16, 32), sc.Workload("big", (16384,), 32, 64),
+            sc.Workload("b", (2048, 4096), 4, 8, 24)]
+    events = []
+    import time
+
+    est = sc.estimate_seconds(plan[1])
+    asyncio.run(sc.drive(eng, plan, events.append, deadline=time.time() + est))  # "big" cannot make it
+    eng.shutdown()
+    kinds = [e["event"] for e in events]
+    assert kinds == ["warmup", "start", "workload", "skipped", "start", "workload", "markers"]
+    assert events[-1]["count"] == 3 and events[3]["workload"] == "big"
+    done = [e for e in events if e["event"] == "workload"]
+    assert [d["summary"]["output_tokens"] for d in done] == [16 * 32, 8 * 24]
+    assert all(r["n"] == r["max_tokens"] for d in done for r in d["requests"])
+    cols = _cols(sc, obs)
+    segs, why = sc.segment_steps(cols, 2)
+    assert why == "ok"
+    assert cols["context_max"][segs[1]].max() >= 4096 > cols["context_max"][segs[0]].max()
+
+
+def test_post_process_without_observe_files(sc, tmp_path):
+    (tmp_path / "obs").mkdir()
+    events = [{"event": "engine", "start_s": 50.0, "kv_tokens": 625_680, "plan": []},
+              {"event": "workload", "workload": {"name": "w", "concurrency": 2}, "estimate_s": 1.0,
+               "summary": sc.summarize_requests([{"n": 3, "engine_first": 0.0, "engine_last": 1.0}], 1.0),
+               "requests": [{"i": 0, "n": 3, "engine_first": 0.0, "engine_last": 1.0}]}]
+    s = sc.post_process("stock", events, str(tmp_path / "obs"), None, str(tmp_path),
+                        log_text="x\nINFO dspark-calib: observe on\nTraceback (most recent call last):\n")
+    assert s["observed"]["rows"] == 0 and "no observed" in s["observed"]["error"]
+    assert s["dspark_log"] == ["INFO dspark-calib: observe on"] and len(s["errors"]) == 1
+    reqs = json.loads((tmp_path / "context-stock-requests.json").read_text())
+    assert reqs["w"][0]["tpot_ms"] == 500.0
+
+
+def test_report(sc, tmp_path):
+    def arm(tok_s, err):
+        return {"workloads": {"ctx1k": {"workload": {"concurrency": 256}, "requests": 512, "output_tok_s": tok_s,
+                                        "tpot_p50_ms": 10.0, "tpot_p90_ms": 12.0,
+                                        "budgets": {"per_request_mean": 3.1},
+                                        "own_error": [{"kind": "verify", "context_bucket": "1024-2047",
+                                                       "median_pct": err}]}},
+                "validate_by_context": [{"kind": "verify", "context_bucket": "1024-2047", "single_context_n": 9,
+                                         "single_context_median_pct": 300.0, "single_context_p90_pct": 310.0,
+                                         "context_aware_n": 9, "context_aware_median_pct": 1.0,
+                                         "context_aware_p90_pct": 2.0}]}
+
+    for name, doc in {"stock": arm(1000.0, 300.0), "aware": arm(1100.0, 1.0)}.items():
+        (tmp_path / f"context-{name}.json").write_text(json.dumps(doc))
+    (tmp_path / "context-stock-requests.json").write_text("{}")  # not an arm
+    js, md = tmp_path / "r.json", tmp_path / "r.md"
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "h200" / "serve_context.py"), "report",
+                        "--results", str(tmp_path), "--json", str(js), "--md", str(md)],
+                       capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(js.read_text())
+    assert [(r["arm"], r["vs_stock"]) for r in rep["rows"]] == [("stock", 1.0), ("aware", 1.1)]
+    text = md.read_text()
+    assert "| aware | ctx1k | 256 | 1100 | 1.100 |" in text and "| stock | verify | 1024-2047 | 300.00 / 310.00" in text
