@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from packaging.requirements import Requirement
 
-from conftest import DATA_DIR, REPO, build_reference_table
+from conftest import DATA_DIR, REPO, SHIPPED, build_reference_table
 from dspark_calib.compare import choose_contexts
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import CURVE_KINDS, Curve, CurvePair
@@ -40,7 +40,7 @@ from dspark_calib.tablefile import (
     write_table,
 )
 
-SHIPPED = next((REPO / "profiles" / "h200").glob("*.parquet"))
+SHIPPED_NEWER = sorted(p for p in (REPO / "profiles" / "h200").glob("*.parquet") if p != SHIPPED)
 BENCH_RESULTS = sorted((REPO / "benchmarks" / "results" / "h200").glob("*.parquet"))
 
 
@@ -186,6 +186,18 @@ def test_shipped_1_0_tables_read_and_verify_under_their_own_rule(path, tmp_path)
     assert again.schema_version == SCHEMA_VERSION and again.samples_digest == full.samples_digest
     for ctx in full.curves:
         assert full.curves[ctx].as_vllm() == again.curves[ctx].as_vllm()
+
+
+@pytest.mark.parametrize("path", SHIPPED_NEWER, ids=lambda p: p.name)
+def test_newer_shipped_tables_verify_and_carry_every_key_and_telemetry(path):
+    """Tables shipped after schema 1.0 (the tp 2 one): the hash in the name verifies, every
+    registry key the engine reports is recorded (none 'not recorded'), telemetry is stored."""
+    meta = read_metadata(path)
+    assert meta.schema_version != "1.0" and meta.content_hash[:12] in path.name
+    t = read_table(path)
+    assert t.content_hash == meta.content_hash and t.telemetry is not None and t.telemetry.blocks
+    unset = {f.name for f in dataclasses.fields(t.fingerprint) if getattr(t.fingerprint, f.name) is None}
+    assert unset <= {"quantization", "model_revision", "draft_revision"}  # none / dummy weights: nothing to record
 
 
 def test_1_0_hash_leaves_out_only_optional_keys_not_recorded():
