@@ -394,6 +394,11 @@ def profile_cmd(
     warmup: Annotated[int, typer.Option(
         "--warmup", help="Warm-up samples per size and context, timed but discarded; rounded up to whole blocks "
                          "of 5 like --replays (0: none).")] = 2,
+    cooldown: Annotated[float, typer.Option(
+        "--cooldown", metavar="SECONDS",
+        help="Most seconds to idle before each block but the first (0: off, at most 60; ends early once power "
+             "and throttling are back to the first block's), so a block's smallest sizes do not run in the heat "
+             "the previous block's largest steps left, which vLLM's own single pass never does.")] = 1.0,
     load_format: Annotated[str, typer.Option(
         "--load-format", help="dummy: random weights, only config.json is read (timings do not depend on "
                               "weights); auto: real weights.")] = "dummy",

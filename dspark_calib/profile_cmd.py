@@ -25,7 +25,7 @@ from dspark_calib.errors import CalibError
 def check_ranges(*, context_len: Sequence[int], max_num_seqs: int, max_num_batched_tokens: int,
                  gpu_memory_utilization: float, replays: int, warmup: int, tp: int,
                  num_speculative_tokens: int | None, max_model_len: int | None, load_format: str,
-                 distributed_executor_backend: str | None) -> None:
+                 distributed_executor_backend: str | None, cooldown: float) -> None:
     """Options that can be wrong on their own: one line naming the option and the value."""
     for value in context_len:
         if value < 1:
@@ -38,6 +38,12 @@ def check_ranges(*, context_len: Sequence[int], max_num_seqs: int, max_num_batch
             raise CalibError(f"{name} must be >= {low}, got {value}")
     if not 0 < gpu_memory_utilization <= 1:
         raise CalibError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    from dspark_calib.vllm.cooldown import check_cooldown  # standard library only
+
+    try:
+        check_cooldown(cooldown, "--cooldown")
+    except ValueError as exc:
+        raise CalibError(str(exc)) from None
     if distributed_executor_backend not in (None, "mp", "ray"):
         raise CalibError(f"--distributed-executor-backend must be mp or ray, not {distributed_executor_backend!r}")
     if load_format not in ("dummy", "auto"):
@@ -134,12 +140,13 @@ def main(*, model: str, draft: str, tp: int, num_speculative_tokens: int | None,
          dtype: str, kv_cache_dtype: str, quantization: str | None, gpu_memory_utilization: float,
          max_model_len: int | None, distributed_executor_backend: str | None, out: str,
          keep_capture: str | None, engine_arg: Sequence[str], engine_args_json: str | None,
-         strict_stability: bool = False) -> None:
+         strict_stability: bool = False, cooldown: float = 1.0) -> None:
     """The `profile` command: everything checkable first, then one engine start."""
     check_ranges(context_len=context_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  gpu_memory_utilization=gpu_memory_utilization, replays=replays, warmup=warmup, tp=tp,
                  num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len,
-                 load_format=load_format, distributed_executor_backend=distributed_executor_backend)
+                 load_format=load_format, distributed_executor_backend=distributed_executor_backend,
+                 cooldown=cooldown)
     extra = parse_engine_args(engine_arg, engine_args_json)
     out, log_path = check_out(out)
     from dspark_calib.vllm.profile import ProfileOptions, resolve_model, resolve_options
@@ -149,7 +156,8 @@ def main(*, model: str, draft: str, tp: int, num_speculative_tokens: int | None,
     opts = resolve_options(ProfileOptions(
         model=model_dir, draft=draft_dir, tp=tp, num_speculative_tokens=num_speculative_tokens,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        context_lens=tuple(sorted(set(context_len))), replays=replays, warmup=warmup, load_format=load_format,
+        context_lens=tuple(sorted(set(context_len))), replays=replays, warmup=warmup, cooldown_s=cooldown,
+        load_format=load_format,
         dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
         distributed_executor_backend=distributed_executor_backend, extra_engine_args=extra,

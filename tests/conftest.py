@@ -118,3 +118,27 @@ def assert_command_is_light(*argv: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr
+
+
+class FakeClock:
+    """cooldown.Clock's stand-in: time moves only when something sleeps, and every sleep is logged."""
+
+    def __init__(self) -> None:
+        self.t, self.sleeps = 0.0, []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.t += seconds
+
+    def now(self) -> float:
+        return self.t
+
+
+@pytest.fixture(autouse=True)
+def fake_clock(monkeypatch) -> FakeClock:
+    """No test really sleeps through a profile's cool-downs (every capture takes them by default)."""
+    from dspark_calib.vllm import cooldown
+
+    clock = FakeClock()
+    monkeypatch.setattr(cooldown, "CLOCK", cooldown.Clock(sleep=clock.sleep, now=clock.now))
+    return clock

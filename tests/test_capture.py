@@ -21,6 +21,7 @@ from vllm.v1.worker.gpu.async_utils import StepTimingSample
 
 from dspark_calib.vllm import capture, plugin
 from dspark_calib.vllm.capture import CaptureDir, CaptureError, Plan
+from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
@@ -359,3 +360,70 @@ def test_capture_payload_is_json(monkeypatch, tmp_path):
     payload = json.loads((tmp_path / "samples-rank0.json").read_text())
     assert payload["num_batches"] == len(vllm_sequence()) and payload["cudagraph_limit"] == SIZES[-1]
     assert payload["engine"]["max_num_seqs"] == 256
+
+
+# -- the cool-down between blocks ------------------------------------------------------------
+def no_nvml(monkeypatch):
+    """Neither nvidia-ml-py nor vLLM's copy: the reader is nvidia-smi or host-only, never NVML."""
+    import vllm.third_party
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", None)
+    monkeypatch.delattr(vllm.third_party, "pynvml", raising=False)
+
+
+def sleeps_before_each_batch(manager, clock):
+    """Every batch, and how many sleeps had happened when the generator handed it out."""
+    batches, before = [], []
+    for batch in manager.batches_to_profile(list(SIZES)):
+        before.append(len(clock.sleeps))
+        batches.append(batch)
+    return batches, before
+
+
+@pytest.mark.parametrize("cooldown", [DEFAULT_COOLDOWN_S, 0.4])
+def test_fixed_cooldown_before_every_block_but_the_captures_first(monkeypatch, tmp_path, fake_clock, cooldown):
+    no_nvml(monkeypatch)
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024, 4096), replays=10, warmup=5, cooldown_s=cooldown))
+    m = make_manager()
+    batches, before = sleeps_before_each_batch(m, fake_clock)
+    block_starts = list(range(0, len(batches), len(vllm_sequence())))
+    assert len(block_starts) == 2 * 3  # per context: 1 warm-up + 2 timed blocks
+    # a sleep only between a block's last step and the next block's first, the next context's included
+    assert before[0] == 0 and [i for i in range(1, len(batches)) if before[i] != before[i - 1]] == block_starts[1:]
+    assert fake_clock.sleeps == [cooldown] * 5  # no NVML: one fixed sleep each
+    m.set_initial_cost_curves(random_samples(batches))
+    payload = CaptureDir(tmp_path).read_samples(0)
+    assert payload["plan"]["cooldown_s"] == cooldown
+    assert payload["cooldown"] == {"seconds": cooldown, "total_s": round(5 * cooldown, 3), "pauses": 5,
+                                   "early_exits": 0}
+
+
+def test_cooldown_0_never_sleeps(monkeypatch, tmp_path, fake_clock):
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024, 4096), replays=10, warmup=5, cooldown_s=0))
+    run_capture(make_manager())
+    assert fake_clock.sleeps == []
+    assert CaptureDir(tmp_path).read_samples(0)["cooldown"] == {"seconds": 0.0, "total_s": 0.0, "pauses": 0,
+                                                                "early_exits": 0}
+
+
+@pytest.mark.parametrize("bad", [-0.5, 60.01, float("nan"), float("inf")])
+def test_plan_cooldown_out_of_range_is_one_value_error(bad):
+    with pytest.raises(ValueError) as err:
+        Plan(context_lens=(1024,), cooldown_s=bad)
+    assert str(err.value).startswith("cooldown_s must be between 0 and 60 seconds") and "\n" not in str(err.value)
+    assert Plan((1024,), cooldown_s=0).cooldown_s == 0.0 and Plan((1024,), cooldown_s=60).cooldown_s == 60.0
+
+
+def test_plan_json_carries_the_cooldown_and_an_older_one_reads_as_the_default(tmp_path):
+    d = CaptureDir(tmp_path)
+    d.write_plan(Plan(context_lens=(1024,), replays=5, warmup=0, cooldown_s=2.5))
+    assert json.loads((tmp_path / "plan.json").read_text())["cooldown_s"] == 2.5
+    assert d.read_plan() == Plan(context_lens=(1024,), replays=5, warmup=0, cooldown_s=2.5)
+    (tmp_path / "plan.json").write_text(json.dumps({"context_lens": [1024], "replays": 20, "warmup": 2}))
+    assert d.read_plan().cooldown_s == DEFAULT_COOLDOWN_S == 1.0  # written by a dspark-calib before the field
+    (tmp_path / "plan.json").write_text(json.dumps({"context_lens": [1024], "replays": 20, "warmup": 2,
+                                                    "cooldown_s": 600}))
+    with pytest.raises(CaptureError) as err:
+        d.read_plan()
+    assert "cooldown_s must be between 0 and 60" in str(err.value) and "\n" not in str(err.value)

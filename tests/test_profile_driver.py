@@ -140,7 +140,7 @@ from dspark_calib.fit import profile_context_len  # noqa: E402
 
 RANGES = dict(context_len=[8192], max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
               replays=20, warmup=2, tp=1, num_speculative_tokens=None, max_model_len=None, load_format="dummy",
-              distributed_executor_backend=None)
+              distributed_executor_backend=None, cooldown=1.0)
 
 
 @pytest.mark.parametrize("change,option", [
@@ -149,12 +149,15 @@ RANGES = dict(context_len=[8192], max_num_seqs=256, max_num_batched_tokens=8192,
     ({"gpu_memory_utilization": 0.0}, "--gpu-memory-utilization"), ({"replays": 0}, "--replays"),
     ({"warmup": -1}, "--warmup"), ({"tp": 0}, "--tp"), ({"num_speculative_tokens": 0}, "--num-speculative-tokens"),
     ({"max_model_len": 0}, "--max-model-len"), ({"load_format": "pt"}, "--load-format"),
-    ({"distributed_executor_backend": "uni"}, "--distributed-executor-backend")])
+    ({"distributed_executor_backend": "uni"}, "--distributed-executor-backend"), ({"cooldown": -0.1}, "--cooldown"),
+    ({"cooldown": 60.5}, "--cooldown"), ({"cooldown": float("nan")}, "--cooldown")])
 def test_ranges_refused_naming_the_option(change, option):
     with pytest.raises(CalibError) as err:
         profile_cmd.check_ranges(**{**RANGES, **change})
     assert str(err.value).startswith(option) and "\n" not in str(err.value)
     profile_cmd.check_ranges(**{**RANGES, "gpu_memory_utilization": 1.0, "warmup": 0})  # the edges are fine
+    for edge in (0.0, 60.0):
+        profile_cmd.check_ranges(**{**RANGES, "cooldown": edge})
 
 
 def test_out_checked_at_once(tmp_path):
@@ -272,7 +275,9 @@ def test_fingerprint_records_resolved_engine_values():
     engine = describe_engine(None, [1, 2, 4], cfg, hardware_facts=HARDWARE)
     schedule = {"vllm_replays_per_block": 5, "warmup_blocks": 1, "timed_blocks": 4, "timed_replays_per_size": 20}
     fp = driver.fingerprint_from_capture(o, {"engine": engine, "hardware": HARDWARE, "cudagraph_limit": 4,
-                                             "schedule": schedule})
+                                             "schedule": schedule, "cooldown": {"seconds": 1.0, "total_s": 1.75,
+                                                                                "pauses": 4, "early_exits": 3}})
+    assert (fp.extra["cooldown_s"], fp.extra["cooldown_total_s"]) == (1.0, 1.75)
     assert (fp.replays, fp.warmup_replays) == (20, 5)  # what the worker ran: whole blocks of vLLM's 5
     assert fp.kv_block_size == 32 and fp.max_model_len == 32768 and fp.gpu_memory_mib == 143771
     assert fp.target_model == "Qwen3-8B" and fp.extra["engine_args"] == {"block_size": 32}
@@ -301,7 +306,8 @@ def test_cli_profile_early_errors_are_one_line_and_fast(tmp_path):
     for args, words in ((["--context-len", "0"], "--context-len must be >= 1, got 0"),
                         (["--gpu-memory-utilization", "2.5"], "--gpu-memory-utilization must be in (0, 1]"),
                         (["--out", "/nonexistent/dir/t.parquet"], "/nonexistent/dir/t.parquet"),
-                        (["--engine-arg", "nonsense"], "expected KEY=VALUE")):
+                        (["--engine-arg", "nonsense"], "expected KEY=VALUE"),
+                        (["--cooldown", "61"], "--cooldown must be between 0 and 60 seconds, got 61.0")):
         res = run_cli("profile", "--model", MODEL, "--draft", DRAFT, "--out", str(tmp_path), *args)
         assert res.returncode == 2 and res.stderr.strip().splitlines() == [f"dspark-calib: error: {res.stderr.split('error: ', 1)[1].strip()}"]
         assert words in res.stderr and "Traceback" not in res.stderr
@@ -455,6 +461,37 @@ def test_expected_schedule_is_the_workers(tmp_path):
     assert (pos["block"], pos["blocks"], pos["warmup"]) == (3, 5, False)
     assert e.position({"done": 5 * per_block, "total": len(want.tags), "context_len": 8192})["warmup"] is True
     assert e.seconds > 0 and "samples per size" in e.line(20) and "rounded" not in e.line(20)
+
+
+def test_estimate_includes_the_cooldown(tmp_path):
+    import test_capture as tc
+
+    from dspark_calib.vllm.profile_plan import expected
+
+    off = expected(resolve_options(opts(context_lens=(1024, 8192), replays=20, warmup=2, cooldown_s=0)), tc.SIZES)
+    on = expected(resolve_options(opts(context_lens=(1024, 8192), replays=20, warmup=2, cooldown_s=2.0)), tc.SIZES)
+    assert on.schedule == off.schedule and off.cooldown_s == 0 and "cool-down" not in off.line(20)
+    assert on.cooldown_s == 2.0 * (2 * 5 - 1)  # before every block but the capture's first, across contexts
+    assert on.seconds == pytest.approx(off.seconds + on.cooldown_s) and "18 s of it cool-down" in on.line(20)
+
+
+def test_cooldown_reaches_the_plan_and_the_table(engine_stand_in, tmp_path, monkeypatch):
+    """--cooldown through typer, profile_cmd and ProfileOptions; run_engine writes it into plan.json;
+    the table's fingerprint extra records it and what the worker spent."""
+    from typer.testing import CliRunner
+
+    from dspark_calib.cli import app
+
+    seen = []
+    monkeypatch.setattr(profile_cmd, "_run", lambda o, *a, **k: seen.append(o))
+    res = CliRunner().invoke(app, ["profile", "--model", MODEL, "--draft", DRAFT, "--out", str(tmp_path),
+                                   "--cooldown", "0.5"])
+    assert res.exit_code == 0 and seen[0].cooldown_s == 0.5
+    o, cap, lines, _ = _profile_in_process(tmp_path, monkeypatch, replays=5, warmup=0, cooldown_s=0.5)
+    assert cap["plan"]["cooldown_s"] == 0.5 and cap["cooldown"]["pauses"] == 1  # two contexts, one block each
+    assert "cool-down" in lines[0]
+    extra = driver.table_from_capture(o, cap).fingerprint.extra
+    assert extra["cooldown_s"] == 0.5 and 0 < extra["cooldown_total_s"] <= 0.5
 
 
 def test_terminal_shows_the_plan_line_and_the_schedule_in_the_bar(tmp_path, monkeypatch, capfd):

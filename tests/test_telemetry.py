@@ -16,9 +16,10 @@ from test_capture import clean, make_manager, start_capture, vllm_sequence  # no
 from dspark_calib.errors import CalibError
 from dspark_calib.table import SCHEMA_VERSION
 from dspark_calib.tablefile import METADATA_KEY, _hash_1_1, read_metadata, read_table, to_arrow, write_table
-from dspark_calib.telemetry import Telemetry
+from dspark_calib.telemetry import Reading, Telemetry
 from dspark_calib.vllm import gpu_readings
 from dspark_calib.vllm.capture import CaptureDir, Plan
+from dspark_calib.vllm.cooldown import Cooldown
 from dspark_calib.vllm.gpu_readings import GpuReader
 
 
@@ -115,11 +116,81 @@ def test_capture_reads_telemetry_at_block_boundaries_only(monkeypatch, tmp_path)
     m.set_initial_cost_curves(tc.random_samples(batches))
     payload = CaptureDir(tmp_path).read_samples(0)
     t = Telemetry.from_json(payload["telemetry"])
-    assert t.source == "nvml" and len(log) // 2 == 2 * len(t.blocks)
+    # two per block, and one per cool-down: the fake GPU is cool at once (same power, no throttle)
+    assert t.source == "nvml" and len(log) // 2 == 2 * len(t.blocks) + len(t.blocks) - 1
     assert [(b.context_len, b.block) for b in t.blocks] == [
         (ctx, blk) for ctx in (1024, 4096) for blk in range(-payload["schedule"]["warmup_blocks"],
                                                             payload["schedule"]["timed_blocks"])]
     assert len(t.blocks) == 2 * per_ctx_blocks and t.blocks[0].sm_range == (1980.0, 1980.0)
+
+
+# -- the cool-down: adaptive on NVML readings ---------------------------------------------------------
+class Readings:
+    """A GpuReader stand-in handing out readings in order."""
+
+    def __init__(self, *readings, source="nvml"):
+        self.source, self.left, self.reads = source, list(readings), 0
+
+    def read(self) -> Reading:
+        self.reads += 1
+        return self.left.pop(0)
+
+
+def hot(power_w, *throttle):
+    return Reading(power_w=power_w, throttle=throttle)
+
+
+def test_cooldown_ends_at_the_first_reading_under_the_threshold_without_throttle(fake_clock):
+    """Baseline 160 W: cool is <= 240 W with none of hw_slowdown, sw_power_cap, hw_power_brake."""
+    reader = Readings(hot(600, "hw_slowdown"), hot(200, "sw_power_cap"), hot(200, "hw_power_brake"), hot(250),
+                      hot(230, "sw_thermal"), hot(100))
+    c = Cooldown(2.0, reader)
+    c.baseline(hot(160))
+    c.pause()
+    assert reader.reads == 5 and len(reader.left) == 1  # stopped at the 5th: other reasons do not hold it
+    assert fake_clock.sleeps == pytest.approx([0.25, 0.05, 0.05, 0.05, 0.05])  # 0.25 s before the first poll
+    assert c.to_json() == {"seconds": 2.0, "total_s": 0.45, "pauses": 1, "early_exits": 1}
+
+
+def test_cooldown_never_longer_than_asked_and_short_ones_poll_nothing(fake_clock):
+    always_hot = Readings(*[hot(690, "hw_slowdown")] * 100)
+    c = Cooldown(0.5, always_hot)
+    c.baseline(hot(160))
+    c.pause()
+    assert sum(fake_clock.sleeps) == pytest.approx(0.5) and max(fake_clock.sleeps) <= 0.25
+    assert c.to_json()["early_exits"] == 0 and c.to_json()["total_s"] == 0.5
+    fake_clock.sleeps.clear()
+    short = Readings(hot(100))
+    c = Cooldown(0.2, short)
+    c.baseline(hot(160))
+    c.pause()
+    assert fake_clock.sleeps == [0.2] and short.reads == 0  # under min(0.25 s, cooldown): the fixed sleep
+
+
+@pytest.mark.parametrize("source,baseline", [("nvidia-smi", hot(160)), ("host", hot(160)), ("nvml", hot(None))])
+def test_cooldown_without_nvml_power_is_the_fixed_sleep(fake_clock, source, baseline):
+    reader = Readings(hot(100), source=source)
+    c = Cooldown(1.5, reader)
+    c.baseline(baseline)
+    c.pause()
+    assert fake_clock.sleeps == [1.5] and reader.reads == 0 and c.to_json()["early_exits"] == 0
+
+
+@pytest.mark.parametrize("throttle,early", [(0, True), (0x4, False)])
+def test_capture_cools_down_on_nvml_readings(monkeypatch, tmp_path, fake_clock, throttle, early):
+    """Through the worker: a GPU at its first block's power exits after 0.25 s; one held in
+    hw_slowdown waits the whole cool-down. The block's start reading is taken after it."""
+    log: list = []
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(log, throttle=throttle))
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=10, warmup=5, cooldown_s=0.6))
+    m = make_manager()
+    batches = list(m.batches_to_profile(list(tc.SIZES)))
+    m.set_initial_cost_curves(tc.random_samples(batches))
+    payload = CaptureDir(tmp_path).read_samples(0)
+    pauses = len(Telemetry.from_json(payload["telemetry"]).blocks) - 1
+    assert pauses == 2 and sum(fake_clock.sleeps) == pytest.approx(pauses * (0.25 if early else 0.6))
+    assert payload["cooldown"] == {"seconds": 0.6, "total_s": round(pauses * (0.25 if early else 0.6), 3),
+                                   "pauses": pauses, "early_exits": pauses if early else 0}
 
 
 # -- schema 1.2 ---------------------------------------------------------------------------------------

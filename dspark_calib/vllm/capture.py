@@ -5,7 +5,7 @@ extend and collect it run there (loaded by the plugin) and hand the samples to
 the `profile` command through one directory, whose layout is owned by
 `CaptureDir` below (nobody else builds these paths):
 
-* plan.json (written by `profile`): context lengths, timed and warm-up replays per size.
+* plan.json (written by `profile`): context lengths, timed and warm-up replays per size, cool-down.
 * .lock (TP rank 0, for the whole capture): one engine per directory.
 * progress.json (TP rank 0, while profiling): batches done / total.
 * samples-rank{R}.json (every TP rank, atomically, when profiling ends): the tagged
@@ -17,7 +17,8 @@ the `profile` command through one directory, whose layout is owned by
 The schedule runs replays the way vLLM runs them: vLLM's batches_to_profile
 yields each size _PROFILE_REPLAYS times back to back; we run that whole
 sequence, in vLLM's order and grouping, once per block (warm-up blocks first,
-discarded), for every context length. A sample's replay index counts
+discarded), for every context length, TP rank 0 cooling down before every block but
+the first (cooldown.py). A sample's replay index counts
 block x vLLM's replays of that size (negative: warm-up).
 
 Imports only the standard library at module level: the plugin may import this
@@ -38,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 from dspark_calib.atomic import atomic_write, atomic_write_json
 from dspark_calib.vllm import env as E
+from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S, Cooldown, check_cooldown
 
 ENV_CAPTURE = E.CAPTURE  # env.py is the home of every DSPARK_CALIB_* name
 PLAN_FILE = "plan.json"
@@ -54,11 +56,13 @@ class CaptureError(RuntimeError):
 
 @dataclass(frozen=True)
 class Plan:
-    """replays / warmup: samples wanted per size; rounded up to whole vLLM blocks (Schedule)."""
+    """replays / warmup: samples wanted per size; rounded up to whole vLLM blocks (Schedule).
+    cooldown_s: the most rank 0 pauses before each block but the first (0: never)."""
 
     context_lens: tuple[int, ...]
     replays: int = DEFAULT_REPLAYS
     warmup: int = DEFAULT_WARMUP
+    cooldown_s: float = DEFAULT_COOLDOWN_S
 
     def __post_init__(self) -> None:
         if not self.context_lens or any(int(c) <= 0 for c in self.context_lens):
@@ -66,6 +70,7 @@ class Plan:
         if self.replays < 1 or self.warmup < 0:
             raise ValueError(f"need replays >= 1 and warmup >= 0, got {self.replays}, {self.warmup}")
         object.__setattr__(self, "context_lens", tuple(int(c) for c in self.context_lens))
+        object.__setattr__(self, "cooldown_s", check_cooldown(self.cooldown_s))
 
 
 # Locks this process holds, by real path: an in-process engine (tp 1 without
@@ -115,7 +120,8 @@ class CaptureDir:
             with open(self.plan_path) as fh:
                 data = json.load(fh)
             return Plan(context_lens=tuple(data["context_lens"]), replays=int(data["replays"]),
-                        warmup=int(data["warmup"]))
+                        warmup=int(data["warmup"]),  # an older plan.json has no cool-down: the default
+                        cooldown_s=float(data.get("cooldown_s", DEFAULT_COOLDOWN_S)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CaptureError(f"dspark-calib: {ENV_CAPTURE}={self.path}: no usable {PLAN_FILE} ({exc}); "
                                "capture mode is set by `dspark-calib profile` only") from None
@@ -262,6 +268,7 @@ class CaptureRun:
     tp_size: int
     start: float
     recorder: Any = None  # gpu_readings.BlockRecorder on TP rank 0: conditions per block
+    cooldown: Cooldown | None = None  # TP rank 0's pauses between blocks
 
 
 def vllm_curves(vllm_set_initial_cost_curves: Callable, samples: list) -> tuple[list, list]:
@@ -338,19 +345,25 @@ class CaptureMode:
                 raise CaptureError(plan_or_error)
         schedule = Schedule.build(plan_or_error, vllm_batches)
         recorder = block_recorder() if rank == 0 else None
+        cooler = Cooldown(plan_or_error.cooldown_s, recorder.reader) if recorder is not None else None
         state_of(manager).run = CaptureRun(plan_or_error, schedule, list(capture_sizes), rank, tp_size,
-                                           time.perf_counter(), recorder)
-        yield from self._run(schedule, rank, recorder)
+                                           time.perf_counter(), recorder, cooler)
+        yield from self._run(schedule, rank, recorder, cooler)
 
-    def _run(self, schedule: Schedule, rank: int, recorder: Any) -> Iterator[dict]:
-        """Yield the schedule; telemetry is read at block boundaries, i.e. between yields, after
-        the previous step returned and before the next starts: never inside a timed step."""
+    def _run(self, schedule: Schedule, rank: int, recorder: Any, cooler: Cooldown | None = None) -> Iterator[dict]:
+        """Yield the schedule; telemetry is read and the cool-down taken at block boundaries, i.e.
+        between yields, after the previous step returned and before the next starts: never inside
+        a timed step. The start reading follows the pause: it shows the state the block starts in."""
         total, last_report, current = len(schedule.tags), 0.0, None
         for i, (tag, batch) in enumerate(zip(schedule.tags, schedule.batches)):
             if recorder is not None and (tag.context_len, tag.block) != current:
                 recorder.end()
-                current = (tag.context_len, tag.block)
-                recorder.start(*current)
+                if cooler is not None and current is not None:
+                    cooler.pause()
+                first, current = current is None, (tag.context_len, tag.block)
+                reading = recorder.start(*current)
+                if cooler is not None and first:
+                    cooler.baseline(reading)
             now = time.monotonic()
             if rank == 0 and now - last_report > 0.5:
                 last_report = now
@@ -429,6 +442,7 @@ class CaptureMode:
             "hardware": hardware(),
             "vllm_curves": curves,
             **({"telemetry": run.recorder.telemetry().to_json()} if run.recorder is not None else {}),
+            **({"cooldown": run.cooldown.to_json()} if run.cooldown is not None else {}),
             "samples": [Sample.from_vllm(s, context_len=t.context_len, replay=t.replay).to_dict() for s, t in timed],
         }
         return payload, nearest(run.plan.context_lens, current_context_len())

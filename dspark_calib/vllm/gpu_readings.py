@@ -109,8 +109,10 @@ class BlockRecorder:
     def __init__(self, reader: Any):
         self.reader, self.blocks, self._open = reader, [], None
 
-    def start(self, context_len: int, block: int) -> None:
+    def start(self, context_len: int, block: int) -> Reading:
+        """The block's start reading, also returned: the cool-down's baseline is the first one."""
         self._open = (context_len, block, self.reader.read())
+        return self._open[2]
 
     def end(self) -> None:
         if self._open is not None:

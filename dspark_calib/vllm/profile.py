@@ -22,7 +22,8 @@ from typing import Any, Callable
 from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fit import profile_context_len
 from dspark_calib.table import CostTable
-from dspark_calib.vllm.capture import ENV_CAPTURE, CaptureDir, CaptureError, Plan
+from dspark_calib.vllm.capture import ENV_CAPTURE, CaptureDir, CaptureError
+from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S
 from dspark_calib.vllm.loader import ENV_TABLE
 from dspark_calib.vllm.profile_table import check_against_vllm, fingerprint_from_capture, table_from_capture  # noqa: F401
 from dspark_calib.vllm.plugin import ENV_PREFIX, RAY_EXTRA_PREFIXES, RAY_EXTRA_VARS
@@ -42,6 +43,7 @@ class ProfileOptions:
     context_lens: tuple[int, ...] = (8192,)
     replays: int = 20
     warmup: int = 2
+    cooldown_s: float = DEFAULT_COOLDOWN_S  # the most rank 0 pauses before each block but the first
     load_format: str = "dummy"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -337,8 +339,10 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
                report: Callable[[dict], None], log_path: str | None = None,
                note: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Start vLLM once (profiling happens during start-up), return rank 0's capture."""
+    from dspark_calib.vllm.profile_plan import expected, plan_of
+
     capture = CaptureDir(capture_dir)
-    capture.write_plan(Plan(context_lens=tuple(opts.context_lens), replays=opts.replays, warmup=opts.warmup))
+    capture.write_plan(plan_of(opts))
     env = engine_env(capture_dir)
     saved = _env_snapshot(env)
     # TP rank 0 locks the directory for the whole capture. With tp > 1 (or any worker
@@ -360,7 +364,6 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
         from vllm import LLM
 
         from dspark_calib.vllm import plugin
-        from dspark_calib.vllm.profile_plan import expected
 
         plugin.register()  # in-process engine: make sure the hooks are in before LLM() (idempotent)
         try:

@@ -24,7 +24,9 @@ MS_PER_1K_CONTEXT = 6.4  # and with the dummy requests' context length
 
 
 def plan_of(opts: Any) -> Plan:
-    return Plan(context_lens=tuple(opts.context_lens), replays=opts.replays, warmup=opts.warmup)
+    """The plan the driver writes for the worker, and the one the estimate is made from."""
+    return Plan(context_lens=tuple(opts.context_lens), replays=opts.replays, warmup=opts.warmup,
+                cooldown_s=opts.cooldown_s)
 
 
 def default_capture_sizes(opts: Any) -> list[int]:
@@ -56,7 +58,8 @@ class Expected:
     schedule: Schedule
     contexts: int
     sizes: int
-    seconds: float
+    seconds: float  # steps and cool-downs together
+    cooldown_s: float = 0.0  # the most the cool-downs take (they end early once the GPU is back)
 
     @property
     def blocks(self) -> int:
@@ -74,7 +77,12 @@ class Expected:
                 f"{s.vllm_replays} back-to-back replays ({s.timed_blocks} timed: {self.samples_per_size} samples per "
                 f"size{rounded}; {s.warmup_blocks} warm-up) = ~{len(s.tags)} steps; expected ~{_human(self.seconds)} "
                 f"of profiling once the engine is up (an estimate: ~{STEP_MS:g} ms a step + a cost growing with "
-                "tokens and context; measured on one H200 with Qwen3-8B)")
+                f"tokens and context; measured on one H200 with Qwen3-8B{self._cooldown_note()})")
+
+    def _cooldown_note(self) -> str:
+        if not self.cooldown_s:
+            return ""
+        return f"; up to {_human(self.cooldown_s)} of it cool-down between blocks, less once the GPU is back"
 
     def position(self, state: dict) -> dict:
         """progress.json plus where it is: block b of B in its context (warm-up or timed)."""
@@ -88,10 +96,14 @@ class Expected:
 
 def expected(opts: Any, capture_sizes: list[int] | None = None) -> Expected:
     batches = vllm_batches(opts, capture_sizes)
-    schedule = Schedule.build(plan_of(opts), batches)
+    plan = plan_of(opts)
+    schedule = Schedule.build(plan, batches)
     ms = sum(STEP_MS + MS_PER_1K_TOKENS * t.num_tokens / 1000 + MS_PER_1K_CONTEXT * t.context_len / 1000
              for t in schedule.tags)
-    return Expected(schedule, len(plan_of(opts).context_lens), len({b["num_tokens"] for b in batches}), ms / 1000)
+    blocks = len(plan.context_lens) * (schedule.warmup_blocks + schedule.timed_blocks)
+    cooldown = plan.cooldown_s * (blocks - 1)  # before every block but the capture's first
+    return Expected(schedule, len(plan.context_lens), len({b["num_tokens"] for b in batches}), ms / 1000 + cooldown,
+                    cooldown)
 
 
 def _human(seconds: float) -> str:

@@ -28,6 +28,14 @@ def _schedule_of(capture: dict[str, Any]) -> tuple[int, int]:
                          "vLLM's environment?); no table written") from None
 
 
+def _cooldown_of(capture: dict[str, Any]) -> dict[str, Any]:
+    """The plan's cool-down and what rank 0 spent in it (none recorded: an older worker, no keys)."""
+    cool = capture.get("cooldown")
+    if not isinstance(cool, dict):
+        return {}
+    return {"cooldown_s": float(cool.get("seconds", 0.0)), "cooldown_total_s": float(cool.get("total_s", 0.0))}
+
+
 def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) -> Fingerprint:
     """The table's fingerprint: every registry key as the engine resolved it (not as typed),
     and the replays the worker actually ran (--replays rounded up to whole vLLM blocks)."""
@@ -60,6 +68,7 @@ def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) ->
                "profile_batches": capture.get("num_batches"), "hostname": os.uname().nodename,
                "replays_asked": opts.replays, "warmup_asked": opts.warmup,
                "vllm_replays_per_block": int(capture["schedule"]["vllm_replays_per_block"]),
+               **_cooldown_of(capture),
                **({"engine_args": opts.extra_engine_args} if opts.extra_engine_args else {})},
     )
 
