@@ -516,3 +516,8 @@ def test_terminal_shows_the_plan_line_and_the_schedule_in_the_bar(tmp_path, monk
     err = capfd.readouterr().err
     assert seen and "profile plan: 1 context(s)" in err
     assert f"{shipped.fingerprint.replays} samples per size" in err and "curves equal vLLM's own" in err
+
+
+def test_library_callers_get_the_cooldown_range_as_one_calib_error():
+    with pytest.raises(CalibError, match="cooldown_s must be between 0 and 60 seconds, got 90"):
+        resolve_options(opts(cooldown_s=90.0))

@@ -23,7 +23,7 @@ from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fit import profile_context_len
 from dspark_calib.table import CostTable
 from dspark_calib.vllm.capture import ENV_CAPTURE, CaptureDir, CaptureError
-from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S
+from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S, check_cooldown
 from dspark_calib.vllm.loader import ENV_TABLE
 from dspark_calib.vllm.profile_table import check_against_vllm, fingerprint_from_capture, table_from_capture  # noqa: F401
 from dspark_calib.vllm.plugin import ENV_PREFIX, RAY_EXTRA_PREFIXES, RAY_EXTRA_VARS
@@ -120,6 +120,10 @@ def check_models(opts: ProfileOptions) -> tuple[dict, dict]:
 def resolve_options(opts: ProfileOptions) -> ProfileOptions:
     """Fill defaults that depend on the model configs; refuse impossible settings."""
     target, draft = check_models(opts)
+    try:  # the CLI checked it already; a library caller gets the same one line, as a CalibError
+        check_cooldown(opts.cooldown_s)
+    except ValueError as exc:
+        raise CalibError(str(exc)) from None
     if opts.num_speculative_tokens is None:
         opts.num_speculative_tokens = int(draft.get("block_size") or 7)
     limit = int(target.get("max_position_embeddings") or 1 << 20)
