@@ -22,7 +22,8 @@ def display_path(path: str) -> str:
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
-def _os_error(exc: OSError) -> str:
+def os_reason(exc: OSError) -> str:
+    """An OSError as the few words a one-line error shows (every reader of local paths uses it)."""
     if isinstance(exc, FileNotFoundError):
         return "no such file"
     if isinstance(exc, PermissionError):
@@ -50,7 +51,7 @@ def open_local(path: str, shown: str) -> tuple[BinaryIO, int]:
         _refuse_non_regular(os.stat(path).st_mode, shown)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        raise CalibError(_os_error(exc), path=shown) from None
+        raise CalibError(os_reason(exc), path=shown) from None
     try:
         st = os.fstat(fd)
         _refuse_non_regular(st.st_mode, shown)
@@ -80,6 +81,6 @@ def open_fs(filesystem: Any, path: str, shown: str) -> tuple[Any, int]:
     except CalibError:
         raise
     except OSError as exc:
-        raise CalibError(_os_error(exc) if exc.errno else f"cannot open ({first_line(exc)})", path=shown) from None
+        raise CalibError(os_reason(exc) if exc.errno else f"cannot open ({first_line(exc)})", path=shown) from None
     except Exception as exc:  # noqa: BLE001 - object stores raise their own types
         raise CalibError(f"cannot open ({first_line(exc)})", path=shown) from None

@@ -163,4 +163,4 @@ def test_unreadable_tables_are_reported_and_a_missing_source_is_one_line(tmp_pat
     d = json.loads(r.stdout)
     broken = next(t for t in d["tables"] if t["path"].endswith("broken.parquet"))
     assert broken["status"] == "unreadable" and "not a readable parquet file" in broken["reason"]
-    one_line_error(invoke("check", tmp_path / "absent"), str(tmp_path / "absent"), "no such file or directory")
+    one_line_error(invoke("check", tmp_path / "absent"), str(tmp_path / "absent"), "no such file")

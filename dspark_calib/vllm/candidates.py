@@ -26,7 +26,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from dspark_calib.errors import CalibError, escape, first_line
+from dspark_calib.errors import CalibError, escape
+from dspark_calib.safe_open import os_reason  # standard library only
 from dspark_calib.tablemeta import SERVE_LIMITS as _READ  # C1's read limits (tablemeta imports no pyarrow)
 from dspark_calib.tablemeta import ReadLimits
 
@@ -128,7 +129,7 @@ def _list_local(path: str, limits: Limits) -> Listing:
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise CalibError(_os_reason(exc), path=escape(path)) from None
+        raise CalibError(os_reason(exc), path=escape(path)) from None
     if stat.S_ISREG(st.st_mode):
         return Listing((path,))
     if not stat.S_ISDIR(st.st_mode):
@@ -144,7 +145,7 @@ def _list_local(path: str, limits: Limits) -> Listing:
             try:
                 est = entry.stat()  # follows a symlink (a link to a table is fine); never opens
             except OSError as exc:
-                refused.append((entry.path, _os_reason(exc)))
+                refused.append((entry.path, os_reason(exc)))
                 continue
             if not stat.S_ISREG(est.st_mode):
                 refused.append((entry.path, "not a regular file (refused without opening)"))
@@ -161,11 +162,6 @@ def _cap(found: list[tuple[int, str]], refused: list, limits: Limits, unscanned:
     # engine's table): the loader caps the curve reads, the expensive part, instead.
     found.sort(key=lambda item: (-item[0], item[1]))
     return Listing(tuple(p for _, p in found), tuple(refused), unscanned)
-
-
-def _os_reason(exc: OSError) -> str:
-    return {2: "no such file or directory", 13: "permission denied", 40: "symlink loop"}.get(
-        exc.errno or 0, first_line(exc, 120))
 
 
 # -- one bounded read -------------------------------------------------------------------
