@@ -340,6 +340,55 @@ def test_hook_starts_observe_after_initialize_kv_cache(monkeypatch, tmp_path):
     assert seen == ["cfg", "observe", "cfg2"]
 
 
+@pytest.mark.parametrize("positional", [False, True])
+def test_the_serving_manager_is_observed_not_the_graph_memory_profilings(monkeypatch, tmp_path, reference_table_8192,
+                                                                          positional):
+    """vLLM 0.33 with CUDA graphs on: profile_cudagraph_memory calls initialize_kv_cache(minimal,
+    is_profiling=True), which builds a throwaway manager, then the real call builds the serving
+    one (model_runner.py:703). Every priced step of the serving manager must be seen."""
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "1")
+    clock = Clock()
+    tables = reference_table_8192.dense_tables(8192)
+
+    class Runner(FakeRunner):
+        def initialize_kv_cache(self, kv_cache_config, is_profiling=False):
+            self.adaptive_verification = make_manager(tables)
+
+    module = SimpleNamespace(GPUModelRunner=Runner)
+    real = om.maybe_observe
+    monkeypatch.setattr(om, "maybe_observe", lambda runner: real(runner, event_factory=events_factory(clock)))
+    om.hook_runner(module)
+    try:
+        r = Runner(make_manager(tables), clock)
+        if positional:
+            r.initialize_kv_cache("minimal", True)
+        else:
+            r.initialize_kv_cache("minimal", is_profiling=True)
+        assert om.observer_of(r) is None  # nothing attached to the throwaway manager
+        r.initialize_kv_cache("real")
+        obs = om.observer_of(r)
+        assert obs.manager is r.adaptive_verification
+        for n in range(1, 11):
+            step(r, n)
+        r.shutdown()
+        assert obs.priced == 10 and len(read_observed([tmp_path / "obs"])) == 10
+        # a later rebuild (another initialize_kv_cache) moves the observer to the new manager
+        r.initialize_kv_cache("again")
+        assert obs.manager is r.adaptive_verification and obs.pricing is None
+    finally:
+        om.detach(r)
+        om.unhook_runner(module)
+
+
+def test_dense_dp_replicas_name_their_files_by_data_parallel_index(engine, monkeypatch):
+    runner, clock = engine
+    # vLLM resets data_parallel_rank to 0 on independent dense replicas; the index stays
+    runner.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=1, data_parallel_rank=0))
+    obs = start(runner, clock)
+    assert obs.metadata["dp_rank"] == 1 and obs.name.startswith("dp1-")
+
+
 def test_plugin_patch_hooks_the_real_runner(monkeypatch, tmp_path):
     monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
     plugin.patch(av.AdaptiveVerificationManager, model_runner)

@@ -35,25 +35,17 @@ import itertools
 import logging
 import os
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from dspark_calib.vllm import env as E
 from dspark_calib.vllm.plugin import log_once
 
+if TYPE_CHECKING:
+    from dspark_calib.vllm.observe_step import Pricing
+
 _ATTR = "_dspark_calib_observer"
 _MARK = "_dspark_calib_original"
 _engines = itertools.count()  # per process: a second engine start in one process writes new names
-
-
-@dataclass(frozen=True)
-class Pricing:
-    """How this engine prices its steps (read at the first sampled step: the table loads after install)."""
-
-    mode: str  # "stock" (vLLM's start-up profile), "table" (one context) or "context-aware"
-    static_context: int  # the context of the static tables
-    alt_tables: Any = None  # the static tables when the engine prices context-aware (budget_static)
-    table_hash: str = ""
 
 
 class _Step:
@@ -94,13 +86,13 @@ class Observer:
         if self.priced % self.every or not self.on:
             return
         try:
-            from dspark_calib.vllm.observe_step import capture_step
+            from dspark_calib.vllm.observe_step import capture_step, last_context
 
             self.drain()
             if self.pricing is None:
                 self.pricing = self._pricing_of(self.manager)
             p = self.pricing
-            ctx = p.static_context if p.mode != "context-aware" else _last_context(self.manager, p.static_context)
+            ctx = p.static_context if p.mode != "context-aware" else last_context(self.manager, p.static_context)
             capture = capture_step(self.manager, num_tokens_per_req, draft_tokens, priced_context=ctx,
                                    alt_tables=p.alt_tables)
             self.current = _Step(self.priced, capture)
@@ -202,13 +194,6 @@ class Observer:
                                   "serving continues unobserved")
 
 
-def _last_context(manager: Any, default: int) -> int:
-    from dspark_calib.vllm.context_aware import installed_state
-
-    state = installed_state(manager)
-    return state.last_context if state is not None and state.last_context >= 0 else default
-
-
 # -- wrapping one runner's call points ------------------------------------------------------
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
     """owner.name = make(what is there now), as an instance attribute remembering the original."""
@@ -218,9 +203,7 @@ def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
     setattr(owner, name, wrapper)
 
 
-def attach(runner: Any, obs: Observer) -> Observer:
-    """Install obs at runner's call points (instance attributes only)."""
-
+def _budget_hook(obs: Observer) -> Callable[[Callable], Callable]:
     def get_num_tokens(inner: Callable) -> Callable:
         def wrapper(num_tokens_per_req: Any, draft_tokens: Any) -> Any:
             out = inner(num_tokens_per_req, draft_tokens)
@@ -228,6 +211,18 @@ def attach(runner: Any, obs: Observer) -> Observer:
                 obs.after_budget(num_tokens_per_req, draft_tokens)
             return out
         return wrapper
+    return get_num_tokens
+
+
+def rebind(obs: Observer, manager: Any) -> None:
+    """The runner built another manager (a later initialize_kv_cache): observe that one."""
+    obs.manager, obs.pricing = manager, None
+    _wrap(manager, "get_num_tokens", _budget_hook(obs))
+
+
+def attach(runner: Any, obs: Observer) -> Observer:
+    """Install obs at runner's call points (instance attributes only)."""
+    get_num_tokens = _budget_hook(obs)
 
     def execute_model(inner: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -335,42 +330,19 @@ def prepare_dir(directory: str) -> str:
     return ""
 
 
-def pricing_for(stock_context: int) -> Callable[[Any], Pricing]:
-    """How the manager prices steps once its start-up is done: context-aware grid, a loaded
-    table's one context, or vLLM's own profile (stock_context: its clamped profile context)."""
-
-    def pricing(manager: Any) -> Pricing:
-        from dspark_calib.vllm.context_aware import installed_state
-        from dspark_calib.vllm.plugin import state_of
-
-        decision = getattr(state_of(manager).run, "decision", None)
-        loaded = bool(getattr(decision, "load", False))
-        static = int(decision.context_len) if loaded else int(stock_context)
-        table_hash = str(decision.content_hash) if loaded else ""
-        ca = installed_state(manager)
-        if ca is not None:
-            return Pricing("context-aware", static, ca.base_tables, table_hash)
-        return Pricing("table" if loaded else "stock", static, None, table_hash)
-
-    return pricing
-
-
-def _stock_context(runner: Any) -> int:
-    from dspark_calib.fit import profile_context_len
-    from dspark_calib.vllm.engine_info import current_context_len
-
-    ctx = current_context_len()
-    mml = getattr(runner, "max_model_len", None)
-    return profile_context_len(ctx, mml) if isinstance(mml, int) and mml > 0 else ctx
-
-
 def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None,
                   writer_kwargs: dict | None = None) -> Observer | None:
     """Observe this runner's serving steps when DSPARK_CALIB_OBSERVE is set; never raises
     (an engine that would start without observe starts with it, at worst unobserved)."""
     directory = E.observe_dir()
-    if not directory or observer_of(runner) is not None:
-        return observer_of(runner)
+    if not directory:
+        return None
+    obs = observer_of(runner)
+    if obs is not None:
+        manager = getattr(runner, "adaptive_verification", None)
+        if manager is not None and manager is not obs.manager:
+            rebind(obs, manager)
+        return obs
     from dspark_calib.errors import escape
 
     shown = escape(directory, 80)
@@ -399,12 +371,18 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
 
         if event_factory is None:
             from vllm.v1.worker.gpu.async_utils import StepTimingEvents as event_factory
-        dp = int(getattr(runner, "dp_rank", 0) or 0)
+        # data_parallel_index: dense DP replicas run as independent engines whose
+        # data_parallel_rank vLLM resets to 0 (reconfigure_for_independent_dp_rank)
+        pc = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
+        dp = getattr(pc, "data_parallel_index", None)
+        dp = int(dp if isinstance(dp, int) else getattr(runner, "dp_rank", 0) or 0)
         rs = manager.req_states
         meta = {"tp_rank": 0, "dp_rank": dp, "max_num_reqs": int(rs.max_num_reqs),
                 "max_num_batched_tokens": int(rs.max_num_batched_tokens)}
+        from dspark_calib.vllm.observe_step import pricing_for, stock_context
+
         obs = Observer(manager, directory, every=every, event_factory=event_factory,
-                       pricing=pricing_for(_stock_context(runner)), metadata=meta,
+                       pricing=pricing_for(stock_context(runner)), metadata=meta,
                        name=f"dp{dp}-{os.getpid()}-e{next(_engines)}", writer_kwargs=writer_kwargs)
         attach(runner, obs)
     except Exception as exc:  # noqa: BLE001 - an optional mode must not stop an engine
@@ -431,7 +409,10 @@ def hook_runner(model_runner: Any) -> None:
     @functools.wraps(orig)
     def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, *args, **kwargs)
-        maybe_observe(self)
+        # With CUDA graphs on, vLLM first builds a throwaway KV cache (and manager) to measure
+        # graph memory (initialize_kv_cache(..., is_profiling=True)), then the real one.
+        if not kwargs.get("is_profiling", args[1] if len(args) > 1 else False):
+            maybe_observe(self)
         return out
 
     setattr(initialize_kv_cache, _MARK, orig)

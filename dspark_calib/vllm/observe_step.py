@@ -16,7 +16,7 @@ budget) on a sampled step, nothing on the others. Numpy only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -86,3 +86,50 @@ def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_m
         scheduled_drafts=capture.scheduled_drafts, draft_budget=chosen, priced_context=capture.priced_context,
         predicted_draft_ms=capture.predicted_draft_ms, predicted_verify_ms=capture.predicted_verify_ms,
         budget_static=alt if context_aware else chosen, budget_context_aware=chosen if context_aware else alt)
+
+
+# -- how the engine prices its steps (read once, at the first sampled step) ----------------------
+@dataclass(frozen=True)
+class Pricing:
+    """How this engine prices its steps (read at the first sampled step: the table loads after install)."""
+
+    mode: str  # "stock" (vLLM's start-up profile), "table" (one context) or "context-aware"
+    static_context: int  # the context of the static tables
+    alt_tables: Any = None  # the static tables when the engine prices context-aware (budget_static)
+    table_hash: str = ""
+
+
+def last_context(manager: Any, default: int) -> int:
+    from dspark_calib.vllm.context_aware import installed_state
+
+    state = installed_state(manager)
+    return state.last_context if state is not None and state.last_context >= 0 else default
+
+
+def pricing_for(stock_context: int) -> Callable[[Any], Pricing]:
+    """How the manager prices steps once its start-up is done: context-aware grid, a loaded
+    table's one context, or vLLM's own profile (stock_context: its clamped profile context)."""
+
+    def pricing(manager: Any) -> Pricing:
+        from dspark_calib.vllm.context_aware import installed_state
+        from dspark_calib.vllm.plugin import state_of
+
+        decision = getattr(state_of(manager).run, "decision", None)
+        loaded = bool(getattr(decision, "load", False))
+        static = int(decision.context_len) if loaded else int(stock_context)
+        table_hash = str(decision.content_hash) if loaded else ""
+        ca = installed_state(manager)
+        if ca is not None:
+            return Pricing("context-aware", static, ca.base_tables, table_hash)
+        return Pricing("table" if loaded else "stock", static, None, table_hash)
+
+    return pricing
+
+
+def stock_context(runner: Any) -> int:
+    from dspark_calib.fit import profile_context_len
+    from dspark_calib.vllm.engine_info import current_context_len
+
+    ctx = current_context_len()
+    mml = getattr(runner, "max_model_len", None)
+    return profile_context_len(ctx, mml) if isinstance(mml, int) and mml > 0 else ctx
