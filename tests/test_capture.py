@@ -427,3 +427,11 @@ def test_plan_json_carries_the_cooldown_and_an_older_one_reads_as_the_default(tm
     with pytest.raises(CaptureError) as err:
         d.read_plan()
     assert "cooldown_s must be between 0 and 60" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_no_batch_from_vllm_is_left_for_profile_in_the_capture_dir(monkeypatch, tmp_path):
+    """The engine core is a child process: 'yielded no batch' must reach `profile` via refusal.txt."""
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=5, warmup=0))
+    with pytest.raises(CaptureError, match="yielded no batch") as err:
+        run_capture(make_manager(), sizes=[])
+    assert CaptureDir(tmp_path).read_refusal() == str(err.value)

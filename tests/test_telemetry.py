@@ -254,3 +254,24 @@ def test_bad_telemetry_is_one_line(bad):
     with pytest.raises(CalibError) as err:
         Telemetry.from_json(bad)
     assert "\n" not in str(err.value) and "telemetry" in str(err.value)
+
+
+def test_nvml_index_follows_the_workers_own_device(monkeypatch):
+    """NVML ignores CUDA_VISIBLE_DEVICES: the worker's current CUDA device, mapped by vLLM's own
+    platform code, names the GPU (a dense DP replica on visible device 1 is not device 0)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    from dspark_calib.vllm.gpu_readings import nvml_index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(type(current_platform), "visible_device_id_to_physical_device_id",
+                        classmethod(lambda cls, i: [3, 5][i]), raising=False)
+    assert nvml_index() == 5
+
+    def no_cuda():
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,7")
+    assert nvml_index() == 2

@@ -43,24 +43,24 @@ def smi() -> str | None:
 
 
 def stock(out_dir: str) -> None:
+    sys.path.insert(0, HERE)
+    from procs import run_case
+
     os.makedirs(out_dir, exist_ok=True)
     for name in ("stock_a", "stock_b"):
         env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
         env.update(VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN="8192", SERVE_MAX_MODEL_LEN="32768")
         before, t = smi(), time.time()
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "serve_one.py"), name], env=env,
-                              capture_output=True, text=True, timeout=560)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        rc, out, err = run_case([sys.executable, os.path.join(HERE, "serve_one.py"), name], env, 300)
+        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
         res = json.loads(line[7:]) if line else {"case": name, "started": False}
         if not line or not res.get("started"):
-            res["error_tail"] = (proc.stdout + proc.stderr)[-3000:]
+            res["error_tail"] = (out + err)[-3000:]
         res.update(wall_s=time.time() - t, smi_before=before, smi_after=smi(), smi_fields=SMI_FIELDS)
-        with open(os.path.join(out_dir, f"{name}.json"), "w") as fh:
+        with open(os.path.join(out_dir, f"{name}.json"), "w") as fh:  # saved per case: a cut call keeps it
             json.dump(res, fh)
         print(name, "started" if res.get("started") else "FAILED", f"profile {res.get('profile_s', 0):.2f} s",
               f"engine start {res.get('engine_start_s', 0):.1f} s", f"n_samples {res.get('n_samples')}", flush=True)
-        subprocess.run(["bash", "-c", "sleep 3; nvidia-smi --query-compute-apps=pid --format=csv,noheader | "
-                        "xargs -r kill -9 2>/dev/null; true"])  # no engine left holding the GPU
 
 
 # -- report (pure; no GPU) ---------------------------------------------------------------

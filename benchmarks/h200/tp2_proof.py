@@ -16,7 +16,9 @@ Qwen3-8B is dense: vLLM runs dense DP replicas as independent engines (DP 1 each
 collective: EngineCoreProc, reconfigure_for_independent_dp_rank), so the DP agreement
 code is not exercised here (it is with MoE; unit-tested with stubbed groups).
 """
-import json, os, re, signal, subprocess, sys, time, urllib.request
+import json, os, re, subprocess, sys, time, urllib.request
+
+from procs import kill_group, run_case
 
 here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(os.path.dirname(here))
@@ -34,27 +36,22 @@ def base_env(extra):
     return env
 
 
-def free_gpus():
-    subprocess.run(["bash", "-c", "sleep 3; nvidia-smi --query-compute-apps=pid --format=csv,noheader | "
-                    "xargs -r kill -9 2>/dev/null; sleep 2; true"])
-
-
 def dspark_lines(text):
     return [ln for ln in text.splitlines() if "dspark-calib" in ln]
 
 
 def tp_case(name, extra):
     t = time.time()
-    proc = subprocess.run([sys.executable, os.path.join(here, "serve_one.py"), name], env=base_env(extra),
-                          capture_output=True, text=True, timeout=420)
-    text = proc.stdout + proc.stderr
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    rc, out, err = run_case([sys.executable, os.path.join(here, "serve_one.py"), name], base_env(extra), 420)
+    text = out + err
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
     res = json.loads(line[7:]) if line else {"case": name, "started": False, "error": text[-3000:]}
+    if rc is None:
+        res["timed_out_s"] = 420
     for k in ("draft_curve", "verify_curve", "cost_tables"):
         res.pop(k, None)
     res.update(wall_s=time.time() - t, dspark_log=dspark_lines(text),
                graph_capture_s=[int(m) for m in CAPTURE_RE.findall(text)])
-    free_gpus()
     return res, text
 
 
@@ -94,19 +91,14 @@ def dp_case(name, table):
                 except Exception as exc:  # noqa: BLE001 - recorded, the start is the claim
                     res["completion"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc.pid, grace_s=30)  # the API server and both engine cores
+            proc.wait()
     text = open(log_path, errors="replace").read()
     res.update(wall_s=time.time() - t, dspark_log=dspark_lines(text),
                graph_capture_s=[int(m) for m in CAPTURE_RE.findall(text)],
                exit_code=proc.returncode)
     if not res["started"]:
         res["error"] = text[-3000:]
-    free_gpus()
     return res
 
 

@@ -299,21 +299,6 @@ def check_same_curves(ctx: int, ours: tuple[list, list], theirs: tuple[list, lis
                                    "no table written")
 
 
-def block_recorder() -> Any:
-    """Rank 0's recorder on its own GPU (NVML counts devices as CUDA_VISIBLE_DEVICES lists them)."""
-    from dspark_calib.vllm.gpu_readings import BlockRecorder, GpuReader
-
-    import logging
-
-    from dspark_calib.vllm.plugin import log_once
-
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    reader = GpuReader(int(first) if first.isdigit() else 0)
-    if reader.note:  # said once here, and kept in the table's telemetry note
-        log_once(logging.WARNING, f"dspark-calib: GPU telemetry: {reader.note}")
-    return BlockRecorder(reader)
-
-
 class CaptureMode:
     name = "capture"
 
@@ -322,6 +307,7 @@ class CaptureMode:
 
     def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]:
         from dspark_calib.vllm.engine_info import broadcast_from_rank0, tp_rank_and_size
+        from dspark_calib.vllm.gpu_readings import block_recorder
         from dspark_calib.vllm.plugin import state_of
 
         rank, tp_size = tp_rank_and_size()
@@ -340,10 +326,10 @@ class CaptureMode:
                     self.dir.unlock()
                     plan_or_error = str(exc)
         plan_or_error = broadcast_from_rank0(plan_or_error)
-        if isinstance(plan_or_error, str):
-            with self._reported(rank):
+        with self._reported(rank):  # e.g. vLLM yielded no batch: the line must reach `profile`
+            if isinstance(plan_or_error, str):
                 raise CaptureError(plan_or_error)
-        schedule = Schedule.build(plan_or_error, vllm_batches)
+            schedule = Schedule.build(plan_or_error, vllm_batches)
         recorder = block_recorder() if rank == 0 else None
         cooler = Cooldown(plan_or_error.cooldown_s, recorder.reader) if recorder is not None else None
         state_of(manager).run = CaptureRun(plan_or_error, schedule, list(capture_sizes), rank, tp_size,

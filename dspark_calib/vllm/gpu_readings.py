@@ -122,3 +122,28 @@ class BlockRecorder:
 
     def telemetry(self) -> Telemetry:
         return Telemetry(source=self.reader.source, blocks=tuple(self.blocks), note=self.reader.note)
+
+
+def nvml_index() -> int:
+    """NVML's index of the GPU this worker runs on: vLLM's own map from the current CUDA device
+    through CUDA_VISIBLE_DEVICES (NVML ignores that variable), else its first entry."""
+    try:
+        import torch
+        from vllm.platforms import current_platform
+
+        return int(current_platform.visible_device_id_to_physical_device_id(torch.cuda.current_device()))
+    except Exception:  # noqa: BLE001 - no CUDA / an older vLLM: the first visible device
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        return int(first) if first.isdigit() else 0
+
+
+def block_recorder() -> Any:
+    """Rank 0's recorder on its own GPU; a lost NVML is said once, and kept in the telemetry note."""
+    import logging
+
+    from dspark_calib.vllm.plugin import log_once
+
+    reader = GpuReader(nvml_index())
+    if reader.note:  # said once here, and kept in the table's telemetry note
+        log_once(logging.WARNING, f"dspark-calib: GPU telemetry: {reader.note}")
+    return BlockRecorder(reader)

@@ -1,0 +1,41 @@
+"""One engine per case, in its own process group: a case that hangs or exits with os._exit
+(leaving its engine core on the GPU) never holds the GPU for the next, and never takes
+anyone else's processes with it (only this group is killed)."""
+import os
+import signal
+import subprocess
+import time
+
+
+def run_case(cmd, env, timeout_s):
+    """(returncode or None when it ran out of time, stdout, stderr); the group is gone after."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        out, err = proc.communicate()
+        rc = None
+    kill_group(proc.pid)  # the engine core an os._exit left behind
+    return rc, out, err
+
+
+def kill_group(pgid, grace_s=3.0):
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + grace_s
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    time.sleep(2)  # the driver frees the memory shortly after the last process exits
