@@ -7,7 +7,10 @@ median overhead. Measured here, per batch size (1, 32, 256 requests of 7 drafts
 each, contexts spread over 1k..16k so lookups hit different grid rows):
 
 * ``added``: the wrapper's own work, timed per call with vLLM's method replaced by
-  a no-op (exactly what the mode adds to a step, including the extra call layer);
+  a no-op (exactly what the mode adds to a step, including the extra call layer), in
+  steady decode: the same requests as the step before (the slots are reused);
+* ``added_batch_changed``: the same, when every step's batch differs from the last one
+  (every request's slot looked up again: requests arriving or finishing);
 * ``plain`` / ``wrapped``: vLLM's get_num_tokens alone and behind the wrapper,
   interleaved call by call; ``wrapped - plain`` medians as a cross-check.
 
@@ -57,12 +60,23 @@ class _SingleRank:
         return obj
 
 
+class _States(SimpleNamespace):
+    """vLLM's RequestState as far as slots go: ids map to slots only in add/remove_request
+    (context-aware mode counts those calls to reuse the last batch's slots)."""
+
+    def add_request(self, req_id, slot):
+        self.req_id_to_index[req_id] = slot
+
+    def remove_request(self, req_id):
+        return self.req_id_to_index.pop(req_id, None)
+
+
 def _manager(tables, rng):
     m = object.__new__(av.AdaptiveVerificationManager)
-    m.req_states = SimpleNamespace(req_id_to_index={}, num_computed_tokens_np=np.zeros(MAX_REQS, np.int32),
-                                   prefill_len=SimpleNamespace(np=np.ones(MAX_REQS, np.int32)),
-                                   max_num_reqs=MAX_REQS, max_num_batched_tokens=MAX_TOKENS,
-                                   num_speculative_steps=STEPS)
+    m.req_states = _States(req_id_to_index={}, num_computed_tokens_np=np.zeros(MAX_REQS, np.int32),
+                           prefill_len=SimpleNamespace(np=np.ones(MAX_REQS, np.int32)),
+                           max_num_reqs=MAX_REQS, max_num_batched_tokens=MAX_TOKENS,
+                           num_speculative_steps=STEPS)
     stale = SimpleNamespace(np=rng.uniform(0.2, 1.0, (MAX_REQS, STEPS)).astype(np.float32))
     m._stale_confidences = [stale, stale]
     m._stale_idx = 0
@@ -87,8 +101,11 @@ def bench_size(num_reqs, grid, tables, calls, rng):
     m = _manager(tables, rng)
     req_ids = [f"req-{i}" for i in range(num_reqs)]
     slots = rng.permutation(MAX_REQS)[:num_reqs]
-    m.req_states.req_id_to_index = dict(zip(req_ids, slots.tolist()))
+    for r, slot in zip(req_ids, slots.tolist()):
+        m.req_states.add_request(r, slot)
     num_tokens = {r: 1 + STEPS for r in req_ids}
+    # the same requests in another order: a batch that changed since the last step (slot lookup again)
+    reordered = dict(reversed(list(num_tokens.items())))
     draft_tokens = {r: list(range(STEPS)) for r in req_ids}
     computed = []
     for _ in range(VARIANTS):
@@ -99,17 +116,24 @@ def bench_size(num_reqs, grid, tables, calls, rng):
     state = ca.install(m, grid)
     wrapped = m.get_num_tokens
     clock = time.perf_counter_ns
-    out = {"added": [], "plain": [], "wrapped": []}
+    out = {"added": [], "added_batch_changed": [], "plain": [], "wrapped": []}
     # The same wrapper code around a no-op instead of vLLM's method: the mode's own work.
-    bare = ca._make_wrapper(m, ca.ContextAwareState(grid, tables, lambda a, b: 0))
-    for phase in ("added", "end_to_end"):
+    bare_state = ca.ContextAwareState(grid, tables, lambda a, b: 0)
+    bare_state.watched = state.watched  # slot changes are counted (install wrapped req_states); none happen here
+    bare = ca._make_wrapper(m, bare_state)
+    for phase in ("added", "added_batch_changed", "end_to_end"):
         for i in range(calls + calls // 10):  # first tenth: warm-up, dropped
             m.req_states.num_computed_tokens_np = computed[i % VARIANTS]
             keep = i >= calls // 10
-            if phase == "added":
+            if phase == "added":  # steady decode: the same requests as the step before
                 t0 = clock(); bare(num_tokens, draft_tokens); t1 = clock()
                 if keep:
                     out["added"].append(t1 - t0)
+            elif phase == "added_batch_changed":  # every step a different batch: no reuse
+                batch = reordered if i % 2 else num_tokens
+                t0 = clock(); bare(batch, draft_tokens); t1 = clock()
+                if keep:
+                    out["added_batch_changed"].append(t1 - t0)
             else:
                 t0 = clock(); plain(num_tokens, draft_tokens); t1 = clock()
                 wrapped(num_tokens, draft_tokens); t2 = clock()
@@ -175,9 +199,10 @@ def main():
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"grid: {len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, max error {grid.max_rel_error:.4%}, "
           f"built in {grid_s:.2f} s")
-    print(f"{'reqs':>5} {'added p50':>10} {'added p99':>10} {'plain p50':>10} {'wrapped p50':>12}  goal {GOAL_US} us")
+    print(f"{'reqs':>5} {'added p50':>10} {'added p99':>10} {'changed p50':>11} {'plain p50':>10} {'wrapped p50':>12}  goal {GOAL_US} us")
     for n, r in sizes.items():
-        print(f"{n:>5} {r['added']['p50_us']:>9.2f}u {r['added']['p99_us']:>9.2f}u {r['plain']['p50_us']:>9.1f}u "
+        print(f"{n:>5} {r['added']['p50_us']:>9.2f}u {r['added']['p99_us']:>9.2f}u "
+              f"{r['added_batch_changed']['p50_us']:>10.2f}u {r['plain']['p50_us']:>9.1f}u "
               f"{r['wrapped']['p50_us']:>11.1f}u  {'met' if r['met'] else 'MISSED'}")
     print(f"wrote {out}")
 

@@ -332,3 +332,46 @@ def test_context_aware_0_keeps_vllms_static_tables(two_context_load, caplog):
     num_tokens, draft_tokens = schedule(m, np.full(64, 1024, np.int32), rng.integers(0, STEPS + 1, 64), rng)
     m.get_num_tokens(num_tokens, draft_tokens)
     assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, static))
+
+
+class CountedStates(SimpleNamespace):
+    """vLLM's RequestState contract for slots: ids map to slots only in add/remove_request."""
+
+    def add_request(self, req_id, num_computed_tokens):
+        slot = self.free.pop()
+        self.req_id_to_index[req_id] = slot
+        self.num_computed_tokens_np[slot] = num_computed_tokens
+
+    def remove_request(self, req_id):
+        slot = self.req_id_to_index.pop(req_id)
+        self.free.insert(0, slot)
+        return slot
+
+
+def test_slot_cache_is_reused_for_the_same_batch_and_dropped_when_a_slot_changes(grid_3ctx):
+    m = make_manager(grid_3ctx.tables_for(8192))
+    base = m.req_states
+    m.req_states = CountedStates(**vars(base), free=list(range(MAX_REQS)))
+    rng = np.random.default_rng(7)
+    ids = [f"r{i}" for i in range(200)]  # above the small-batch path
+    for r in ids:
+        m.req_states.add_request(r, int(rng.integers(1000, 16000)))
+    m.req_states.prefill_len.np[:] = 1
+    state = ca.install(m, grid_3ctx)
+    num_tokens = {r: 4 for r in ids}
+    drafts = {r: [1, 2, 3] for r in ids}
+
+    def expected_ctx():
+        return -(-ca.batch_context_sum(m.req_states, num_tokens) // len(ids))
+
+    m.get_num_tokens(num_tokens, drafts)
+    first = state.slots
+    m.req_states.num_computed_tokens_np[first] += 7  # the step advanced every request
+    m.get_num_tokens(num_tokens, drafts)
+    assert state.slots is first and state.last_context == expected_ctx()  # reused, and the new contexts read
+    # the same ids, but r0 was removed and re-added into another slot with another context
+    m.req_states.remove_request("r0")
+    m.req_states.add_request("r0", 31000)
+    m.get_num_tokens(num_tokens, drafts)
+    assert state.slots is not first and state.last_context == expected_ctx()
+    assert ca.uninstall(m) and "add_request" not in vars(m.req_states) and "remove_request" not in vars(m.req_states)

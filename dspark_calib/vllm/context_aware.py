@@ -37,7 +37,8 @@ _SMALL_BATCH = 48
 class ContextAwareState:
     """What install() keeps on the manager: enough to run the step and to undo it."""
 
-    __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context", "stacked")
+    __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context", "stacked",
+                 "generation", "keys", "slots", "slots_generation", "watched")
 
     def __init__(self, grid: ContextGrid | None, base_tables: Any, original: Callable, wrapper: Callable | None = None,
                  stacked: bool = False):
@@ -47,6 +48,14 @@ class ContextAwareState:
         self.wrapper = wrapper
         self.stacked = stacked  # original is another instance wrapper (e.g. observe mode's)
         self.last_context = -1  # the context the last step was priced at (for observe mode)
+        # The slots of the last large batch, reused while the same requests are scheduled and
+        # no request was added or removed since (a removed and re-added request may change
+        # slot): decode batches repeat, and looking 256 ids up is most of the step's cost.
+        self.generation = 0  # bumped by every req_states.add_request / remove_request
+        self.keys: tuple = ()
+        self.slots: Any = None
+        self.slots_generation = -1
+        self.watched: tuple = ()  # the req_states methods we wrapped (for uninstall)
 
 
 def batch_context_sum(req_states: Any, num_tokens_per_req: Mapping[str, int]) -> int:
@@ -76,7 +85,13 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
             if n <= small:
                 total = sum(map(computed.item, map(index, num_tokens_per_req)))
             else:
-                total = int(computed[np.fromiter(map(index, num_tokens_per_req), dtype=intp, count=n)].sum())
+                keys = tuple(num_tokens_per_req)
+                if keys == state.keys and state.slots_generation == state.generation and state.watched:
+                    slots = state.slots
+                else:
+                    slots = np.fromiter(map(index, keys), dtype=intp, count=n)
+                    state.keys, state.slots, state.slots_generation = keys, slots, state.generation
+                total = int(computed[slots].sum())
             ctx = -(-total // n)  # ceil(mean): integers only, identical on every rank
             state.last_context = ctx
             manager.cost_tables = grid.tables_for(ctx)
@@ -101,9 +116,28 @@ def install(manager: Any, grid: ContextGrid) -> ContextAwareState:
     original = own if own is not None else type(manager).get_num_tokens.__get__(manager)
     state = ContextAwareState(grid, manager.cost_tables, original, stacked=own is not None)
     state.wrapper = _make_wrapper(manager, state)
+    state.watched = _watch_slots(getattr(manager, "req_states", None), state)
     setattr(manager, _STATE, state)
     manager.get_num_tokens = state.wrapper
     return state
+
+
+def _watch_slots(req_states: Any, state: ContextAwareState) -> tuple:
+    """Count slot changes (vLLM's RequestState maps ids to slots only in these two methods).
+    Without them the slot cache stays off: every step looks its ids up."""
+    names = ("add_request", "remove_request")
+    if req_states is None or not all(callable(getattr(req_states, n, None)) for n in names):
+        return ()
+    for name in names:
+        inner = getattr(req_states, name)
+
+        def counted(*args: Any, _inner: Callable = inner, **kwargs: Any) -> Any:
+            state.generation += 1
+            return _inner(*args, **kwargs)
+
+        counted.__wrapped__ = inner  # type: ignore[attr-defined]
+        setattr(req_states, name, counted)
+    return tuple((req_states, name) for name in names)
 
 
 def uninstall(manager: Any) -> bool:
@@ -117,6 +151,10 @@ def uninstall(manager: Any) -> bool:
         else:
             del manager.get_num_tokens
     state.grid = None  # a wrapper put on top of ours still calls it: it now passes straight through
+    for owner, name in state.watched:
+        if getattr(owner.__dict__.get(name), "__wrapped__", None) is not None:
+            del owner.__dict__[name]  # the class's method again
+    state.watched = ()
     manager.cost_tables = state.base_tables
     delattr(manager, _STATE)
     return True
