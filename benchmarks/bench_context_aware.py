@@ -34,7 +34,6 @@ import socket
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from unittest import mock
 
 import numpy as np
@@ -49,44 +48,10 @@ import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av  # noqa: E402
 from conftest import build_reference_table  # noqa: E402
 from dspark_calib import __version__  # noqa: E402
 from dspark_calib.vllm import context_aware as ca  # noqa: E402
+from test_context_aware import MAX_REQS, STEPS, CountedStates, SingleRank, make_manager  # noqa: E402
 
-MAX_REQS, MAX_TOKENS, STEPS = 256, 8192, 7
 GOAL_US = 5.0
 VARIANTS = 16  # batches per size, cycled, each with its own contexts
-
-
-class _SingleRank:
-    def broadcast_object(self, obj, src=0):
-        return obj
-
-
-class _States(SimpleNamespace):
-    """vLLM's RequestState as far as slots go: ids map to slots only in add/remove_request
-    (context-aware mode counts those calls to reuse the last batch's slots)."""
-
-    def add_request(self, req_id, slot):
-        self.req_id_to_index[req_id] = slot
-
-    def remove_request(self, req_id):
-        return self.req_id_to_index.pop(req_id, None)
-
-
-def _manager(tables, rng):
-    m = object.__new__(av.AdaptiveVerificationManager)
-    m.req_states = _States(req_id_to_index={}, num_computed_tokens_np=np.zeros(MAX_REQS, np.int32),
-                           prefill_len=SimpleNamespace(np=np.ones(MAX_REQS, np.int32)),
-                           max_num_reqs=MAX_REQS, max_num_batched_tokens=MAX_TOKENS,
-                           num_speculative_steps=STEPS)
-    stale = SimpleNamespace(np=rng.uniform(0.2, 1.0, (MAX_REQS, STEPS)).astype(np.float32))
-    m._stale_confidences = [stale, stale]
-    m._stale_idx = 0
-    m.num_speculative_steps = STEPS
-    m.num_bonus_tokens = 1
-    m._max_total_logits = 1 << 30
-    m._cudagraph_limit = 512
-    m.cost_tables = tables
-    m._batch_budget = None
-    return m
 
 
 def _pct(values, q):
@@ -98,11 +63,13 @@ def _summary(ns):
 
 
 def bench_size(num_reqs, grid, tables, calls, rng):
-    m = _manager(tables, rng)
+    m = make_manager(tables, rng=rng)
     req_ids = [f"req-{i}" for i in range(num_reqs)]
     slots = rng.permutation(MAX_REQS)[:num_reqs]
-    for r, slot in zip(req_ids, slots.tolist()):
-        m.req_states.add_request(r, slot)
+    # vLLM's RequestState as far as slots go: ids get slots only through add/remove_request
+    m.req_states = CountedStates(**vars(m.req_states), free=slots.tolist())
+    for r in req_ids:
+        m.req_states.add_request(r, 0)  # contexts: set per call below
     num_tokens = {r: 1 + STEPS for r in req_ids}
     # the same requests in another order: a batch that changed since the last step (slot lookup again)
     reordered = dict(reversed(list(num_tokens.items())))
@@ -177,9 +144,9 @@ def main():
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     table = build_reference_table()
-    with mock.patch.object(av, "get_tp_group", _SingleRank):
+    with mock.patch.object(av, "get_tp_group", SingleRank):
         t0 = time.perf_counter()
-        grid = ca.grid_for_manager(_manager(None, rng), table.curves)
+        grid = ca.grid_for_manager(make_manager(rng=rng), table.curves)
         grid_s = time.perf_counter() - t0
     tables = table.dense_tables(8192)
     load_before = os.getloadavg()

@@ -26,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -44,19 +43,16 @@ def smi() -> str | None:
 
 def stock(out_dir: str) -> None:
     sys.path.insert(0, HERE)
-    from procs import run_case
+    from procs import serve_one_case
 
     os.makedirs(out_dir, exist_ok=True)
     for name in ("stock_a", "stock_b"):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
-        env.update(VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN="8192", SERVE_MAX_MODEL_LEN="32768")
-        before, t = smi(), time.time()
-        rc, out, err = run_case([sys.executable, os.path.join(HERE, "serve_one.py"), name], env, 300)
-        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
-        res = json.loads(line[7:]) if line else {"case": name, "started": False}
-        if not line or not res.get("started"):
-            res["error_tail"] = (out + err)[-3000:]
-        res.update(wall_s=time.time() - t, smi_before=before, smi_after=smi(), smi_fields=SMI_FIELDS)
+        before = smi()
+        res, text = serve_one_case(name, {"VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "8192",
+                                          "SERVE_MAX_MODEL_LEN": "32768"}, 300)
+        if not res.get("started"):
+            res["error_tail"] = text[-3000:]
+        res.update(smi_before=before, smi_after=smi(), smi_fields=SMI_FIELDS)
         with open(os.path.join(out_dir, f"{name}.json"), "w") as fh:  # saved per case: a cut call keeps it
             json.dump(res, fh)
         print(name, "started" if res.get("started") else "FAILED", f"profile {res.get('profile_s', 0):.2f} s",

@@ -39,3 +39,27 @@ def kill_group(pgid, grace_s=3.0):
     except ProcessLookupError:
         pass
     time.sleep(2)  # the driver frees the memory shortly after the last process exits
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def serve_one_case(case, extra_env, timeout_s):
+    """One serve_one.py start (a fresh process group) with the caller's DSPARK_CALIB_* only:
+    (its RESULT dict, stdout + stderr). No RESULT line: started False, no_result, the output's tail;
+    out of time: timed_out_s. wall_s is the whole case."""
+    import json
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
+    env.update(extra_env)
+    t = time.time()
+    rc, out, err = run_case([sys.executable, os.path.join(HERE, "serve_one.py"), case], env, timeout_s)
+    text = out + err
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    res = json.loads(line[7:]) if line else {"case": case, "started": False, "no_result": True,
+                                                  "error": text[-3000:]}
+    if rc is None:
+        res["timed_out_s"] = timeout_s
+    res["wall_s"] = time.time() - t
+    return res, text

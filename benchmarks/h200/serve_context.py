@@ -120,7 +120,7 @@ import subprocess
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -11,7 +11,6 @@ t0 = time.time()
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the timers below see the worker
 import contextlib
-import numpy as np
 from vllm.v1.worker.gpu import async_utils
 from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
 

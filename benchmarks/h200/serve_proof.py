@@ -3,14 +3,14 @@
 Usage (on the host, after setup.sh): python3 benchmarks/h200/serve_proof.py TABLE.parquet OUTDIR
 Writes OUTDIR/serve_proof.json and prints a short table last.
 """
-import json, os, subprocess, sys, time
+import json, os, sys
 
 import numpy as np
 
 from dspark_calib.table import read_table, write_table
+from procs import serve_one_case  # noqa: E402 - beside this script
 
 table_path, out_dir = os.path.abspath(sys.argv[1]), sys.argv[2]
-here = os.path.dirname(os.path.abspath(__file__))
 table = read_table(table_path)
 # A table that does not fit this engine: the same curves, but profiled on another GPU.
 other_dir = "/tmp/mismatch-table"
@@ -28,16 +28,7 @@ cases = [
 ]
 results = []
 for name, env in cases:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
-    full.update(env)
-    full["VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN"] = "8192"
-    t = time.time()
-    proc = subprocess.run([sys.executable, os.path.join(here, "serve_one.py"), name], env=full,
-                          capture_output=True, text=True, timeout=400)
-    text = proc.stdout + proc.stderr
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    res = json.loads(line[7:]) if line else {"case": name, "started": False, "error": text[-3000:]}
-    res["wall_s"] = time.time() - t
+    res, text = serve_one_case(name, {**env, "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "8192"}, 400)
     res["dspark_log"] = [l for l in text.splitlines() if "dspark-calib" in l]
     if name == "b_table" and "cost_tables" in res:
         # What vLLM builds from the table's own samples: its set_initial_cost_curves on them.
@@ -60,7 +51,7 @@ for name, env in cases:
     results.append(res)
     print(json.dumps({k: res.get(k) for k in ("case", "started", "engine_start_s", "profile_s", "n_samples",
                                               "gen_32x64_s", "tables_equal_vllm_from_samples", "dspark_log", "error")})[:1500], flush=True)
-    if not line:
+    if res.get("no_result"):
         print(text[-4000:])
 os.makedirs(out_dir, exist_ok=True)
 json.dump({"table": os.path.basename(table_path), "table_hash": table.short_hash,

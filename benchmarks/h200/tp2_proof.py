@@ -18,7 +18,7 @@ code is not exercised here (it is with MoE; unit-tested with stubbed groups).
 """
 import json, os, re, subprocess, sys, time, urllib.request
 
-from procs import kill_group, run_case
+from procs import kill_group, serve_one_case
 
 here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(os.path.dirname(here))
@@ -28,12 +28,8 @@ os.makedirs(out_dir, exist_ok=True)
 CAPTURE_RE = re.compile(r"Graph capturing finished in (\d+) secs")
 
 
-def base_env(extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
-    env.update(VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN="8192", SERVE_MAX_MODEL_LEN="32768",
-               CUDA_VISIBLE_DEVICES="0,1", VLLM_USE_V2_MODEL_RUNNER="1")
-    env.update(extra)
-    return env
+COMMON = {"VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "8192", "SERVE_MAX_MODEL_LEN": "32768",
+          "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
 def dspark_lines(text):
@@ -41,22 +37,16 @@ def dspark_lines(text):
 
 
 def tp_case(name, extra):
-    t = time.time()
-    rc, out, err = run_case([sys.executable, os.path.join(here, "serve_one.py"), name], base_env(extra), 420)
-    text = out + err
-    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
-    res = json.loads(line[7:]) if line else {"case": name, "started": False, "error": text[-3000:]}
-    if rc is None:
-        res["timed_out_s"] = 420
+    res, text = serve_one_case(name, {**COMMON, **extra}, 420)
     for k in ("draft_curve", "verify_curve", "cost_tables"):
         res.pop(k, None)
-    res.update(wall_s=time.time() - t, dspark_log=dspark_lines(text),
-               graph_capture_s=[int(m) for m in CAPTURE_RE.findall(text)])
+    res.update(dspark_log=dspark_lines(text), graph_capture_s=[int(m) for m in CAPTURE_RE.findall(text)])
     return res, text
 
 
 def dp_case(name, table):
-    env = base_env({"DSPARK_CALIB_TABLE": table})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
+    env.update(COMMON, DSPARK_CALIB_TABLE=table)
     port = 8011
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", f"{root}/profiles/configs/qwen3-8b",
            "--speculative-config", json.dumps({"method": "dspark", "model": f"{root}/profiles/configs/dspark-qwen3-8b-block7",

@@ -18,10 +18,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
-here = os.path.dirname(os.path.abspath(__file__))
+from procs import serve_one_case  # beside this script
+
 WORK = "/tmp/trust"
 
 
@@ -61,16 +61,9 @@ def case_env(case, tables):
 
 
 def run_case(case, tables):
-    full = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_CALIB_")}
-    full.update(case_env(case, tables))
-    t = time.time()
-    proc = subprocess.run([sys.executable, os.path.join(here, "serve_one.py"), case], env=full,
-                          capture_output=True, text=True, timeout=540)
-    text = proc.stdout + proc.stderr
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    res = json.loads(line[7:]) if line else {"case": case, "started": False, "error": text[-3000:]}
+    res, text = serve_one_case(case, case_env(case, tables), 540)
     res.pop("cost_tables", None)
-    res["wall_s"] = round(time.time() - t, 1)
+    res["wall_s"] = round(res["wall_s"], 1)
     res["dspark_log"] = [ln for ln in text.splitlines() if "dspark-calib" in ln or "dspark_calib" in ln]
     return res
 
