@@ -27,8 +27,8 @@ cost is small and sparse where it is large: 1024..16384 takes 435 points
 would halve both). Memory is capped by ``max_bytes`` (64 MiB by default): past
 it the tolerance is loosened to fit and ``max_rel_error`` says what was achieved.
 
-Only numpy here: ``validate`` prices observed steps with this and must not
-import torch or vllm.
+Only numpy here: ``validate`` prices observed steps with this, and it must
+not pull in torch or vllm.
 """
 
 from __future__ import annotations
