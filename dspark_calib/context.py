@@ -27,6 +27,21 @@ cost is small and sparse where it is large: 1024..16384 takes 435 points
 would halve both). Memory is capped by ``max_bytes`` (64 MiB by default): past
 it the tolerance is loosened to fit and ``max_rel_error`` says what was achieved.
 
+Which context a serving step is priced at (``ContextGrid.step_tables``)
+--------------------------------------------------------------------
+A table's point (N tokens, context L) was timed on vLLM's profiling dummy
+batch: ``profile_requests(N)`` = min(N, max_num_reqs) requests, each with L
+tokens of KV (``_dummy_run``, ``set_dummy_context``), so its attention read
+R(N) x L KV tokens. A serving step of n requests reads the sum S of their
+computed tokens, whatever N it verifies. So the step's verify cost at N is the
+table's at ``verify_context(S, N)`` = S / R(N), not at the mean S / n: for
+N >= max_num_reqs that is S / max_num_reqs, below it S / N. The draft curve is
+keyed by requests (profiled with n requests x L), so drafts are priced at the
+mean. Pricing verify at the mean over-charged every step whose N exceeds its
+requests: on the H200 run (2026-11-30) 32 requests at 16k verifying ~150
+tokens were predicted 45 % too slow at the mean, 4 % at S / R(N), and the
+context-aware arm picked budgets 5 % smaller and lost 9 % throughput.
+
 Only numpy here: ``validate`` prices observed steps with this, and it must
 not pull in torch or vllm.
 """
@@ -35,6 +50,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -90,6 +106,19 @@ def _vllm_curves(pair: Any) -> tuple[list, list]:
 def _readonly(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
+
+
+def profile_requests(num_tokens: int, max_num_reqs: int) -> int:
+    """Requests in vLLM's profiling dummy batch of num_tokens tokens: ``_dummy_run``'s
+    ``min(num_tokens, self.max_num_reqs)`` (its speculator bound, max_num_batched_tokens //
+    num_query_per_req, is above max_num_reqs for DSpark)."""
+    return min(int(num_tokens), int(max_num_reqs))
+
+
+def verify_context(context_sum: int, num_tokens: int, max_num_reqs: int) -> int:
+    """The profiled context whose verify cost at num_tokens matches a step reading context_sum KV
+    tokens: ceil(S / R(N)) (see the module docstring). Integers only: identical on every rank."""
+    return -(-int(context_sum) // max(1, profile_requests(num_tokens, max_num_reqs)))
 
 
 def blend(lower: np.ndarray, upper: np.ndarray, weight: float) -> np.ndarray:
@@ -241,7 +270,51 @@ class ContextGrid:
         # _slot[L - lo] = index of the first point >= L, for every integer L in the range.
         slots = np.searchsorted(np.asarray(points), np.arange(self._lo, self._hi + 1), side="left")
         self._slot = array("I", slots.astype(np.uint32).tobytes())
+        self._build_head(tolerance, max(row_bytes, max_bytes // 4))
         self.max_rel_error = self._achieved_error()
+
+    def _build_head(self, tolerance: float, max_bytes: int) -> None:
+        """Verify costs below max_num_reqs tokens, by the step's KV sum S (``verify_context``):
+        ``head[j, N]`` = the interpolated verify cost at N tokens and context head_points[j] / N.
+        Rows are geometric in S (ratio 1 + tolerance): the cost is linear in context with a
+        non-negative intercept in every H200 segment, so neighbouring rows differ by at most about
+        the tolerance; the achieved bound joins ``max_rel_error``. Above max_num_reqs tokens a
+        step's verify context is S / max_num_reqs: a row of the main grid."""
+        costs = self.costs
+        reqs = costs.max_num_reqs
+        ctxs = costs.contexts
+        lo, hi = ctxs[0], ctxs[-1]
+        s_lo, s_hi = max(1, lo), max(1, hi) * max(1, reqs)
+        while True:
+            count = 1 if s_hi <= s_lo else math.ceil(math.log(s_hi / s_lo) / math.log1p(tolerance)) + 1
+            if count * reqs * 8 <= max_bytes or count <= 2:
+                break
+            tolerance *= 1.25 * count * reqs * 8 / max_bytes
+        points = np.unique(np.ceil(s_lo * np.exp(np.arange(count) * math.log1p(tolerance))).astype(np.int64))
+        points = np.unique(np.append(np.minimum(points, s_hi), s_hi))
+        verify = np.stack([costs.tables[c][1][:reqs] for c in ctxs])  # (contexts, reqs)
+        sizes = np.arange(reqs)
+        context = points[:, None] / np.maximum(sizes, 1)[None, :]
+        if len(ctxs) == 1:
+            head = np.broadcast_to(verify[0], context.shape).copy()
+        else:
+            at = np.clip(np.searchsorted(np.asarray(ctxs), context, side="left"), 1, len(ctxs) - 1)
+            c0, c1 = np.asarray(ctxs, dtype=np.float64)[at - 1], np.asarray(ctxs, dtype=np.float64)[at]
+            weight = np.clip((context - c0) / (c1 - c0), 0.0, 1.0)
+            v0, v1 = verify[at - 1, sizes], verify[at, sizes]
+            head = v1 - v0
+            head *= weight
+            head += v0
+            np.clip(head, np.minimum(v0, v1), np.maximum(v0, v1), out=head)
+        self.head = _readonly(head)
+        self.head_points: tuple[int, ...] = tuple(int(p) for p in points)
+        self._head_points = list(self.head_points)  # bisect on a list: no numpy call per step
+        self._head_last = len(points) - 1
+        self._head_tolerance = tolerance
+        # The verify table a step below max_num_reqs requests gets: head row + main-grid tail,
+        # refreshed only when either row changes (decode steps move S by ~n tokens a step).
+        self._scratch = np.empty(costs.max_num_batched_tokens + 1)
+        self._scratch_rows = [-1, -1]
 
     @staticmethod
     def _place(costs: ContextCosts, tolerance: float) -> list[int]:
@@ -264,7 +337,7 @@ class ContextGrid:
 
     def _achieved_error(self) -> float:
         worst = 0.0
-        for table in (self.draft, self.verify):
+        for table in (self.draft, self.verify, self.head):
             if len(table) < 2:
                 continue
             a, b = table[:-1], table[1:]
@@ -285,7 +358,8 @@ class ContextGrid:
 
     @property
     def nbytes(self) -> int:
-        return self.draft.nbytes + self.verify.nbytes + self._slot.itemsize * len(self._slot)
+        return (self.draft.nbytes + self.verify.nbytes + self.head.nbytes + self._scratch.nbytes
+                + self._slot.itemsize * len(self._slot))
 
     def __len__(self) -> int:
         return len(self.points)
@@ -308,6 +382,44 @@ class ContextGrid:
             return self._tables[-1]
         return self._tables[self._slot[i]]
 
+    def step_tables(self, context_sum: int, num_reqs: int) -> Tables:
+        """The (draft, verify) tables for a serving step of num_reqs requests whose computed
+        tokens sum to context_sum: drafts at the mean context, verify at N tokens at
+        ``verify_context(S, N)`` (module docstring). O(1) per step: two row lookups; below
+        max_num_reqs requests the verify array is this grid's own buffer, rewritten only when
+        its rows change, so it is valid until the next call (vLLM reads it within the step)."""
+        draft = self._tables[self.index(-(-context_sum // num_reqs))][0]
+        reqs = self.costs.max_num_reqs
+        tail = self.index(-(-context_sum // reqs))
+        if num_reqs >= reqs:  # every N >= num_reqs >= max_num_reqs: one context for all of them
+            return draft, self._tables[tail][1]
+        head = bisect_left(self._head_points, context_sum)
+        if head > self._head_last:
+            head = self._head_last
+        rows, scratch = self._scratch_rows, self._scratch
+        if rows[1] != tail:
+            scratch[reqs:] = self.verify[tail, reqs:]
+            rows[1] = tail
+        if rows[0] != head:
+            scratch[:reqs] = self.head[head]
+            rows[0] = head
+        return draft, scratch
+
+    def price(self, context_sum: Sequence[int] | np.ndarray, num_reqs: Sequence[int] | np.ndarray,
+              num_tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Vectorised ``step_tables``: each step's (draft cost at num_reqs, verify cost at
+        num_tokens), exactly the entries the engine's tables held for it."""
+        s = np.asarray(context_sum, dtype=np.int64)
+        n = np.asarray(num_reqs, dtype=np.int64)
+        tokens = np.asarray(num_tokens, dtype=np.int64)
+        reqs = self.costs.max_num_reqs
+        draft = self.draft[self.indices(-(-s // np.maximum(n, 1))), n]
+        verify = self.verify[self.indices(-(-s // reqs)), tokens]
+        small = tokens < reqs
+        rows = np.minimum(np.searchsorted(np.asarray(self.head_points), s[small], side="left"), self._head_last)
+        verify[small] = self.head[rows, tokens[small]]
+        return draft, verify
+
     def indices(self, context_lens: Sequence[int] | np.ndarray) -> np.ndarray:
         """Vectorised ``index`` (for pricing many observed steps at once)."""
         ctx = np.clip(np.asarray(context_lens, dtype=np.int64), self._lo, self._hi)
@@ -315,7 +427,8 @@ class ContextGrid:
 
     def describe(self) -> dict[str, Any]:
         return {"contexts": list(self.contexts), "points": len(self.points), "bytes": self.nbytes,
-                "tolerance": self.tolerance, "max_rel_error": self.max_rel_error}
+                "tolerance": self.tolerance, "max_rel_error": self.max_rel_error,
+                "kv_points": len(self.head_points), "kv_tolerance": self._head_tolerance}
 
 
 def ceil_mean(total: int, count: int) -> int:

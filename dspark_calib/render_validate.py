@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dspark_calib.atomic import atomic_write
-from dspark_calib.validate import AWARE, PRICINGS, SINGLE, GroupErrors, ValidationResult
+from dspark_calib.validate import AWARE, KINDS, PRICINGS, SINGLE, GroupErrors, ValidationResult
 
 LABEL = {SINGLE: "single-context", AWARE: "context-aware"}
 MAX_GROUP_ROWS = 60
@@ -87,8 +87,9 @@ def plot_validation(result: ValidationResult, path: str | os.PathLike) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
-    for ax, kind in zip(axes[0], ("draft", "verify")):
+    kinds = [k for k in KINDS if any(g.kind == k for g in result.by_context)]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
         groups = [g for g in result.by_context if g.kind == kind]
         labels = [g.context_bucket for g in groups]
         width = 0.4

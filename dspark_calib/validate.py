@@ -6,13 +6,19 @@ table's curves and compares with what the step measured:
 * single-context: the dense tables of one profiled context (what a table
   loaded without context-aware mode, or vLLM's own start-up profile, prices
   every step at; by default the context nearest vLLM's profile default 8192);
-* context-aware: the ContextGrid row for the step's mean context (exactly what
-  context-aware mode installs for that step).
+* context-aware: ``ContextGrid.price``, exactly what context-aware mode installs
+  for that step (drafts at the mean context, verify at the context whose
+  profiled dummy batch read as much KV: context.verify_context).
 
-Step kinds follow vLLM's fit: "verify" = forward_ms against the verify table at
-num_target_tokens (every step); "draft" = drafter_ms against the draft table at
+Step kinds follow vLLM's fit: "draft" = drafter_ms against the draft table at
 num_reqs (full-CUDA-graph steps only, as vLLM prices drafts from graph replays
-only). Errors are absolute % of the measured cost, median and p90, per kind x
+only); "verify" = forward_ms against the verify table at num_target_tokens, on
+decode steps (one non-draft token per request: the shape vLLM profiles);
+"verify_prefill" = the same on steps that carry a prefill chunk. No profile times
+a prefill chunk (vLLM's dummy batches are decode-shaped), so no table prices
+those well; they are reported apart and left out of --max-error (on the H200 a
+8192-token chunk over 1k contexts measured 25 % below the verify curve).
+Errors are absolute % of the measured cost, median and p90, per kind x
 size bucket x context bucket (powers of two), per kind x context bucket, and per
 kind. Also: the share of observed steps whose budget the two pricings choose
 differently (from the engine's budget_static / budget_context_aware columns:
@@ -37,7 +43,8 @@ from dspark_calib.observe import ABSENT, ObservedSteps
 
 SINGLE, AWARE = "single_context", "context_aware"
 PRICINGS = (SINGLE, AWARE)
-KINDS = ("draft", "verify")
+KINDS = ("draft", "verify", "verify_prefill")
+VERDICT_KINDS = ("draft", "verify")  # --max-error: the step shapes a profile measures
 VLLM_DEFAULT_CONTEXT = 8192
 ALL = "all"
 
@@ -160,15 +167,17 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     single_draft, single_verify = costs.tables[single]
 
     num_reqs, num_tokens = c["num_reqs"], c["num_target_tokens"]
-    ctx = -(-c["context_sum"] // num_reqs)  # ceil(mean), exactly as context-aware mode prices a step
-    rows = grid.indices(ctx)
-    predicted = {
-        "draft": {SINGLE: single_draft[num_reqs], AWARE: grid.draft[rows, num_reqs]},
-        "verify": {SINGLE: single_verify[num_tokens], AWARE: grid.verify[rows, num_tokens]},
-    }
-    measured = {"draft": c["drafter_ms"], "verify": c["forward_ms"]}
-    sizes = {"draft": num_reqs, "verify": num_tokens}
-    steps = {"draft": c["full_cudagraph"] & (c["drafter_ms"] > 0), "verify": c["forward_ms"] > 0}
+    ctx = -(-c["context_sum"] // num_reqs)  # ceil(mean), exactly as context-aware mode prices drafts
+    aware_draft, aware_verify = grid.price(c["context_sum"], num_reqs, num_tokens)
+    verify = {SINGLE: single_verify[num_tokens], AWARE: aware_verify}
+    predicted = {"draft": {SINGLE: single_draft[num_reqs], AWARE: aware_draft},
+                 "verify": verify, "verify_prefill": verify}
+    measured = {"draft": c["drafter_ms"], "verify": c["forward_ms"], "verify_prefill": c["forward_ms"]}
+    sizes = {"draft": num_reqs, "verify": num_tokens, "verify_prefill": num_tokens}
+    decode = num_tokens - c["draft_budget"] == num_reqs  # one non-draft token per request
+    timed = c["forward_ms"] > 0
+    steps = {"draft": c["full_cudagraph"] & (c["drafter_ms"] > 0), "verify": timed & decode,
+             "verify_prefill": timed & ~decode}
     ctx_bucket = pow2_bucket(c["context_mean"].astype(np.int64), context_floor)
 
     overall, by_context, groups = [], [], []
@@ -180,6 +189,8 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
             sel = keep & mask
             return {p: ErrorStats.of(predicted[kind][p][sel], measured[kind][sel]) for p in PRICINGS}
 
+        if not keep.any() and kind == "verify_prefill":
+            continue
         overall.append(GroupErrors(kind, ALL, ALL, stats(np.ones(len(keep), dtype=bool))))
         for cb in np.unique(ctx_bucket[keep]):
             label = bucket_label(int(cb), context_floor)
@@ -201,11 +212,13 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
 
 
 def max_error_exceeded(result: ValidationResult, pct: float, *, pricing: str = AWARE) -> bool:
-    """The CI / fleet verdict: is any kind's median error at any context bucket above pct?
+    """The CI / fleet verdict: is the median error of drafts or decode verifies at any context
+    bucket above pct? (Prefill-carrying steps: reported, not judged; see the module docstring.)
 
     Per context bucket, not overall: a pricing that is right on average can be far
     off at short or long contexts, which is exactly what context-awareness fixes.
     """
     if pricing not in PRICINGS:
         raise CalibError(f"pricing must be one of {', '.join(PRICINGS)}, got {pricing!r}")
-    return any(g.errors[pricing].n and g.errors[pricing].median_pct > pct for g in result.by_context)
+    return any(g.kind in VERDICT_KINDS and g.errors[pricing].n and g.errors[pricing].median_pct > pct
+               for g in result.by_context)

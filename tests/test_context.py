@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dspark_calib.context import ContextCosts, ContextGrid, OutOfRange, blend, ceil_mean, dense_tables
+from dspark_calib.context import (DEFAULT_TOLERANCE, ContextCosts, ContextGrid, OutOfRange, blend, ceil_mean,
+                                  dense_tables, profile_requests, verify_context)
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import build_cost_tables
 
@@ -200,3 +201,66 @@ def test_cost_table_dense_tables_prices_any_context(reference_table, costs):
                              reference_table.fingerprint.max_num_batched_tokens, reference_table.fingerprint.cudagraph_limit)
     for got, exp in zip(default, want):
         np.testing.assert_array_equal(got, exp)
+
+
+# -- a serving step's pricing: verify at the context whose dummy batch read as much KV ------------
+def test_profile_requests_is_vllms_dummy_batch():
+    """The contract verify_context rests on: vLLM's profiling batch of N tokens has min(N,
+    max_num_reqs) requests, each given the same context_len (read from the installed vLLM)."""
+    import inspect
+
+    from vllm.v1.worker.gpu import input_batch
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    assert "num_reqs = min(num_tokens, self.max_num_reqs)" in inspect.getsource(GPUModelRunner._dummy_run)
+    assert "num_computed_tokens_np.fill(context_len)" in inspect.getsource(input_batch.set_dummy_context)
+    assert [profile_requests(n, 256) for n in (1, 255, 256, 8192)] == [1, 255, 256, 256]
+    assert verify_context(32 * 16384, 152, 256) == -(-32 * 16384 // 152)  # 3450: not the mean, 16384
+    assert verify_context(256 * 1000, 1024, 256) == 1000
+
+
+def test_step_tables_price_verify_by_the_kv_read(grid):
+    costs = grid.costs
+    reqs = costs.max_num_reqs
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        n = int(rng.integers(1, reqs + 1))
+        total = int(rng.integers(0, 40_000)) * n
+        draft, verify = grid.step_tables(total, n)
+        assert draft is grid.tables_for(-(-total // n))[0]  # drafts: the mean context's row
+        for tokens in {n, min(reqs - 1, 3 * n), reqs, 2000, costs.max_num_batched_tokens}:
+            if tokens < n:
+                continue
+            exact = costs.at(verify_context(total, tokens, reqs)).verify[tokens]
+            assert abs(verify[tokens] / exact - 1) <= grid.max_rel_error + 1e-12, (n, total, tokens)
+            floor = costs.at(total // profile_requests(tokens, reqs)).verify[tokens]
+            assert verify[tokens] >= floor * (1 - 1e-12)  # S rounded up, never below (costs rise with context)
+        if n == reqs:  # a full batch: one context for every size, a row of the grid itself
+            assert verify is grid.tables_for(-(-total // reqs))[1]
+
+
+def test_step_tables_reused_buffer_always_matches_price(grid):
+    """Calls in any order (the verify buffer is refreshed only when its rows change) give what the
+    vectorised price() gives for that step, at every size the engine can read."""
+    rng = np.random.default_rng(9)
+    sizes = np.arange(grid.costs.max_num_batched_tokens + 1)
+    total, n = 5000, 10
+    for _ in range(60):
+        if rng.random() < 0.5:
+            total += int(rng.integers(0, 3)) * n  # decode: S creeps up, rows mostly unchanged
+        else:
+            n, total = int(rng.integers(1, 300)), int(rng.integers(0, 6_000_000))
+        n = min(n, grid.costs.max_num_reqs)
+        draft, verify = grid.step_tables(total, n)
+        want_d, want_v = grid.price(np.full(len(sizes), total), np.full(len(sizes), n), sizes)
+        assert draft[n] == want_d[0]
+        assert np.array_equal(verify[n:], want_v[n:])  # vLLM reads from N >= num_reqs only
+
+
+def test_kv_rows_cover_every_sum_within_the_bound(grid):
+    d = grid.describe()
+    assert d["kv_points"] == len(grid.head_points) and grid.head.shape == (len(grid.head_points),
+                                                                              grid.costs.max_num_reqs)
+    assert grid.head_points[0] == grid.contexts[0]
+    assert grid.head_points[-1] == grid.contexts[-1] * grid.costs.max_num_reqs
+    assert grid.max_rel_error <= DEFAULT_TOLERANCE + 1e-9

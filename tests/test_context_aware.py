@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
 
-from dspark_calib.context import ContextGrid, ceil_mean
+from dspark_calib.context import ContextCosts, ContextGrid, ceil_mean, verify_context
 from dspark_calib.fit import choose_draft_budget
 from dspark_calib.vllm import context_aware as ca
 
@@ -110,9 +110,13 @@ def test_choice_equals_vllm_on_the_interpolated_tables(grid_3ctx, reference_tabl
     num_tokens, draft_tokens = schedule(m, contexts, drafts, rng)
     ca.install(m, grid_3ctx)
     got = m.get_num_tokens(num_tokens, draft_tokens)
-    ctx = ceil_mean(int(contexts.sum()), num_reqs)
-    want_tables = grid_3ctx.tables_for(ctx)
-    assert m.cost_tables is want_tables and ca.installed_state(m).last_context == ctx
+    total = int(contexts.sum())
+    assert ca.installed_state(m).last_context == ceil_mean(total, num_reqs)
+    want_tables = tuple(np.array(a) for a in m.cost_tables)  # the step's own (the verify buffer is reused)
+    # ...are the grid's pricing of this batch at every size vLLM can read (price(): another code path)
+    sizes = np.arange(num_reqs, MAX_TOKENS + 1)
+    draft, verify = grid_3ctx.price(np.full(len(sizes), total), np.full(len(sizes), num_reqs), sizes)
+    assert want_tables[0][num_reqs] == draft[0] and np.array_equal(want_tables[1][sizes], verify)
     want, want_budget = vllm_with_tables(want_tables, m, num_tokens, draft_tokens)
     assert got == want and m._batch_budget == want_budget
     # and it is the budget rule on those tables (dspark's copy agrees too)
@@ -225,8 +229,8 @@ def test_capture_step_matches_vllms_choice_and_the_other_pricing(grid_3ctx, refe
     assert cap.num_target_tokens == total and cap.draft_budget == m._batch_budget[2]
     assert (cap.context_sum, cap.context_max) == (int(contexts.astype(np.int64).sum()), int(contexts.max()))
     assert cap.scheduled_drafts == int(drafts.sum()) and cap.priced_context == ceil_mean(cap.context_sum, num_reqs)
-    gd, gv = grid_3ctx.tables_for(cap.priced_context)
-    assert cap.predicted_draft_ms == gd[num_reqs] and cap.predicted_verify_ms == gv[total]
+    (gd,), (gv,) = grid_3ctx.price([cap.context_sum], [num_reqs], [total])
+    assert cap.predicted_draft_ms == gd and cap.predicted_verify_ms == gv
     # the other pricing's budget is what vLLM's own rule picks with those tables
     assert cap.alt_budget == vllm_with_tables(static, m, num_tokens, draft_tokens)[1][2]
     rec = to_observed(cap, step=3, forward_ms=1.5, drafter_ms=0.5, num_target_tokens=total, full_cudagraph=True,
@@ -310,12 +314,20 @@ def test_load_mode_prices_each_step_at_the_batch_context(two_context_load, caplo
     static = vllm_tables_at(table, 16384, m._cudagraph_limit)
     assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, static))  # what set_cost_curves installed
     rng = np.random.default_rng(3)
+    grid = ca.installed_state(m).grid
+    costs = ContextCosts({c: table.curves[c].as_vllm() for c in table.curves}, MAX_REQS, MAX_TOKENS,
+                         m._cudagraph_limit)
     for ctx in (1024, 16384):
         num_tokens, draft_tokens = schedule(m, np.full(64, ctx, np.int32), rng.integers(0, STEPS + 1, 64), rng)
         got = m.get_num_tokens(num_tokens, draft_tokens)
-        want_tables = vllm_tables_at(table, ctx, m._cudagraph_limit)
-        assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, want_tables)), ctx
-        assert got == vllm_with_tables(want_tables, m, num_tokens, draft_tokens)[0]
+        draft, verify = (np.array(a) for a in m.cost_tables)
+        # drafts: vLLM's own table at the batch's (profiled) context, bit for bit
+        assert np.array_equal(draft, vllm_tables_at(table, ctx, m._cudagraph_limit)[0]), ctx
+        # verify at N: vLLM's tables interpolated at the context whose dummy batch read 64 x ctx KV tokens
+        for n in (64, 100, 255, 256, 512, 4000, MAX_TOKENS):
+            exact = costs.at(verify_context(64 * ctx, n, MAX_REQS)).verify[n]
+            assert abs(verify[n] / exact - 1) <= grid.max_rel_error, (ctx, n)
+        assert got == vllm_with_tables((draft, verify), m, num_tokens, draft_tokens)[0]
     assert not all(np.array_equal(a, b) for a, b in zip(vllm_tables_at(table, 1024, m._cudagraph_limit), static))
 
 

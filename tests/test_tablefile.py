@@ -40,8 +40,9 @@ from dspark_calib.tablefile import (
     write_table,
 )
 
+RESULTS = REPO / "benchmarks" / "results" / "h200"
+BENCH_RESULTS = sorted(RESULTS.glob("h200-tp1-ctx8192-*.parquet"))  # the morning's tables (schema 1.0)
 SHIPPED_NEWER = sorted(p for p in (REPO / "profiles" / "h200").glob("*.parquet") if p != SHIPPED)
-BENCH_RESULTS = sorted((REPO / "benchmarks" / "results" / "h200").glob("*.parquet"))
 
 
 def forge(path, table: CostTable, **meta_changes) -> Path:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from dspark_calib.context import ContextCosts, ContextGrid
+from dspark_calib.context import ContextCosts, ContextGrid, verify_context
 from dspark_calib.errors import CalibError
 from dspark_calib.observe import ObservedStep, ObservedWriter, read_observed
 from dspark_calib.render_validate import plot_validation, render_validation
@@ -19,29 +19,32 @@ from dspark_calib.validate import AWARE, SINGLE, max_error_exceeded, pow2_bucket
 NOISE = 0.002  # 0.2 % multiplicative noise: the repeat spread of an H200 profile
 
 
-def synthetic_steps(table, contexts, *, per_context=300, seed=0, spread=0):
-    """Steps measured as the context's own tables say (plus noise); the two pricings' budgets
-    differ in every third step (step 0, 3, ...)."""
+def synthetic_steps(table, contexts, *, per_context=300, seed=0, spread=0, prefill_every=0):
+    """Decode steps measured as the profile says a batch reading their KV costs (plus noise):
+    drafts at the mean context, verify at N tokens at verify_context(S, N); the two pricings'
+    budgets differ in every third step (step 0, 3, ...). prefill_every=k: every k-th step also
+    carries a prefill chunk (its verify cost: the table's plus 30 %)."""
     rng = np.random.default_rng(seed)
     costs = ContextCosts.from_table(table)
     grid = ContextGrid(costs)
-    sizes = table.curves[8192].verify.size
     out, i = [], 0
     for ctx in contexts:
-        truth = costs.at(ctx)
         for _ in range(per_context):
             reqs = int(rng.integers(1, 257))
-            tokens = int(rng.choice(sizes[sizes >= reqs]))
+            budget = int(rng.integers(0, 7 * reqs + 1))
+            prefill = int(rng.integers(16, 4096)) if prefill_every and i % prefill_every == 0 else 0
+            tokens = reqs + budget + prefill
             ctxs = np.full(reqs, ctx) + (rng.integers(0, spread + 1, reqs) if spread else 0)
             total = int(ctxs.sum())
-            gd, gv = grid.tables_for(-(-total // reqs))
-            budget = int(rng.integers(0, 7 * reqs + 1))
+            (gd,), (gv,) = grid.price([total], [reqs], [tokens])
+            verify = costs.at(verify_context(total, tokens, costs.max_num_reqs)).verify[tokens]
+            draft = costs.at(-(-total // reqs)).draft[reqs]
             out.append(ObservedStep(
-                step=i, forward_ms=float(truth.verify[tokens] * (1 + rng.normal(0, NOISE))),
-                drafter_ms=float(truth.draft[reqs] * (1 + rng.normal(0, NOISE))), num_target_tokens=tokens,
+                step=i, forward_ms=float(verify * (1.3 if prefill else 1.0) * (1 + rng.normal(0, NOISE))),
+                drafter_ms=float(draft * (1 + rng.normal(0, NOISE))), num_target_tokens=tokens,
                 num_reqs=reqs, full_cudagraph=tokens <= 512, context_mean=total / reqs, context_max=int(ctxs.max()),
                 context_sum=total, scheduled_drafts=7 * reqs, draft_budget=budget, priced_context=ctx,
-                predicted_draft_ms=float(gd[reqs]), predicted_verify_ms=float(gv[tokens]),
+                predicted_draft_ms=float(gd), predicted_verify_ms=float(gv),
                 budget_static=budget if i % 3 else (budget + 1 if budget < 7 * reqs else budget - 1),
                 budget_context_aware=budget))
             i += 1
@@ -52,7 +55,7 @@ def synthetic_steps(table, contexts, *, per_context=300, seed=0, spread=0):
 def observed_dir(tmp_path_factory, reference_table):
     d = tmp_path_factory.mktemp("observed")
     with ObservedWriter(d, rows_per_file=250, metadata={"mode": "context_aware"}) as w:
-        for s in synthetic_steps(reference_table, (1024, 8192, 16384)):
+        for s in synthetic_steps(reference_table, (1024, 8192, 16384), prefill_every=10):
             w.append(s)
     return d
 
@@ -78,13 +81,21 @@ def test_context_aware_is_right_at_every_profiled_context(result):
 
 
 def test_single_context_pricing_is_far_off_away_from_its_context(result):
-    at_8k = _by_context(result, "verify", "8192-16383")
+    at_8k = _by_context(result, "draft", "8192-16383")
     assert at_8k[SINGLE].median_pct == pytest.approx(at_8k[AWARE].median_pct)  # same tables there
     short, long = _by_context(result, "verify", "1024-2047"), _by_context(result, "verify", "16384-32767")
     assert short[SINGLE].median_pct > 20 and short[SINGLE].median_signed_pct > 0  # 8k prices 1k steps too high
-    assert long[SINGLE].median_pct > 20 and long[SINGLE].median_signed_pct < 0
+    assert long[SINGLE].median_pct > 5
+    # at 8k the verify of a step with more tokens than requests reads less KV than 8k's profile did
+    assert _by_context(result, "verify", "8192-16383")[SINGLE].median_signed_pct > 5
     assert max_error_exceeded(result, 2.0, pricing=SINGLE)
     assert not max_error_exceeded(result, 1000.0, pricing=SINGLE)
+
+
+def test_prefill_steps_are_reported_apart_and_not_judged(result):
+    (pre,) = [g for g in result.overall if g.kind == "verify_prefill"]
+    assert pre.errors[AWARE].n == 90 and pre.errors[AWARE].median_signed_pct < -20  # measured 30 % above
+    assert not max_error_exceeded(result, 2.0)
 
 
 def test_between_profiled_contexts_the_grid_predicts_the_interpolation(reference_table, tmp_path):
@@ -101,8 +112,8 @@ def test_between_profiled_contexts_the_grid_predicts_the_interpolation(reference
 
 def test_groups_and_budget_change(result):
     assert result.budget_change.compared == 900 and result.budget_change.changed == 300
-    assert {g.kind for g in result.groups} == {"draft", "verify"}
-    assert sum(g.errors[AWARE].n for g in result.groups if g.kind == "verify") == 900
+    assert {g.kind for g in result.groups} == {"draft", "verify", "verify_prefill"}
+    assert sum(g.errors[AWARE].n for g in result.groups if g.kind.startswith("verify")) == 900
     graph_steps = sum(g.errors[AWARE].n for g in result.overall if g.kind == "draft")
     assert 0 < graph_steps < 900  # drafts priced from full-graph steps only
 
@@ -110,7 +121,7 @@ def test_groups_and_budget_change(result):
 def test_single_context_can_be_chosen(observed_dir, reference_table):
     res = validate(reference_table, read_observed([observed_dir]), single_context=1000)
     assert res.single_context == 1024
-    assert _by_context(res, "verify", "1024-2047")[SINGLE].median_pct < 0.5
+    assert _by_context(res, "draft", "1024-2047")[SINGLE].median_pct < 0.5
 
 
 def test_to_dict_is_json_and_rendering_draws(result, tmp_path):
@@ -155,20 +166,23 @@ def test_steps_measured_exactly_as_the_grid_predicts_have_zero_error(reference_t
     rng = np.random.default_rng(11)
     with ObservedWriter(tmp_path) as w:
         for i in range(300):
-            reqs, tokens = int(rng.integers(1, 257)), int(rng.integers(1, 8193))
+            reqs = int(rng.integers(1, 257))
+            tokens = reqs + int(rng.integers(0, 7 * reqs + 1)) if i % 2 else int(rng.integers(reqs, 8193))
             ctxs = rng.integers(0, 20000, reqs)
             total = int(ctxs.sum())
-            gd, gv = grid.tables_for(-(-total // reqs))
-            w.append(ObservedStep(step=i, forward_ms=float(gv[tokens]), drafter_ms=float(gd[reqs]),
+            (gd,), (gv,) = grid.price([total], [reqs], [tokens])
+            w.append(ObservedStep(step=i, forward_ms=float(gv), drafter_ms=float(gd),
                                   num_target_tokens=tokens, num_reqs=reqs, full_cudagraph=True,
                                   context_mean=total / reqs, context_max=int(ctxs.max()), context_sum=total,
-                                  scheduled_drafts=0, draft_budget=0, priced_context=0, predicted_draft_ms=1.0,
+                                  scheduled_drafts=7 * reqs, draft_budget=min(7 * reqs, tokens - reqs),
+                                  priced_context=0, predicted_draft_ms=1.0,
                                   predicted_verify_ms=1.0))
     res = validate(reference_table, read_observed([tmp_path]))
     assert res.budget_change.compared == 0 and res.budget_change.share is None
+    assert {g.kind for g in res.overall} == {"draft", "verify", "verify_prefill"}
     for g in res.groups + res.by_context + res.overall:
-        assert g.errors[AWARE].median_pct == 0.0 and g.errors[AWARE].p90_pct == 0.0
-    assert res.overall[1].errors[SINGLE].median_pct > 5
+        assert g.errors[AWARE].n > 0 and g.errors[AWARE].median_pct == 0.0 and g.errors[AWARE].p90_pct == 0.0
+    assert [g for g in res.overall if g.kind == "verify"][0].errors[SINGLE].median_pct > 5
 
 
 def test_engine_sizes_recorded_in_the_files_size_the_tables(reference_table, tmp_path):

@@ -748,19 +748,23 @@ class FakeEngine:
         non_draft = sum(t - d for _, t, d in sched)
         tokens = non_draft + budget
         if self.pricing == "aware":
-            pd, pv = self.grid.tables_for(mean_ctx)
+            pd, pv = self.grid.step_tables(csum, n)
             priced = mean_ctx
         else:
             pd, pv = self.costs.tables[8192]
             priced = 8192
+        from dspark_calib.context import verify_context
+
+        # the fake's truth: what the profile says a batch reading this much KV costs
         truth = self.costs.at(mean_ctx)
+        truth_verify = self.costs.at(verify_context(csum, min(tokens, MAX_BATCHED), MAX_NUM_SEQS)).verify
         noise = 1 + self.rng.normal(0, 0.003, 2)
         self.step_no += 1
         if self.writer is not None and self.step_no % self.every == 0:
             from dspark_calib.observe import ObservedStep
 
             self.writer.append(ObservedStep(
-                step=self.step_no, forward_ms=float(truth.verify[min(tokens, MAX_BATCHED)] * noise[0]),
+                step=self.step_no, forward_ms=float(truth_verify[min(tokens, MAX_BATCHED)] * noise[0]),
                 drafter_ms=float(truth.draft[n] * noise[1]), num_target_tokens=max(1, tokens), num_reqs=n,
                 full_cudagraph=tokens <= 512, context_mean=csum / n, context_max=max(ctx), context_sum=csum,
                 scheduled_drafts=scheduled, draft_budget=budget, priced_context=priced,

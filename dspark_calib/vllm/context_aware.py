@@ -3,11 +3,12 @@
 vLLM's ``AdaptiveVerificationManager.get_num_tokens`` prices a step with
 ``self.cost_tables``, built once from curves profiled at one context length.
 ``install(manager, grid)`` puts a per-instance wrapper in front of it that, each
-step, reads the mean ``num_computed_tokens`` of the scheduled requests (the
-manager's ``req_states`` holds them; vLLM's rule reads the same array), sets
-``manager.cost_tables`` to the grid's tables for that context (one lookup, no
-allocation, see context.ContextGrid) and then calls vLLM's own get_num_tokens,
-so the budget rule itself stays vLLM's.
+step, sums ``num_computed_tokens`` over the scheduled requests (the manager's
+``req_states`` holds them; vLLM's rule reads the same array), sets
+``manager.cost_tables`` to the grid's tables for that step (drafts at the mean
+context, verify at the context whose profiled batch read as much KV:
+context.ContextGrid.step_tables, two row lookups) and then calls vLLM's own
+get_num_tokens, so the budget rule itself stays vLLM's.
 
 Tensor parallelism: every rank's req_states holds the same scheduler state, so
 every rank computes the same context and picks the same grid row: no collective
@@ -92,9 +93,8 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
                     slots = np.fromiter(map(index, keys), dtype=intp, count=n)
                     state.keys, state.slots, state.slots_generation = keys, slots, state.generation
                 total = int(computed[slots].sum())
-            ctx = -(-total // n)  # ceil(mean): integers only, identical on every rank
-            state.last_context = ctx
-            manager.cost_tables = grid.tables_for(ctx)
+            state.last_context = -(-total // n)  # ceil(mean): integers only, identical on every rank
+            manager.cost_tables = grid.step_tables(total, n)
         return original(num_tokens_per_req, draft_tokens)
 
     return get_num_tokens
