@@ -8,8 +8,12 @@ each, contexts spread over 1k..16k so lookups hit different grid rows):
 
 * ``added``: the wrapper's own work, timed per call with vLLM's method replaced by
   a no-op (exactly what the mode adds to a step, including the extra call layer), in
-  steady decode: the same requests as the step before (the slots are reused);
-* ``added_batch_changed``: the same, when every step's batch differs from the last one
+  steady decode: the same requests as the step before (the slots are reused), every
+  request's context 4 tokens longer than at the step before (3 of 7 accepted + bonus);
+* ``added_context_jump``: the same requests, but contexts jump across 1k..16k from one
+  call to the next (the worst case for the verify buffer below 256 requests, whose rows
+  are then rewritten every call);
+* ``added_batch_changed``: as the jump, and every step's batch differs from the last one
   (every request's slot looked up again: requests arriving or finishing);
 * ``plain`` / ``wrapped``: vLLM's get_num_tokens alone and behind the wrapper,
   interleaved call by call; ``wrapped - plain`` medians as a cross-check.
@@ -83,19 +87,28 @@ def bench_size(num_reqs, grid, tables, calls, rng):
     state = ca.install(m, grid)
     wrapped = m.get_num_tokens
     clock = time.perf_counter_ns
-    out = {"added": [], "added_batch_changed": [], "plain": [], "wrapped": []}
+    out = {"added": [], "added_context_jump": [], "added_batch_changed": [], "plain": [], "wrapped": []}
+    steady = computed[0].copy()
     # The same wrapper code around a no-op instead of vLLM's method: the mode's own work.
     bare_state = ca.ContextAwareState(grid, tables, lambda a, b: 0)
     bare_state.watched = state.watched  # slot changes are counted (install wrapped req_states); none happen here
     bare = ca._make_wrapper(m, bare_state)
-    for phase in ("added", "added_batch_changed", "end_to_end"):
+    for phase in ("added", "added_context_jump", "added_batch_changed", "end_to_end"):
         for i in range(calls + calls // 10):  # first tenth: warm-up, dropped
             m.req_states.num_computed_tokens_np = computed[i % VARIANTS]
             keep = i >= calls // 10
-            if phase == "added":  # steady decode: the same requests as the step before
+            if phase == "added":  # steady decode: the same requests as the step before, 4 tokens on
+                steady[slots] += 4
+                if i % 2000 == 0:  # back to the start now and then: stay inside max_model_len
+                    steady[slots] = computed[0][slots]
+                m.req_states.num_computed_tokens_np = steady
                 t0 = clock(); bare(num_tokens, draft_tokens); t1 = clock()
                 if keep:
                     out["added"].append(t1 - t0)
+            elif phase == "added_context_jump":
+                t0 = clock(); bare(num_tokens, draft_tokens); t1 = clock()
+                if keep:
+                    out["added_context_jump"].append(t1 - t0)
             elif phase == "added_batch_changed":  # every step a different batch: no reuse
                 batch = reordered if i % 2 else num_tokens
                 t0 = clock(); bare(batch, draft_tokens); t1 = clock()
@@ -166,9 +179,11 @@ def main():
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"grid: {len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, max error {grid.max_rel_error:.4%}, "
           f"built in {grid_s:.2f} s")
-    print(f"{'reqs':>5} {'added p50':>10} {'added p99':>10} {'changed p50':>11} {'plain p50':>10} {'wrapped p50':>12}  goal {GOAL_US} us")
+    print(f"{'reqs':>5} {'added p50':>10} {'added p99':>10} {'jump p50':>9} {'changed p50':>11} {'plain p50':>10} "
+          f"{'wrapped p50':>12}  goal {GOAL_US} us")
     for n, r in sizes.items():
         print(f"{n:>5} {r['added']['p50_us']:>9.2f}u {r['added']['p99_us']:>9.2f}u "
+              f"{r['added_context_jump']['p50_us']:>8.2f}u "
               f"{r['added_batch_changed']['p50_us']:>10.2f}u {r['plain']['p50_us']:>9.1f}u "
               f"{r['wrapped']['p50_us']:>11.1f}u  {'met' if r['met'] else 'MISSED'}")
     print(f"wrote {out}")

@@ -1087,12 +1087,25 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{_f(r['share_zero'], 2)} | {errs or '-'} |")
     val = [e for e in report["errors"] if e["source"] == "validate"]
     if val:
-        lines += ["", "`dspark-calib validate` on each arm's observed steps (median / p90 absolute % error):", "",
+        lines += ["", "`dspark-calib validate` on each arm's observed steps, as run on the host (the arm's own "
+                      "checkout; median / p90 absolute % error):", "",
                   "| arm | kind | context | single-context | context-aware | steps |", "|---|---|---|---|---|---:|"]
         for e in val:
             lines.append(f"| {e['arm']} | {e['kind']} | {e['context_bucket']} | {_f(e['single_context_median_pct'], 2)}"
                          f" / {_f(e['single_context_p90_pct'], 2)} | {_f(e['context_aware_median_pct'], 2)} / "
                          f"{_f(e['context_aware_p90_pct'], 2)} | {e['context_aware_n']} |")
+    rv = report.get("revalidated_with") or {}
+    if any(rv.get("arms", {}).values()):
+        lines += ["", f"Re-validated offline by this checkout (git {rv.get('git') or '?'}) on the same observe files, "
+                      "per workload (median / p90 absolute % error, signed median):", "",
+                  "| arm | workload | kind | steps | single-context | context-aware |", "|---|---|---|---:|---|---|"]
+        for arm, rows in rv["arms"].items():
+            for e in rows or []:
+                lines.append(f"| {arm} | {e['workload']} | {e['kind']} | {e['steps']} | "
+                             f"{_f(e['single_context_median_pct'], 2)} / {_f(e['single_context_p90_pct'], 2)} "
+                             f"({_f(e['single_context_median_signed_pct'], 1)}) | "
+                             f"{_f(e['context_aware_median_pct'], 2)} / {_f(e['context_aware_p90_pct'], 2)} "
+                             f"({_f(e['context_aware_median_signed_pct'], 1)}) |")
     if report.get("dry_run"):
         lines += ["", "DRY RUN: fake engine, not measurements."]
     return "\n".join(lines) + "\n"
@@ -1100,6 +1113,40 @@ def markdown(report: dict[str, Any]) -> str:
 
 def _f(x: Any, nd: int) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
+
+
+def revalidate(table_path: str, observed_path: str, workloads: list[str]) -> list[dict[str, Any]]:
+    """validate() of this checkout on an arm's compacted observe file, per workload (rows between
+    the marker batches, as post_process segments them) and over all steps: the pricing of the
+    code at hand, not of the commit the arm ran (the on-host numbers stay in context-ARM.json)."""
+    from dspark_calib.observe import ObservedSteps, read_observed
+    from dspark_calib.table import read_table
+    from dspark_calib.validate import validate
+
+    obs = read_observed([observed_path])
+    cols = sorted_columns(dict(obs.columns))
+    table = read_table(table_path)
+    segments, _ = segment_steps(cols, len(workloads))
+    parts = [("all", None)] + list(zip(workloads, segments or []))
+    out = []
+    for name, rows in parts:
+        sub = ObservedSteps(cols if rows is None else {k: v[rows] for k, v in cols.items()}, obs.files, obs.metadata)
+        if len(sub) == 0:
+            continue
+        for g in validate(table, sub).overall:
+            d = g.to_dict()
+            out.append({"workload": name, "kind": g.kind, "steps": d["context_aware"]["n"],
+                        **{f"{p}_{k}": d[p][k] for p in ("single_context", "context_aware")
+                           for k in ("median_pct", "p90_pct", "median_signed_pct")}})
+    return out
+
+
+def _git_rev() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -1110,10 +1157,17 @@ def run_report(args: argparse.Namespace) -> int:
             if m:
                 with open(os.path.join(d, name)) as fh:
                     arms[m.group(1)] = json.load(fh)
+                observed = os.path.join(d, f"context-{m.group(1)}-observed.parquet")
+                table = (arms[m.group(1)].get("table") or {}).get("path")
+                local = os.path.join(d, os.path.basename(table)) if table else None
+                if os.path.isfile(observed) and local and os.path.isfile(local):
+                    arms[m.group(1)]["revalidated"] = revalidate(local, observed,
+                                                                 list(arms[m.group(1)].get("workloads", {})))
     if not arms:
         print(f"no context-ARM.json under {', '.join(args.results)}")
         return 1
     rep = build_report(arms)
+    rep["revalidated_with"] = {"git": _git_rev(), "arms": {a: arms[a].get("revalidated") for a in arms}}
     _write_json(args.json, rep)
     md = markdown(rep)
     with open(args.md, "w") as fh:
