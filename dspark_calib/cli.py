@@ -328,7 +328,8 @@ def validate_cmd(
         help="Single-context pricing at the profiled context nearest L (default: nearest vLLM's 8192).")] = None,
     max_error: Annotated[Optional[float], typer.Option(
         "--max-error", min=0, metavar="PCT",
-        help="Exit 1 when the context-aware median error of a kind at any context bucket exceeds PCT percent.")] = None,
+        help="Exit 1 when the context-aware median error of drafts or decode verifies at any context bucket "
+             "exceeds PCT percent (steps carrying a prefill chunk are shown, not judged).")] = None,
     as_json: JsonOpt = False,
     plot: PlotOpt = None,
     all_groups: Annotated[bool, typer.Option("--all", help="List every size x context group.")] = False,

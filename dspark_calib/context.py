@@ -10,11 +10,14 @@ indexes, at any context L:
   profiled context's dense table comes from ``fit.build_cost_tables`` (vLLM's
   own rule), so the step function below the capture limit, the interpolation
   above it and the extrapolation past the last size all stay vLLM's. At a
-  profiled context the result IS that table (bit-identical); outside the
-  profiled range it is the nearest context's table plus an ``OutOfRange``
-  warning object (never a print: the caller decides where it goes).
-* ``ContextGrid``: the same, precomputed at load on a grid of contexts, so a
-  serving step gets its tables with one integer array lookup (no allocation).
+  profiled context the result IS that table (bit-identical); above the
+  profiled range it is the longest context's table, below it the line through
+  the two shortest extended towards context 0 (floored as vLLM floors), each
+  with an ``OutOfRange`` warning object (never a print: the caller decides
+  where it goes). Below the range is where the H200 data says so: see
+  ContextCosts.
+* ``ContextGrid``: the same, precomputed at load on a grid of contexts (from 0),
+  so a serving step gets its tables with two row lookups (no allocation).
 
 Grid choice (see ``ContextGrid``): points are placed so that rounding a context
 up to the next point changes no table entry by more than ``tolerance`` (0.5 %
@@ -22,10 +25,12 @@ by default) relative to the exact interpolation. A uniform grid cannot do that
 cheaply: on the H200 Qwen3-8B curves a 256-token step is a 12 % cost change at
 context 1024 (verify at 256 tokens costs 16.8 ms there and rises ~8 us per
 context token) but 1.5 % at 16384. Error-driven spacing is dense where the
-cost is small and sparse where it is large: 1024..16384 takes 435 points
-(28.1 MiB at max_num_batched_tokens 8192, built in 0.1-0.3 s; a 1 % tolerance
-would halve both). Memory is capped by ``max_bytes`` (64 MiB by default): past
-it the tolerance is loosened to fit and ``max_rel_error`` says what was achieved.
+cost is small and sparse where it is large: 0..16384 takes 585 points, and
+the KV-sum rows for verify sizes below max_num_reqs (next section) 2310 (44 MiB
+in all at max_num_batched_tokens 8192, built in 0.2-0.3 s; a 1 % tolerance would
+halve both). Memory is capped by ``max_bytes`` (64 MiB by default) for the
+context rows plus a quarter of it for the KV-sum rows: past either the
+tolerance is loosened to fit and ``max_rel_error`` says what was achieved.
 
 Which context a serving step is priced at (``ContextGrid.step_tables``)
 --------------------------------------------------------------------
@@ -57,7 +62,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from dspark_calib.errors import CalibError
-from dspark_calib.fit import build_cost_tables
+from dspark_calib.fit import DRAFT_FLOOR_MS, VERIFY_FLOOR_MS, build_cost_tables
 
 DEFAULT_TOLERANCE = 0.005  # grid rounding error bound, relative to the exact interpolation
 DEFAULT_MAX_BYTES = 64 << 20
@@ -67,16 +72,22 @@ Tables = tuple[np.ndarray, np.ndarray]
 
 @dataclass(frozen=True)
 class OutOfRange:
-    """A context outside the profiled range: priced at the nearest profiled context."""
+    """A context outside the profiled range: above it, priced at the longest profiled context;
+    below it, extrapolated linearly from the two shortest (see ContextCosts)."""
 
     context_len: int
     used_context: int
     profiled: tuple[int, ...]
 
+    @property
+    def extrapolated(self) -> bool:
+        return self.context_len < self.profiled[0] and len(self.profiled) > 1
+
     def __str__(self) -> str:
         side = "below" if self.context_len < self.used_context else "above"
-        return (f"context {self.context_len} is {side} the profiled range {self.profiled[0]}..{self.profiled[-1]}: "
-                f"priced at context {self.used_context}")
+        how = (f"extrapolated linearly from contexts {self.profiled[0]} and {self.profiled[1]}" if self.extrapolated
+               else f"priced at context {self.used_context}")
+        return f"context {self.context_len} is {side} the profiled range {self.profiled[0]}..{self.profiled[-1]}: {how}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,7 +156,7 @@ class ContextCosts:
     """
 
     def __init__(self, curves: Mapping[int, Any], max_num_reqs: int, max_num_batched_tokens: int,
-                 cudagraph_limit: int = 0):
+                 cudagraph_limit: int = 0, *, profile_num_reqs: int | None = None):
         if not curves:
             raise CalibError("no curves to price contexts with")
         self.contexts: tuple[int, ...] = tuple(sorted(int(c) for c in curves))
@@ -154,12 +165,34 @@ class ContextCosts:
         self.max_num_reqs = int(max_num_reqs)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.cudagraph_limit = int(cudagraph_limit)
+        # R(N)'s cap in verify_context: the max_num_seqs of the engine that profiled the curves (the
+        # loader requires the serving engine's to be equal; validate may see files from another)
+        self.profile_num_reqs = int(profile_num_reqs or max_num_reqs)
+        if not 1 <= self.profile_num_reqs <= self.max_num_batched_tokens:
+            raise CalibError(f"profiled max_num_seqs {self.profile_num_reqs} is outside 1..max_num_batched_tokens "
+                             f"{self.max_num_batched_tokens}")
+        if self.max_num_reqs > self.max_num_batched_tokens:
+            raise CalibError(f"max_num_reqs {self.max_num_reqs} exceeds max_num_batched_tokens "
+                             f"{self.max_num_batched_tokens} (vLLM refuses such an engine)")
         by_ctx = {int(c): p for c, p in curves.items()}
         self.tables: dict[int, Tables] = {}
         for ctx in self.contexts:
             draft, verify = build_cost_tables(*_vllm_curves(by_ctx[ctx]), self.max_num_reqs,
                                               self.max_num_batched_tokens, self.cudagraph_limit)
             self.tables[ctx] = (_readonly(draft), _readonly(verify))
+        # The interpolation's knots: the profiled contexts and, below the shortest, context 0 with
+        # the line through the two shortest extended to it (floored as vLLM floors its tables).
+        # Attention cost is linear in the KV read, and below the range that line measured 10x
+        # closer than the shortest context's flat costs on real H200 serving steps (verify 0.6 %
+        # against 5.8 % median; drafts 1.2 % against 2.4 %). Above the range: the longest
+        # context's costs (profile up to the engine's max_model_len: `profile` does by default).
+        self.knots: tuple[int, ...] = self.contexts
+        if len(self.contexts) > 1 and self.contexts[0] > 0:
+            (c0, c1), ((d0, v0), (d1, v1)) = self.contexts[:2], (self.tables[c] for c in self.contexts[:2])
+            zero_d = np.maximum(d0 - (d1 - d0) * (c0 / (c1 - c0)), DRAFT_FLOOR_MS)
+            zero_v = np.maximum(v0 - (v1 - v0) * (c0 / (c1 - c0)), VERIFY_FLOOR_MS)
+            self.tables[0] = (_readonly(zero_d), _readonly(zero_v))
+            self.knots = (0, *self.contexts)
 
     @classmethod
     def from_table(cls, table: Any, *, max_num_reqs: int | None = None, max_num_batched_tokens: int | None = None,
@@ -167,11 +200,12 @@ class ContextCosts:
         """A CostTable's curves at its own engine's sizes (or the given ones, as CostTable.dense_tables)."""
         fp = table.fingerprint
         return cls(table.curves, max_num_reqs or fp.max_num_seqs, max_num_batched_tokens or fp.max_num_batched_tokens,
-                   fp.cudagraph_limit if cudagraph_limit is None else cudagraph_limit)
+                   fp.cudagraph_limit if cudagraph_limit is None else cudagraph_limit,
+                   profile_num_reqs=min(fp.max_num_seqs, max_num_batched_tokens or fp.max_num_batched_tokens))
 
     def bracket(self, context_len: int) -> tuple[int, int, float]:
-        """(lower, upper, weight) for context_len, clamped to the profiled range."""
-        return self.bracket_of(self.contexts, context_len)
+        """(lower, upper, weight) for context_len: between two knots; above the range, the longest."""
+        return self.bracket_of(self.knots, context_len)
 
     @staticmethod
     def bracket_of(ctxs: Sequence[int], context_len: int) -> tuple[int, int, float]:
@@ -191,7 +225,8 @@ class ContextCosts:
         lo, hi, w = self.bracket(context_len)
         warning = None
         if not self.contexts[0] <= context_len <= self.contexts[-1]:
-            warning = OutOfRange(context_len, lo, self.contexts)
+            warning = OutOfRange(context_len, min(max(context_len, self.contexts[0]), self.contexts[-1]),
+                                 self.contexts)
         if lo == hi:  # a profiled context (or clamped to one): its own tables, bit for bit
             draft, verify = self.tables[lo]
         else:
@@ -218,6 +253,8 @@ def dense_tables(table: Any, context_len: int, **sizes: int | None) -> PricedTab
     one or two bracketing contexts' tables are built (a CLI prices one context at a time)."""
     ctxs = sorted(table.curves)
     lo, hi, _ = ContextCosts.bracket_of(ctxs, int(context_len))
+    if int(context_len) < ctxs[0] and len(ctxs) > 1:  # extrapolated from the two shortest
+        lo, hi = ctxs[0], ctxs[1]
     fp = table.fingerprint
     costs = ContextCosts({c: table.curves[c] for c in {lo, hi}}, sizes.get("max_num_reqs") or fp.max_num_seqs,
                          sizes.get("max_num_batched_tokens") or fp.max_num_batched_tokens,
@@ -225,7 +262,7 @@ def dense_tables(table: Any, context_len: int, **sizes: int | None) -> PricedTab
     priced = costs.at(int(context_len))
     if priced.warning is not None:  # the warning names the whole profiled range, not just the bracket
         priced = PricedTables(priced.draft, priced.verify, priced.context_len, priced.lower, priced.upper,
-                              priced.weight, OutOfRange(int(context_len), lo, tuple(ctxs)))
+                              priced.weight, OutOfRange(int(context_len), priced.warning.used_context, tuple(ctxs)))
     return priced
 
 
@@ -250,7 +287,7 @@ class ContextGrid:
             raise CalibError(f"grid tolerance must be > 0, got {tolerance}")
         self.costs = costs
         row_bytes = 8 * (costs.max_num_reqs + costs.max_num_batched_tokens + 2)
-        max_points = max(len(costs.contexts), max_bytes // row_bytes)
+        max_points = max(len(costs.knots), max_bytes // row_bytes)
         points = self._place(costs, tolerance)
         while len(points) > max_points:  # point count ~ 1/tolerance: loosen until it fits
             tolerance *= 1.25 * len(points) / max_points
@@ -276,30 +313,30 @@ class ContextGrid:
     def _build_head(self, tolerance: float, max_bytes: int) -> None:
         """Verify costs below max_num_reqs tokens, by the step's KV sum S (``verify_context``):
         ``head[j, N]`` = the interpolated verify cost at N tokens and context head_points[j] / N.
-        Rows are geometric in S (ratio 1 + tolerance): the cost is linear in context with a
-        non-negative intercept in every H200 segment, so neighbouring rows differ by at most about
-        the tolerance; the achieved bound joins ``max_rel_error``. Above max_num_reqs tokens a
-        step's verify context is S / max_num_reqs: a row of the main grid."""
+        Rows are S = 1, 2, ... then geometric, each point p followed by p + max(1, p // q) with
+        q = 1 / tolerance (integers only: the same points on every host and rank). The cost is
+        linear in context between knots, so neighbouring rows differ by about the tolerance at
+        most; the achieved bound joins ``max_rel_error``. From max_num_reqs tokens up a step's
+        verify context is S / max_num_reqs: a row of the main grid."""
         costs = self.costs
-        reqs = costs.max_num_reqs
-        ctxs = costs.contexts
-        lo, hi = ctxs[0], ctxs[-1]
-        s_lo, s_hi = max(1, lo), max(1, hi) * max(1, reqs)
+        reqs = costs.profile_num_reqs
+        knots = costs.knots
+        s_hi = max(1, knots[-1]) * max(1, reqs)
+        q = max(1, int(round(1 / tolerance)))
         while True:
-            count = 1 if s_hi <= s_lo else math.ceil(math.log(s_hi / s_lo) / math.log1p(tolerance)) + 1
-            if count * reqs * 8 <= max_bytes or count <= 2:
+            points = [s_hi] if len(knots) == 1 else _int_geometric(1, s_hi, q)
+            if len(points) * reqs * 8 <= max_bytes or q == 1:
                 break
-            tolerance *= 1.25 * count * reqs * 8 / max_bytes
-        points = np.unique(np.ceil(s_lo * np.exp(np.arange(count) * math.log1p(tolerance))).astype(np.int64))
-        points = np.unique(np.append(np.minimum(points, s_hi), s_hi))
-        verify = np.stack([costs.tables[c][1][:reqs] for c in ctxs])  # (contexts, reqs)
+            q = max(1, int(q * max_bytes / (len(points) * reqs * 8) / 1.25))
+        pts = np.asarray(points, dtype=np.int64)
+        verify = np.stack([costs.tables[c][1][:reqs] for c in knots])  # (knots, reqs)
         sizes = np.arange(reqs)
-        context = points[:, None] / np.maximum(sizes, 1)[None, :]
-        if len(ctxs) == 1:
+        context = pts[:, None] / np.maximum(sizes, 1)[None, :]
+        if len(knots) == 1:
             head = np.broadcast_to(verify[0], context.shape).copy()
         else:
-            at = np.clip(np.searchsorted(np.asarray(ctxs), context, side="left"), 1, len(ctxs) - 1)
-            c0, c1 = np.asarray(ctxs, dtype=np.float64)[at - 1], np.asarray(ctxs, dtype=np.float64)[at]
+            at = np.clip(np.searchsorted(np.asarray(knots), context, side="left"), 1, len(knots) - 1)
+            c0, c1 = np.asarray(knots, dtype=np.float64)[at - 1], np.asarray(knots, dtype=np.float64)[at]
             weight = np.clip((context - c0) / (c1 - c0), 0.0, 1.0)
             v0, v1 = verify[at - 1, sizes], verify[at, sizes]
             head = v1 - v0
@@ -307,18 +344,15 @@ class ContextGrid:
             head += v0
             np.clip(head, np.minimum(v0, v1), np.maximum(v0, v1), out=head)
         self.head = _readonly(head)
-        self.head_points: tuple[int, ...] = tuple(int(p) for p in points)
-        self._head_points = list(self.head_points)  # bisect on a list: no numpy call per step
+        self.head_points: tuple[int, ...] = tuple(points)
+        self._head_points = list(points)  # bisect on a list: no numpy call per step
         self._head_last = len(points) - 1
-        self._head_tolerance = tolerance
-        # The verify table a step below max_num_reqs requests gets: head row + main-grid tail,
-        # refreshed only when either row changes (decode steps move S by ~n tokens a step).
-        self._scratch = np.empty(costs.max_num_batched_tokens + 1)
-        self._scratch_rows = [-1, -1]
+        self._head_tolerance = 1 / q
+        self._buffer = StepBuffer(self)  # for callers that bring none (one grid, one caller)
 
     @staticmethod
     def _place(costs: ContextCosts, tolerance: float) -> list[int]:
-        ctxs = costs.contexts
+        ctxs = costs.knots
         points = [ctxs[0]]
         for c0, c1 in zip(ctxs, ctxs[1:]):
             (d0, v0), (d1, v1) = costs.tables[c0], costs.tables[c1]
@@ -358,7 +392,7 @@ class ContextGrid:
 
     @property
     def nbytes(self) -> int:
-        return (self.draft.nbytes + self.verify.nbytes + self.head.nbytes + self._scratch.nbytes
+        return (self.draft.nbytes + self.verify.nbytes + self.head.nbytes + self._buffer.verify.nbytes
                 + self._slot.itemsize * len(self._slot))
 
     def __len__(self) -> int:
@@ -382,21 +416,25 @@ class ContextGrid:
             return self._tables[-1]
         return self._tables[self._slot[i]]
 
-    def step_tables(self, context_sum: int, num_reqs: int) -> Tables:
+    def step_tables(self, context_sum: int, num_reqs: int, buffer: "StepBuffer | None" = None) -> Tables:
         """The (draft, verify) tables for a serving step of num_reqs requests whose computed
         tokens sum to context_sum: drafts at the mean context, verify at N tokens at
         ``verify_context(S, N)`` (module docstring). O(1) per step: two row lookups; below
-        max_num_reqs requests the verify array is this grid's own buffer, rewritten only when
-        its rows change, so it is valid until the next call (vLLM reads it within the step)."""
+        max_num_reqs requests the verify array is ``buffer``'s (one per manager; the grid's own
+        when None), rewritten only when its rows change, so it is valid until the next call with
+        that buffer (vLLM reads it within the step)."""
+        if num_reqs <= 0:
+            num_reqs = 1
         draft = self._tables[self.index(-(-context_sum // num_reqs))][0]
-        reqs = self.costs.max_num_reqs
+        reqs = self.costs.profile_num_reqs
         tail = self.index(-(-context_sum // reqs))
         if num_reqs >= reqs:  # every N >= num_reqs >= max_num_reqs: one context for all of them
             return draft, self._tables[tail][1]
         head = bisect_left(self._head_points, context_sum)
         if head > self._head_last:
             head = self._head_last
-        rows, scratch = self._scratch_rows, self._scratch
+        buffer = buffer or self._buffer
+        rows, scratch = buffer.rows, buffer.verify
         if rows[1] != tail:
             scratch[reqs:] = self.verify[tail, reqs:]
             rows[1] = tail
@@ -412,7 +450,7 @@ class ContextGrid:
         s = np.asarray(context_sum, dtype=np.int64)
         n = np.asarray(num_reqs, dtype=np.int64)
         tokens = np.asarray(num_tokens, dtype=np.int64)
-        reqs = self.costs.max_num_reqs
+        reqs = self.costs.profile_num_reqs
         draft = self.draft[self.indices(-(-s // np.maximum(n, 1))), n]
         verify = self.verify[self.indices(-(-s // reqs)), tokens]
         small = tokens < reqs
@@ -429,6 +467,26 @@ class ContextGrid:
         return {"contexts": list(self.contexts), "points": len(self.points), "bytes": self.nbytes,
                 "tolerance": self.tolerance, "max_rel_error": self.max_rel_error,
                 "kv_points": len(self.head_points), "kv_tolerance": self._head_tolerance}
+
+
+class StepBuffer:
+    """The verify table ContextGrid.step_tables hands out below max_num_reqs requests (a head row
+    and a main-grid tail), and which rows it holds: one per manager, so two managers sharing a
+    grid never see each other's step."""
+
+    __slots__ = ("verify", "rows")
+
+    def __init__(self, grid: ContextGrid):
+        self.verify = np.empty(grid.costs.max_num_batched_tokens + 1)
+        self.rows = [-1, -1]  # (head row, tail row) written into verify; -1: none yet
+
+
+def _int_geometric(lo: int, hi: int, q: int) -> list[int]:
+    """lo, then p + max(1, p // q) up to hi (included): ratio ~1 + 1/q, integers only."""
+    out = [lo]
+    while out[-1] < hi:
+        out.append(min(hi, out[-1] + max(1, out[-1] // q)))
+    return out
 
 
 def ceil_mean(total: int, count: int) -> int:

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dspark_calib.atomic import atomic_write
-from dspark_calib.validate import AWARE, KINDS, PRICINGS, SINGLE, GroupErrors, ValidationResult
+from dspark_calib.validate import AWARE, KINDS, PRICINGS, SINGLE, VERDICT_KINDS, GroupErrors, ValidationResult
 
 LABEL = {SINGLE: "single-context", AWARE: "context-aware"}
 MAX_GROUP_ROWS = 60
@@ -43,10 +43,11 @@ def _errors_table(title: str, groups: tuple[GroupErrors, ...], *, limit: float |
     for g in groups:
         s = g.errors[PRICINGS[0]]
         cells: list[Any] = [g.kind] + ([g.size_bucket] if sizes else []) + [g.context_bucket, str(s.n)]
+        judged = limit if g.kind in VERDICT_KINDS else None  # --max-error judges these kinds only
         for p in PRICINGS:
             e = g.errors[p]
             median = _pct(e.median_pct)
-            cells += [f"[{_style(e.median_pct, limit)}]{median}[/]" if _style(e.median_pct, limit) else median,
+            cells += [f"[{_style(e.median_pct, judged)}]{median}[/]" if _style(e.median_pct, judged) else median,
                       _pct(e.p90_pct), ("+" if e.median_signed_pct > 0 else "") + _pct(e.median_signed_pct)]
         table.add_row(*cells)
     return table
@@ -62,9 +63,14 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
     console.print(f"profiled contexts {ctxs}; single-context pricing at {result.single_context}; "
                   f"context-aware grid {result.grid['points']} points (error bound "
                   f"{100 * result.grid['max_rel_error']:.2f}%)")
+    if result.verify_out_of_range_steps:
+        console.print(f"[yellow]{result.verify_out_of_range_steps} decode steps verify at a context outside "
+                      f"{result.profiled_contexts[0]}..{result.profiled_contexts[-1]} (extrapolated below, the "
+                      f"longest above)[/]")
     if result.out_of_range_steps:
         console.print(f"[yellow]{result.out_of_range_steps} steps outside the profiled contexts "
-                      f"{result.profiled_contexts[0]}..{result.profiled_contexts[-1]}: priced at the nearest[/]")
+                      f"{result.profiled_contexts[0]}..{result.profiled_contexts[-1]} (mean context): extrapolated "
+                      f"below, the longest context's costs above[/]")
     change = result.budget_change
     if change.compared:
         console.print(f"budget would change in {change.changed} of {change.compared} steps "
@@ -87,7 +93,7 @@ def plot_validation(result: ValidationResult, path: str | os.PathLike) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [k for k in KINDS if any(g.kind == k for g in result.by_context)]
+    kinds = [k for k in KINDS if any(g.kind == k for g in result.by_context)] or ["verify"]
     fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         groups = [g for g in result.by_context if g.kind == kind]

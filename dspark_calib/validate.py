@@ -102,7 +102,8 @@ class ValidationResult:
     num_steps: int
     profiled_contexts: tuple[int, ...]
     single_context: int
-    out_of_range_steps: int  # mean context outside the profiled range: priced at the nearest context
+    out_of_range_steps: int  # mean context outside the profiled range (below: extrapolated; above: the longest)
+    verify_out_of_range_steps: int  # decode steps whose verify context (verify_context) is outside it
     grid: dict[str, Any]
     overall: tuple[GroupErrors, ...]  # per kind
     by_context: tuple[GroupErrors, ...]  # per kind x context bucket
@@ -113,7 +114,8 @@ class ValidationResult:
         return {
             "table_hash": self.table_hash, "files": list(self.files), "num_steps": self.num_steps,
             "profiled_contexts": list(self.profiled_contexts), "single_context": self.single_context,
-            "out_of_range_steps": self.out_of_range_steps, "grid": self.grid,
+            "out_of_range_steps": self.out_of_range_steps,
+            "verify_out_of_range_steps": self.verify_out_of_range_steps, "grid": self.grid,
             "overall": [g.to_dict() for g in self.overall],
             "by_context": [g.to_dict() for g in self.by_context],
             "groups": [g.to_dict() for g in self.groups],
@@ -160,7 +162,9 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     max_reqs = max(_recorded(observed, "max_num_reqs", fp.max_num_seqs), int(c["num_reqs"].max()))
     max_tokens = max(_recorded(observed, "max_num_batched_tokens", fp.max_num_batched_tokens),
                      int(c["num_target_tokens"].max()))
-    costs = ContextCosts(table.curves, max_reqs, max_tokens, int(fp.cudagraph_limit))
+    # R(N) of verify_context is the profiling engine's max_num_seqs (the table's), whatever the files say
+    costs = ContextCosts(table.curves, max_reqs, max_tokens, int(fp.cudagraph_limit),
+                         profile_num_reqs=min(int(fp.max_num_seqs), max_tokens))
     grid = ContextGrid(costs, tolerance=grid_tolerance)
     wanted = VLLM_DEFAULT_CONTEXT if single_context is None else int(single_context)
     single = min(costs.contexts, key=lambda x: (abs(x - wanted), -x))  # ties: the longer, as the loader
@@ -202,10 +206,12 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     both = (c["budget_static"] != ABSENT) & (c["budget_context_aware"] != ABSENT)
     changed = int((c["budget_static"][both] != c["budget_context_aware"][both]).sum())
     lo, hi = costs.contexts[0], costs.contexts[-1]
+    vctx = -(-c["context_sum"] // np.minimum(num_tokens, costs.profile_num_reqs).clip(1))
     return ValidationResult(
         table_hash=str(getattr(table, "content_hash", "")), files=observed.files, num_steps=len(observed),
         profiled_contexts=costs.contexts, single_context=single,
-        out_of_range_steps=int(((ctx < lo) | (ctx > hi)).sum()), grid=grid.describe(),
+        out_of_range_steps=int(((ctx < lo) | (ctx > hi)).sum()),
+        verify_out_of_range_steps=int((steps["verify"] & ((vctx < lo) | (vctx > hi))).sum()), grid=grid.describe(),
         overall=tuple(overall), by_context=tuple(by_context), groups=tuple(groups),
         budget_change=BudgetChange(int(both.sum()), changed),
     )

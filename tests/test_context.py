@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from dspark_calib.context import (DEFAULT_TOLERANCE, ContextCosts, ContextGrid, OutOfRange, blend, ceil_mean,
                                   dense_tables, profile_requests, verify_context)
 from dspark_calib.errors import CalibError
-from dspark_calib.fit import build_cost_tables
+from dspark_calib.fit import DRAFT_FLOOR_MS, VERIFY_FLOOR_MS, build_cost_tables
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -66,15 +66,34 @@ def test_profiled_contexts_are_bit_identical_to_build_cost_tables(reference_tabl
     assert costs.at(ctx).warning is None
 
 
-@pytest.mark.parametrize("ctx,used", [(0, 1024), (512, 1024), (1023, 1024), (16385, 16384), (10**7, 16384)])
-def test_outside_the_range_is_the_nearest_context_plus_a_warning(reference_table, costs, grid, ctx, used):
+@pytest.mark.parametrize("ctx,used", [(16385, 16384), (10**7, 16384)])
+def test_above_the_range_is_the_longest_context_plus_a_warning(reference_table, costs, grid, ctx, used):
     priced = costs.at(ctx)
-    assert isinstance(priced.warning, OutOfRange)
+    assert isinstance(priced.warning, OutOfRange) and not priced.warning.extrapolated
     assert priced.warning.used_context == used
     assert str(priced.warning).count("\n") == 0 and str(used) in str(priced.warning)
     want = _vllm_tables(reference_table, used)
     assert np.array_equal(priced.verify, want[1]) and np.array_equal(priced.draft, want[0])
     assert grid.tables_for(ctx)[1] is grid.tables_for(used)[1]
+
+
+@pytest.mark.parametrize("ctx", [0, 1, 512, 1023])
+def test_below_the_range_is_the_line_through_the_two_shortest(reference_table, costs, grid, ctx):
+    """Linear in context below the shortest profiled one (attention reads ctx KV tokens), floored
+    as vLLM floors its tables; a warning says so."""
+    priced = costs.at(ctx)
+    assert isinstance(priced.warning, OutOfRange) and priced.warning.extrapolated
+    assert "extrapolated linearly from contexts 1024 and 8192" in str(priced.warning)
+    (d0, v0), (d1, v1) = _vllm_tables(reference_table, 1024), _vllm_tables(reference_table, 8192)
+    w = (ctx - 1024) / (8192 - 1024)
+    want_v = np.maximum(v0 + w * (v1 - v0), VERIFY_FLOOR_MS)
+    want_d = np.maximum(d0 + w * (d1 - d0), DRAFT_FLOOR_MS)
+    np.testing.assert_allclose(priced.verify, want_v, rtol=1e-9)
+    np.testing.assert_allclose(priced.draft, want_d, rtol=1e-9, atol=1e-12)
+    assert (priced.verify <= v0).all() and (priced.verify > 0).all()  # below the shortest, never above it
+    np.testing.assert_allclose(dense_tables(reference_table, ctx).verify, priced.verify, rtol=1e-12)
+    g = grid.tables_for(ctx)[1]  # the grid rounds up: within its bound, never below
+    assert (g >= priced.verify * (1 - 1e-12)).all() and (g <= priced.verify * (1 + grid.max_rel_error) + 1e-12).all()
 
 
 def test_monotone_in_context_on_h200(costs, grid):
@@ -261,6 +280,8 @@ def test_kv_rows_cover_every_sum_within_the_bound(grid):
     d = grid.describe()
     assert d["kv_points"] == len(grid.head_points) and grid.head.shape == (len(grid.head_points),
                                                                               grid.costs.max_num_reqs)
-    assert grid.head_points[0] == grid.contexts[0]
+    assert grid.head_points[0] == 1  # from S = 1: below the range, verify is extrapolated too
     assert grid.head_points[-1] == grid.contexts[-1] * grid.costs.max_num_reqs
+    steps = np.diff(grid.head_points)
+    assert (steps >= 1).all() and (steps <= np.maximum(1, np.asarray(grid.head_points[:-1]) // 200)).all()
     assert grid.max_rel_error <= DEFAULT_TOLERANCE + 1e-9

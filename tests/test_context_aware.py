@@ -387,3 +387,17 @@ def test_slot_cache_is_reused_for_the_same_batch_and_dropped_when_a_slot_changes
     m.get_num_tokens(num_tokens, drafts)
     assert state.slots is not first and state.last_context == expected_ctx()
     assert ca.uninstall(m) and "add_request" not in vars(m.req_states) and "remove_request" not in vars(m.req_states)
+
+
+def test_managers_sharing_a_grid_keep_their_own_verify_table(grid_3ctx, reference_table):
+    """The verify table below max_num_reqs requests is a reused buffer: one per manager, so a
+    second manager's step never rewrites the table the first one is pricing with."""
+    rng = np.random.default_rng(21)
+    a, b = (make_manager(reference_table.dense_tables(8192), rng=rng) for _ in range(2))
+    ca.install(a, grid_3ctx), ca.install(b, grid_3ctx)
+    num_a, drafts_a = schedule(a, np.full(32, 16000, np.int32), [STEPS] * 32, rng)
+    a.get_num_tokens(num_a, drafts_a)
+    seen = np.array(a.cost_tables[1])
+    num_b, drafts_b = schedule(b, np.full(16, 1100, np.int32), [STEPS] * 16, rng)
+    b.get_num_tokens(num_b, drafts_b)
+    assert a.cost_tables[1] is not b.cost_tables[1] and np.array_equal(a.cost_tables[1], seen)

@@ -193,3 +193,26 @@ def test_engine_sizes_recorded_in_the_files_size_the_tables(reference_table, tmp
     res = validate(reference_table, read_observed([tmp_path]))
     want = ContextGrid.from_table(reference_table, max_num_reqs=300, max_num_batched_tokens=9000)
     assert res.grid["bytes"] == want.nbytes and res.grid["points"] == len(want)
+
+
+def test_verify_context_uses_the_tables_own_max_num_seqs_and_counts_out_of_range(reference_table, tmp_path):
+    """Files from an engine with another max_num_seqs: R(N) stays the profiling engine's (the
+    table's); decode steps verifying below the shortest profiled context are counted."""
+    meta = {"max_num_reqs": 300, "max_num_batched_tokens": 9000}
+    with ObservedWriter(tmp_path, metadata=meta) as w:
+        for i, (reqs, ctx) in enumerate([(4, 1100), (4, 1100), (200, 16000)]):
+            tokens = reqs * 8  # 7 drafts each: verify context ctx x reqs / min(tokens, 256)
+            w.append(ObservedStep(step=i, forward_ms=10.0, drafter_ms=1.0, num_target_tokens=tokens, num_reqs=reqs,
+                                  full_cudagraph=True, context_mean=float(ctx), context_max=ctx,
+                                  context_sum=ctx * reqs, scheduled_drafts=7 * reqs, draft_budget=7 * reqs,
+                                  priced_context=ctx, predicted_draft_ms=1.0, predicted_verify_ms=10.0))
+    res = validate(reference_table, read_observed([tmp_path]))
+    assert res.verify_out_of_range_steps == 2 and res.out_of_range_steps == 0  # 1100 x 4 / 32 = 138 < 1024
+    assert ContextCosts.from_table(reference_table, max_num_reqs=300, max_num_batched_tokens=9000).profile_num_reqs \
+        == reference_table.fingerprint.max_num_seqs
+    costs = ContextCosts.from_table(reference_table, max_num_reqs=300, max_num_batched_tokens=9000)
+    r256, r300 = (costs.at(verify_context(16000 * 200, 1600, r)).verify[1600] for r in (256, 300))
+    (g,) = [g for g in res.by_context if g.kind == "verify" and g.context_bucket == "8192-16383"]
+    signed = g.errors[AWARE].median_signed_pct  # the one step there, measured 10 ms
+    assert abs(signed - (r256 / 10 - 1) * 100) <= 0.6 * r256 / 10  # R = 256: 12500 of context, not 10667
+    assert abs(signed - (r300 / 10 - 1) * 100) > 0.6 * r256 / 10

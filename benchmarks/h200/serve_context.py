@@ -755,7 +755,8 @@ class FakeEngine:
             priced = 8192
         from dspark_calib.context import verify_context
 
-        # the fake's truth: what the profile says a batch reading this much KV costs
+        # the fake's truth: what the profile says a batch reading this much KV costs. Circular on
+        # purpose (the model under test makes the data): the dry run checks plumbing, not pricing.
         truth = self.costs.at(mean_ctx)
         truth_verify = self.costs.at(verify_context(csum, min(tokens, MAX_BATCHED), MAX_NUM_SEQS)).verify
         noise = 1 + self.rng.normal(0, 0.003, 2)

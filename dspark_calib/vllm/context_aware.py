@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from dspark_calib.context import DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, ContextCosts, ContextGrid
+from dspark_calib.context import DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, ContextCosts, ContextGrid, StepBuffer
 
 _STATE = "_dspark_calib_context_aware"
 # Below this many requests a Python sum beats numpy's fixed costs (measured on CPU,
@@ -39,7 +39,7 @@ class ContextAwareState:
     """What install() keeps on the manager: enough to run the step and to undo it."""
 
     __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context", "stacked",
-                 "generation", "keys", "slots", "slots_generation", "watched")
+                 "generation", "keys", "slots", "slots_generation", "watched", "buffer")
 
     def __init__(self, grid: ContextGrid | None, base_tables: Any, original: Callable, wrapper: Callable | None = None,
                  stacked: bool = False):
@@ -48,7 +48,8 @@ class ContextAwareState:
         self.original = original
         self.wrapper = wrapper
         self.stacked = stacked  # original is another instance wrapper (e.g. observe mode's)
-        self.last_context = -1  # the context the last step was priced at (for observe mode)
+        self.last_context = -1  # the context the last step's drafts were priced at (for observe mode)
+        self.buffer = StepBuffer(grid) if grid is not None else None  # this manager's verify table
         # The slots of the last large batch, reused while the same requests are scheduled and
         # no request was added or removed since (a removed and re-added request may change
         # slot): decode batches repeat, and looking 256 ids up is most of the step's cost.
@@ -94,14 +95,15 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
                     state.keys, state.slots, state.slots_generation = keys, slots, state.generation
                 total = int(computed[slots].sum())
             state.last_context = -(-total // n)  # ceil(mean): integers only, identical on every rank
-            manager.cost_tables = grid.step_tables(total, n)
+            manager.cost_tables = grid.step_tables(total, n, state.buffer)
         return original(num_tokens_per_req, draft_tokens)
 
     return get_num_tokens
 
 
 def install(manager: Any, grid: ContextGrid) -> ContextAwareState:
-    """Make this manager's get_num_tokens price each step at its batch's mean context.
+    """Make this manager's get_num_tokens price each step for its batch (drafts at the mean
+    context, verify by the KV the step reads: ContextGrid.step_tables).
 
     Per instance (other managers in the process are untouched) and idempotent: a
     second install replaces the grid and keeps the original method and tables. It
@@ -110,7 +112,7 @@ def install(manager: Any, grid: ContextGrid) -> ContextAwareState:
     """
     state = getattr(manager, _STATE, None)
     if state is not None:
-        state.grid = grid
+        state.grid, state.buffer = grid, StepBuffer(grid)
         return state
     own = manager.__dict__.get("get_num_tokens")
     original = own if own is not None else type(manager).get_num_tokens.__get__(manager)
@@ -213,4 +215,5 @@ def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False) 
     lo, hi = grid.contexts[0], grid.contexts[-1]
     return (f"dspark-calib: context-aware costs on: contexts {lo}..{hi} ({len(grid.contexts)} profiled), grid "
             f"{len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, within {100 * grid.max_rel_error:.2f}% of the "
-            f"interpolation; steps outside {lo}..{hi} are priced at the nearest profiled context")
+            f"interpolation; verify priced by the KV a step reads; below {lo} costs are extrapolated linearly, "
+            f"above {hi} they are {hi}'s")

@@ -182,7 +182,8 @@ class LoadMode:
 
 
 def _context_aware(manager: Any, curves: dict) -> None:
-    """Price each step at its batch's mean context (context_aware.py), unless the env says no.
+    """Price each step for its batch (context_aware.py: drafts at the mean context, verify by the
+    KV the step reads), unless the env says no.
     The curves came from rank 0 with the decision: no broadcast needed here."""
     from dspark_calib.errors import CalibError
     from dspark_calib.vllm import context_aware as ca
