@@ -423,12 +423,14 @@ class ContextGrid:
         max_num_reqs requests the verify array is ``buffer``'s (one per manager; the grid's own
         when None), rewritten only when its rows change, so it is valid until the next call with
         that buffer (vLLM reads it within the step)."""
+        reqs = self.costs.profile_num_reqs
+        if num_reqs == reqs:  # a full batch: one context for drafts and every verify size (a prebuilt pair)
+            return self.tables_for(-(-context_sum // reqs))
         if num_reqs <= 0:
             num_reqs = 1
         draft = self._tables[self.index(-(-context_sum // num_reqs))][0]
-        reqs = self.costs.profile_num_reqs
         tail = self.index(-(-context_sum // reqs))
-        if num_reqs >= reqs:  # every N >= num_reqs >= max_num_reqs: one context for all of them
+        if num_reqs > reqs:  # every N >= num_reqs > R: one verify context
             return draft, self._tables[tail][1]
         head = bisect_left(self._head_points, context_sum)
         if head > self._head_last:
