@@ -338,3 +338,18 @@ def test_report(sc, tmp_path):
     assert [(r["arm"], r["vs_stock"]) for r in rep["rows"]] == [("stock", 1.0), ("aware", 1.1)]
     text = md.read_text()
     assert "| aware | ctx1k | 256 | 1100 | 1.100 |" in text and "| stock | verify | 1024-2047 | 300.00 / 310.00" in text
+
+
+def test_gpu_readings_are_joined_to_workloads_by_wall_clock(sc):
+    samples = [{"t": t, "sm_mhz": mhz, "power_w": w, "temp_c": 50.0, "throttle": th}
+               for t, mhz, w, th in [(9.0, 1980, 100, []), (10.5, 1900, 600, []), (11.0, 1700, 690, ["hw_slowdown"]),
+                                     (12.5, 1800, 650, []), (20.0, 1980, 120, [])]]
+    events = [{"event": "start", "workload": "ctx1k", "t": 10.0},
+              {"event": "workload", "workload": {"name": "ctx1k"}, "t": 13.0},
+              {"event": "start", "workload": "ctx16k", "t": 30.0},
+              {"event": "workload", "workload": {"name": "ctx16k"}, "t": 31.0}]
+    g = sc.gpu_by_workload(samples, events, "nvml", "")
+    w = g["by_workload"]["ctx1k"]
+    assert w["readings"] == 3 and w["sm_mhz_p50"] == 1800 and w["sm_mhz_min"] == 1700
+    assert w["power_w_max"] == 690 and w["throttled_share"] == pytest.approx(1 / 3, abs=1e-3) and w["reasons"] == ["hw_slowdown"]
+    assert g["by_workload"]["ctx16k"]["readings"] == 0 and g["by_workload"]["ctx16k"]["sm_mhz_p50"] is None

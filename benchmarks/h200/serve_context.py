@@ -154,6 +154,8 @@ KILL_MARGIN_S = 65.0  # the engine child is stopped this long before the deadlin
 # (AsyncLLM.shutdown(timeout=30) + 5 s, so observe's last file is written), 10 s of group kill,
 # then ~15 s of post-processing and writing the results
 LOG_CAP = 4 << 20
+GPU_SAMPLE_S = 0.2  # the parent's GPU readings while the engine serves (GpuSampler)
+GPU_MAX_SAMPLES = 6000  # 20 minutes at 5 Hz: bounds the summary's memory, never reached in one arm
 
 
 # -- workloads and concurrency (pure) ---------------------------------------------------------
@@ -617,6 +619,7 @@ def engine_child(args: argparse.Namespace) -> int:
     results = open(args.results, "a", buffering=1)
 
     def sink(obj: dict[str, Any]) -> None:
+        obj = {**obj, "t": round(time.time(), 3)}  # wall clock: joins the parent's GPU readings
         results.write(json.dumps(obj) + "\n")
         results.flush()
         if obj.get("event") != "workload":
@@ -834,19 +837,24 @@ def run_arm(args: argparse.Namespace) -> int:
           + ", ".join(f"{w.name} c{w.concurrency} n{w.num_requests} ~{estimate_seconds(w):.0f}s" for w in plan),
           flush=True)
     killed = False
+    sampler = GpuSampler(GPU_SAMPLE_S)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        sampler.start()
         try:
             rc = proc.wait(timeout=max(1.0, child_deadline - time.time()))
         except subprocess.TimeoutExpired:
             killed = True
             _kill_group(proc)
             rc = proc.wait()
+        finally:
+            sampler.stop()
     t_child = time.time()
     events = _read_jsonl(results_path)
     log_text = _tail(log_path, LOG_CAP)
     summary = post_process(arm, events, obs, table, out_dir, log_text=_grep(log_path, LOG_PATTERN), rc=rc,
                            killed=killed, dry_run=args.dry_run)
+    summary["gpu"] = gpu_by_workload(sampler.samples, events, sampler.source, sampler.note)
     summary["host"] = _host()
     try:
         from dspark_calib import __version__ as tool_version
@@ -860,6 +868,68 @@ def run_arm(args: argparse.Namespace) -> int:
         fh.write(log_text)
     print_arm(summary)
     return 0 if summary["workloads"] else 1
+
+
+class GpuSampler:
+    """The GPU's clocks, power and throttle reasons every period seconds, from this (parent)
+    process while the engine child serves: NVML reads ~1 ms on the host and none on the GPU, so
+    it does not touch the timed steps. Why: serving steps measured 3-8 % slower than the
+    profile said even at a profiled context (2026-11-30); sustained-load clocks against the
+    profile's short blocks is one suspect, and these readings (beside the table's own block
+    telemetry) test it."""
+
+    def __init__(self, period: float):
+        import threading
+
+        self.period, self.samples, self._stop = period, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.source, self.note = "none", ""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            from dspark_calib.vllm.gpu_readings import GpuReader
+
+            reader = GpuReader(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
+        except Exception as exc:  # noqa: BLE001 - no readings is a result, not a failed arm
+            self.note = f"{type(exc).__name__}: {exc}"[:200]
+            return
+        self.source, self.note = reader.source, reader.note
+        while not self._stop.wait(self.period):
+            r = reader.read()
+            if len(self.samples) < GPU_MAX_SAMPLES:
+                self.samples.append({"t": round(time.time(), 3), "sm_mhz": r.sm_mhz, "power_w": r.power_w,
+                                     "temp_c": r.temp_c, "throttle": list(r.throttle)})
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def gpu_by_workload(samples: list[dict[str, Any]], events: list[dict[str, Any]], source: str,
+                    note: str) -> dict[str, Any]:
+    """Per workload (between its "start" and "workload" events): median and min SM clock, median
+    and max power, the share of readings with any throttle reason and which reasons."""
+    out: dict[str, Any] = {"source": source, "note": note, "samples": len(samples), "period_s": GPU_SAMPLE_S,
+                           "by_workload": {}}
+    starts = {e["workload"]: e["t"] for e in events if e.get("event") == "start" and "t" in e}
+    for e in events:
+        if e.get("event") != "workload" or "t" not in e:
+            continue
+        name = e["workload"]["name"]
+        t0, t1 = starts.get(name), e["t"]
+        win = [s for s in samples if t0 is not None and t0 <= s["t"] <= t1]
+        sm = [s["sm_mhz"] for s in win if s["sm_mhz"] is not None]
+        pw = [s["power_w"] for s in win if s["power_w"] is not None]
+        reasons = sorted({r for s in win for r in s["throttle"]})
+        out["by_workload"][name] = {
+            "readings": len(win), "sm_mhz_p50": percentile(sm, 50), "sm_mhz_min": min(sm) if sm else None,
+            "power_w_p50": percentile(pw, 50), "power_w_max": max(pw) if pw else None,
+            "throttled_share": _r(sum(1 for s in win if s["throttle"]) / len(win), 3) if win else None,
+            "reasons": reasons}
+    return out
 
 
 def _kill_group(proc: subprocess.Popen, graceful_s: float = 35.0) -> None:
@@ -1063,7 +1133,8 @@ def build_report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
                          "budget_per_request": b.get("per_request_mean"), "share_full": b.get("share_full"),
                          "share_zero": b.get("share_zero"), "pricings_disagree": b.get("pricings_disagree_share"),
                          "own_verify_error_pct": {e["context_bucket"]: e["median_pct"] for e in w.get("own_error", [])
-                                                  if e["kind"] == "verify"}})
+                                                  if e["kind"] == "verify"},
+                         "gpu": ((s.get("gpu") or {}).get("by_workload") or {}).get(name)})
         for e in s.get("own_error", []):
             errors.append({"arm": arm, "source": "engine", **e})
         for v in s.get("validate_by_context", []):
@@ -1086,6 +1157,18 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{_f(r['vs_stock'], 3)} | {_f(r['tpot_p50_ms'], 2)} | {_f(r['tpot_p90_ms'], 2)} | "
                      f"{_f(r['tokens_per_step'], 2)} | {_f(r['budget_per_request'], 2)} | {_f(r['share_full'], 2)} | "
                      f"{_f(r['share_zero'], 2)} | {errs or '-'} |")
+    gpu = [r for r in report["rows"] if r.get("gpu")]
+    if gpu:
+        lines += ["", "The GPU while each workload served (the harness's NVML readings every "
+                      f"{GPU_SAMPLE_S} s; the table's own profile blocks, for comparison, are in its telemetry: "
+                      "`dspark-calib inspect TABLE`):", "",
+                  "| arm | workload | readings | SM MHz p50 / min | power W p50 / max | throttled share | reasons |",
+                  "|---|---|---:|---|---|---:|---|"]
+        for r in gpu:
+            g = r["gpu"]
+            lines.append(f"| {r['arm']} | {r['workload']} | {g['readings']} | {_f(g['sm_mhz_p50'], 0)} / "
+                         f"{_f(g['sm_mhz_min'], 0)} | {_f(g['power_w_p50'], 0)} / {_f(g['power_w_max'], 0)} | "
+                         f"{_f(g['throttled_share'], 2)} | {', '.join(g['reasons']) or '-'} |")
     val = [e for e in report["errors"] if e["source"] == "validate"]
     if val:
         lines += ["", "`dspark-calib validate` on each arm's observed steps, as run on the host (the arm's own "
