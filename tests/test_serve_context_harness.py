@@ -353,3 +353,10 @@ def test_gpu_readings_are_joined_to_workloads_by_wall_clock(sc):
     assert w["readings"] == 3 and w["sm_mhz_p50"] == 1800 and w["sm_mhz_min"] == 1700
     assert w["power_w_max"] == 690 and w["throttled_share"] == pytest.approx(1 / 3, abs=1e-3) and w["reasons"] == ["hw_slowdown"]
     assert g["by_workload"]["ctx16k"]["readings"] == 0 and g["by_workload"]["ctx16k"]["sm_mhz_p50"] is None
+
+
+def test_observe_every_zero_is_an_engine_without_observe(sc):
+    env = sc.arm_env("stock", None, "/tmp/obs", every=0, base={"DSPARK_CALIB_OBSERVE": "/stale", "PATH": "/bin"})
+    assert not any(k.startswith("DSPARK_CALIB_") for k in env) and env["PATH"] == "/bin"
+    on = sc.arm_env("aware", "/t.parquet", "/tmp/obs", every=4, base={})
+    assert on["DSPARK_CALIB_OBSERVE"] == "/tmp/obs" and on["DSPARK_CALIB_OBSERVE_EVERY"] == "4"

@@ -480,8 +480,9 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4,
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith("DSPARK_CALIB_") and k != "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN"}
     env.update({"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "8192",
-                "VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1",
-                "DSPARK_CALIB_OBSERVE": observe_dir, "DSPARK_CALIB_OBSERVE_EVERY": str(every)})
+                "VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"})
+    if every > 0:  # every 0: observe off (the baseline for observe's own throughput cost)
+        env.update({"DSPARK_CALIB_OBSERVE": observe_dir, "DSPARK_CALIB_OBSERVE_EVERY": str(every)})
     if arm != "stock":
         if not table:
             raise ValueError(f"arm {arm} needs a table")
@@ -809,9 +810,10 @@ class FakeEngine:
 def run_arm(args: argparse.Namespace) -> int:
     t_start = time.time()
     arm = args.arm
+    label = arm if args.observe_every > 0 else f"{arm}-noobs"  # the files' and the report's name
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
-    work = os.path.abspath(args.work or f"/tmp/serve-context-{arm}")
+    work = os.path.abspath(args.work or f"/tmp/serve-context-{label}")
     obs = os.path.join(work, "observe")
     if os.path.isdir(work):
         import shutil
@@ -853,7 +855,7 @@ def run_arm(args: argparse.Namespace) -> int:
     events = _read_jsonl(results_path)
     log_text = _tail(log_path, LOG_CAP)
     summary = post_process(arm, events, obs, table, out_dir, log_text=_grep(log_path, LOG_PATTERN), rc=rc,
-                           killed=killed, dry_run=args.dry_run)
+                           killed=killed, dry_run=args.dry_run, label=label, observe_every=args.observe_every)
     summary["gpu"] = gpu_by_workload(sampler.samples, events, sampler.source, sampler.note)
     summary["host"] = _host()
     try:
@@ -863,8 +865,8 @@ def run_arm(args: argparse.Namespace) -> int:
     summary["dspark_calib_version"] = tool_version
     summary["timing"] = {"engine_child_s": round(t_child - t_start, 1), "post_s": round(time.time() - t_child, 1),
                          "deadline_left_s": round(deadline - time.time(), 1)}
-    _write_json(os.path.join(out_dir, f"context-{arm}.json"), summary)
-    with open(os.path.join(out_dir, f"context-{arm}.log"), "w") as fh:
+    _write_json(os.path.join(out_dir, f"context-{label}.json"), summary)
+    with open(os.path.join(out_dir, f"context-{label}.log"), "w") as fh:
         fh.write(log_text)
     print_arm(summary)
     return 0 if summary["workloads"] else 1
@@ -1011,14 +1013,19 @@ DSPARK_LINE = re.compile(r"dspark[-_]calib")
 
 
 def post_process(arm: str, events: list[dict[str, Any]], obs: str, table: str | None, out_dir: str, *,
-                 log_text: str = "", rc: int | None = 0, killed: bool = False, dry_run: bool = False) -> dict[str, Any]:
+                 log_text: str = "", rc: int | None = 0, killed: bool = False, dry_run: bool = False,
+                 label: str | None = None, observe_every: int = 4) -> dict[str, Any]:
     """The arm's summary from the child's events and the observe files; writes the compacted
-    observe file and the per-request file under out_dir."""
+    observe file and the per-request file under out_dir (named by label: the arm, or ARM-noobs
+    for a run with observe off)."""
+    label = label or arm
     engine = next((e for e in events if e.get("event") == "engine"), {})
     done = [e for e in events if e.get("event") == "workload"]
     summary: dict[str, Any] = {
-        "arm": arm, "dry_run": dry_run, "child_rc": rc, "child_killed": killed,
-        "env": {k: v for k, v in arm_env(arm, table, obs, base={}).items() if k.startswith(("DSPARK", "VLLM"))},
+        "arm": label, "pricing": arm, "observe_every": observe_every, "dry_run": dry_run, "child_rc": rc,
+        "child_killed": killed,
+        "env": {k: v for k, v in arm_env(arm, table, obs, every=observe_every, base={}).items()
+                if k.startswith(("DSPARK", "VLLM"))},
         "table": _table_info(table) if table else None,
         "engine": {k: engine.get(k) for k in ("import_s", "start_s", "kv_tokens", "kv_blocks", "block_size",
                                               "speculative_config")},
@@ -1038,14 +1045,17 @@ def post_process(arm: str, events: list[dict[str, Any]], obs: str, table: str | 
         reqs[name] = [{k: r.get(k) for k in ("i", "prompt_len", "n", "chunks", "ttft", "ttft_engine", "preemptions",
                                              "mean_acceptance_length", "spec_steps", "accepted_drafts", "drafts")}
                       | {"tpot_ms": _ms(request_tpot_s(r)[0])} for r in e["requests"]]
-    _write_json(os.path.join(out_dir, f"context-{arm}-requests.json"), reqs)
+    _write_json(os.path.join(out_dir, f"context-{label}-requests.json"), reqs)
+    if observe_every <= 0:
+        summary["observed"] = {"rows": 0, "off": True}
+        return summary
     # observe
     try:
         import numpy as np  # noqa: F401
 
         from dspark_calib.observe import read_observed
 
-        dst = os.path.join(out_dir, f"context-{arm}-observed.parquet")
+        dst = os.path.join(out_dir, f"context-{label}-observed.parquet")
         summary["observed"] = compact_observed(obs, dst)
         cols = sorted_columns(dict(read_observed([dst]).columns))
     except Exception as exc:  # noqa: BLE001 - no observe files is a result to report, not a crash
@@ -1097,7 +1107,7 @@ def run_validate(table: str, observed: str) -> dict[str, Any]:
 def print_arm(s: dict[str, Any]) -> None:
     print(f"\narm {s['arm']}: engine start {s['engine'].get('start_s')} s, KV {s['engine'].get('kv_tokens')} tokens, "
           f"observed {s.get('observed', {}).get('rows')} steps ({s.get('observed', {}).get('segmented', '-')})")
-    if not s.get("observed", {}).get("rows"):  # the arm's main evidence is missing: say it first
+    if not s.get("observed", {}).get("rows") and not s.get("observed", {}).get("off"):  # evidence missing: say it
         print(f"    OBSERVE WROTE NO ROWS: {s.get('observed', {}).get('error', 'no error recorded')}")
     for ln in s["dspark_log"][-6:]:
         print("   ", ln[-300:])
@@ -1237,7 +1247,7 @@ def run_report(args: argparse.Namespace) -> int:
     arms = {}
     for d in args.results:
         for name in sorted(os.listdir(d)):
-            m = re.fullmatch(r"context-([a-z]+)\.json", name)
+            m = re.fullmatch(r"context-([a-z]+(?:-noobs)?)\.json", name)
             if m:
                 with open(os.path.join(d, name)) as fh:
                     arms[m.group(1)] = json.load(fh)
