@@ -12,8 +12,9 @@ indexes, at any context L:
   above it and the extrapolation past the last size all stay vLLM's. At a
   profiled context the result IS that table (bit-identical); above the
   profiled range it is the longest context's table, below it the line through
-  the two shortest extended towards context 0 (floored as vLLM floors), each
-  with an ``OutOfRange`` warning object (never a print: the caller decides
+  the two shortest extended towards context 0 (its context-0 point kept between
+  vLLM's floor and the shortest context's costs), each with an ``OutOfRange``
+  warning object (never a print: the caller decides
   where it goes). Below the range is where the H200 data says so: see
   ContextCosts.
 * ``ContextGrid``: the same, precomputed at load on a grid of contexts (from 0),
@@ -78,10 +79,7 @@ class OutOfRange:
     context_len: int
     used_context: int
     profiled: tuple[int, ...]
-
-    @property
-    def extrapolated(self) -> bool:
-        return self.context_len < self.profiled[0] and len(self.profiled) > 1
+    extrapolated: bool = False  # below the range, on the line through the two shortest
 
     def __str__(self) -> str:
         side = "below" if self.context_len < self.used_context else "above"
@@ -168,12 +166,12 @@ class ContextCosts:
         # R(N)'s cap in verify_context: the max_num_seqs of the engine that profiled the curves (the
         # loader requires the serving engine's to be equal; validate may see files from another)
         self.profile_num_reqs = int(profile_num_reqs or max_num_reqs)
-        if not 1 <= self.profile_num_reqs <= self.max_num_batched_tokens:
-            raise CalibError(f"profiled max_num_seqs {self.profile_num_reqs} is outside 1..max_num_batched_tokens "
-                             f"{self.max_num_batched_tokens}")
         if self.max_num_reqs > self.max_num_batched_tokens:
             raise CalibError(f"max_num_reqs {self.max_num_reqs} exceeds max_num_batched_tokens "
                              f"{self.max_num_batched_tokens} (vLLM refuses such an engine)")
+        if not 1 <= self.profile_num_reqs <= self.max_num_batched_tokens:
+            raise CalibError(f"profiled max_num_seqs {self.profile_num_reqs} is outside 1..max_num_batched_tokens "
+                             f"{self.max_num_batched_tokens}")
         by_ctx = {int(c): p for c, p in curves.items()}
         self.tables: dict[int, Tables] = {}
         for ctx in self.contexts:
@@ -181,17 +179,24 @@ class ContextCosts:
                                               self.max_num_batched_tokens, self.cudagraph_limit)
             self.tables[ctx] = (_readonly(draft), _readonly(verify))
         # The interpolation's knots: the profiled contexts and, below the shortest, context 0 with
-        # the line through the two shortest extended to it (floored as vLLM floors its tables).
-        # Attention cost is linear in the KV read, and below the range that line measured 10x
-        # closer than the shortest context's flat costs on real H200 serving steps (verify 0.6 %
-        # against 5.8 % median; drafts 1.2 % against 2.4 %). Above the range: the longest
+        # the line through the two shortest extended to it. Attention cost is linear in the KV
+        # read, and below the range that line measured 10x closer than the shortest context's
+        # flat costs on real H200 serving steps (verify 0.6 % against 5.8 % median; drafts 1.2 %
+        # against 2.4 %). Guards, since profiling noise on a short span would be stretched: only
+        # when the two shortest are at least c0 apart (the line reaches 0 within its own span);
+        # the context-0 table is kept between vLLM's floor and the shortest context's, and made
+        # non-decreasing in size as vLLM makes every table. Above the range: the longest
         # context's costs (profile up to the engine's max_model_len: `profile` does by default).
         self.knots: tuple[int, ...] = self.contexts
-        if len(self.contexts) > 1 and self.contexts[0] > 0:
-            (c0, c1), ((d0, v0), (d1, v1)) = self.contexts[:2], (self.tables[c] for c in self.contexts[:2])
-            zero_d = np.maximum(d0 - (d1 - d0) * (c0 / (c1 - c0)), DRAFT_FLOOR_MS)
-            zero_v = np.maximum(v0 - (v1 - v0) * (c0 / (c1 - c0)), VERIFY_FLOOR_MS)
-            self.tables[0] = (_readonly(zero_d), _readonly(zero_v))
+        c0, c1 = (self.contexts + (0,))[:2]
+        self.extrapolates_below = len(self.contexts) > 1 and 0 < c0 <= c1 - c0
+        if self.extrapolates_below:
+            (d0, v0), (d1, v1) = self.tables[c0], self.tables[c1]
+            zero = []
+            for lo, hi, floor in ((d0, d1, DRAFT_FLOOR_MS), (v0, v1, VERIFY_FLOOR_MS)):
+                z = np.clip(lo - (hi - lo) * (c0 / (c1 - c0)), floor, lo)
+                zero.append(_readonly(np.maximum.accumulate(z)))  # <= lo still: lo is non-decreasing
+            self.tables[0] = (zero[0], zero[1])
             self.knots = (0, *self.contexts)
 
     @classmethod
@@ -226,7 +231,7 @@ class ContextCosts:
         warning = None
         if not self.contexts[0] <= context_len <= self.contexts[-1]:
             warning = OutOfRange(context_len, min(max(context_len, self.contexts[0]), self.contexts[-1]),
-                                 self.contexts)
+                                 self.contexts, extrapolated=self.extrapolates_below and context_len < self.contexts[0])
         if lo == hi:  # a profiled context (or clamped to one): its own tables, bit for bit
             draft, verify = self.tables[lo]
         else:
@@ -261,8 +266,9 @@ def dense_tables(table: Any, context_len: int, **sizes: int | None) -> PricedTab
                          fp.cudagraph_limit if sizes.get("cudagraph_limit") is None else sizes["cudagraph_limit"])
     priced = costs.at(int(context_len))
     if priced.warning is not None:  # the warning names the whole profiled range, not just the bracket
+        w = priced.warning
         priced = PricedTables(priced.draft, priced.verify, priced.context_len, priced.lower, priced.upper,
-                              priced.weight, OutOfRange(int(context_len), priced.warning.used_context, tuple(ctxs)))
+                              priced.weight, OutOfRange(int(context_len), w.used_context, tuple(ctxs), w.extrapolated))
     return priced
 
 
@@ -331,7 +337,8 @@ class ContextGrid:
         pts = np.asarray(points, dtype=np.int64)
         verify = np.stack([costs.tables[c][1][:reqs] for c in knots])  # (knots, reqs)
         sizes = np.arange(reqs)
-        context = pts[:, None] / np.maximum(sizes, 1)[None, :]
+        # ceil(S_j / N), as verify_context rounds: with S_j >= S, a row never prices below the step
+        context = (-(-pts[:, None] // np.maximum(sizes, 1)[None, :])).astype(np.float64)
         if len(knots) == 1:
             head = np.broadcast_to(verify[0], context.shape).copy()
         else:
@@ -399,7 +406,8 @@ class ContextGrid:
         return len(self.points)
 
     def index(self, context_len: int) -> int:
-        """Grid row for a context: the first point >= it, clamped to the profiled range."""
+        """Grid row for a context: the first point >= it, clamped to the grid (its first knot, 0
+        when the costs extrapolate below the shortest profiled context, to the longest)."""
         i = context_len - self._lo
         if i <= 0:
             return 0

@@ -65,12 +65,10 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
                   f"{100 * result.grid['max_rel_error']:.2f}%)")
     if result.verify_out_of_range_steps:
         console.print(f"[yellow]{result.verify_out_of_range_steps} decode steps verify at a context outside "
-                      f"{result.profiled_contexts[0]}..{result.profiled_contexts[-1]} (extrapolated below, the "
-                      f"longest above)[/]")
+                      f"{result.profiled_contexts[0]}..{result.profiled_contexts[-1]}[/]")
     if result.out_of_range_steps:
         console.print(f"[yellow]{result.out_of_range_steps} steps outside the profiled contexts "
-                      f"{result.profiled_contexts[0]}..{result.profiled_contexts[-1]} (mean context): extrapolated "
-                      f"below, the longest context's costs above[/]")
+                      f"{result.profiled_contexts[0]}..{result.profiled_contexts[-1]} (mean context)[/]")
     change = result.budget_change
     if change.compared:
         console.print(f"budget would change in {change.changed} of {change.compared} steps "

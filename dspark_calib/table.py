@@ -136,7 +136,8 @@ class CostTable:
         """vLLM's dense (draft, verify) tables priced at context L, for the engine this table was
         profiled on (or the given limits). Between profiled contexts: per size, linear in
         context (dspark_calib.context); at a profiled context: exactly vLLM's tables from its
-        curves; outside the range: the nearest context's, with ``.warning`` set (OutOfRange).
+        curves; above the range: the longest context's; below it: the line through the two
+        shortest, extended towards 0 (context.ContextCosts); outside, ``.warning`` is set (OutOfRange).
         None: default_context(). Curve display uses pair()/nearest_context() instead."""
         from dspark_calib.context import DenseTables, dense_tables
 

@@ -79,21 +79,36 @@ def test_above_the_range_is_the_longest_context_plus_a_warning(reference_table, 
 
 @pytest.mark.parametrize("ctx", [0, 1, 512, 1023])
 def test_below_the_range_is_the_line_through_the_two_shortest(reference_table, costs, grid, ctx):
-    """Linear in context below the shortest profiled one (attention reads ctx KV tokens), floored
-    as vLLM floors its tables; a warning says so."""
+    """Linear in context below the shortest profiled one (attention reads ctx KV tokens) towards a
+    context-0 table kept between vLLM's floor and the shortest context's costs and non-decreasing
+    in size (as vLLM makes every table); a warning says so."""
     priced = costs.at(ctx)
     assert isinstance(priced.warning, OutOfRange) and priced.warning.extrapolated
     assert "extrapolated linearly from contexts 1024 and 8192" in str(priced.warning)
     (d0, v0), (d1, v1) = _vllm_tables(reference_table, 1024), _vllm_tables(reference_table, 8192)
-    w = (ctx - 1024) / (8192 - 1024)
-    want_v = np.maximum(v0 + w * (v1 - v0), VERIFY_FLOOR_MS)
-    want_d = np.maximum(d0 + w * (d1 - d0), DRAFT_FLOOR_MS)
-    np.testing.assert_allclose(priced.verify, want_v, rtol=1e-9)
-    np.testing.assert_allclose(priced.draft, want_d, rtol=1e-9, atol=1e-12)
-    assert (priced.verify <= v0).all() and (priced.verify > 0).all()  # below the shortest, never above it
+    k = 1024 / (8192 - 1024)
+    zero_v = np.maximum.accumulate(np.clip(v0 - (v1 - v0) * k, VERIFY_FLOOR_MS, v0))
+    zero_d = np.maximum.accumulate(np.clip(d0 - (d1 - d0) * k, DRAFT_FLOOR_MS, d0))
+    w = ctx / 1024
+    np.testing.assert_allclose(priced.verify, zero_v + w * (v0 - zero_v), rtol=1e-9)
+    np.testing.assert_allclose(priced.draft, zero_d + w * (d0 - zero_d), rtol=1e-9, atol=1e-12)
+    for table, top in ((priced.verify, v0), (priced.draft, d0)):
+        assert (np.diff(table) >= 0).all() and (table <= top).all()  # vLLM's shape; never above 1024's
+    assert (priced.verify > 0).all()
     np.testing.assert_allclose(dense_tables(reference_table, ctx).verify, priced.verify, rtol=1e-12)
     g = grid.tables_for(ctx)[1]  # the grid rounds up: within its bound, never below
     assert (g >= priced.verify * (1 - 1e-12)).all() and (g <= priced.verify * (1 + grid.max_rel_error) + 1e-12).all()
+
+
+def test_no_extrapolation_when_the_two_shortest_are_too_close():
+    """A line over a short span would stretch profiling noise all the way to context 0: when the
+    two shortest contexts are less than the shortest apart, below the range is the shortest's."""
+    curves = {4096: ([(1, 1.0), (8, 1.1)], [(1, 5.0), (8, 5.5)]), 4352: ([(1, 1.1), (8, 1.2)], [(1, 5.4), (8, 6.0)])}
+    costs = ContextCosts(curves, 8, 16)
+    assert not costs.extrapolates_below and costs.knots == (4096, 4352)
+    priced = costs.at(2048)
+    assert not priced.warning.extrapolated and "priced at context 4096" in str(priced.warning)
+    assert np.array_equal(priced.verify, costs.tables[4096][1])
 
 
 def test_monotone_in_context_on_h200(costs, grid):
@@ -153,17 +168,23 @@ positive_costs = st.floats(min_value=0.01, max_value=1e3, allow_nan=False)
 
 @st.composite
 def curve_sets(draw):
-    """2-4 contexts; each context's curve = a base curve plus a non-negative per-context bump,
-    so costs rise with context (like attention) entry by entry."""
+    """2-4 contexts; each context's curve = a base curve plus a non-negative per-context bump
+    scaled per size (attention's share differs by size), so costs rise with context entry by
+    entry, at slopes that differ by size (what stresses the extrapolation to context 0)."""
     sizes = sorted(draw(st.sets(st.integers(1, 300), min_size=1, max_size=12)))
     rsizes = sorted(draw(st.sets(st.integers(1, 20), min_size=1, max_size=5)))
     contexts = sorted(draw(st.sets(st.integers(0, 50_000), min_size=2, max_size=4)))
     base_v = [draw(positive_costs) for _ in sizes]
     base_d = [draw(positive_costs) for _ in rsizes]
+    # non-decreasing in size (a bigger batch's attention share is not smaller), which keeps
+    # vLLM's extrapolation past the last size rising with context too
+    scale_v = sorted(draw(st.floats(0, 3)) for _ in sizes)
+    scale_d = sorted(draw(st.floats(0, 3)) for _ in rsizes)
     curves, extra = {}, 0.0
     for c in contexts:
         extra += draw(st.floats(0, 100))
-        curves[c] = ([(s, b + extra) for s, b in zip(rsizes, base_d)], [(s, b + extra) for s, b in zip(sizes, base_v)])
+        curves[c] = ([(s, b + extra * k) for s, b, k in zip(rsizes, base_d, scale_d)],
+                     [(s, b + extra * k) for s, b, k in zip(sizes, base_v, scale_v)])
     return curves, draw(st.integers(0, 320))
 
 
@@ -181,6 +202,8 @@ def test_properties_on_random_curves(data, probe):
     lo, hi = costs.tables[priced.lower], costs.tables[priced.upper]
     for got, a, b in zip(priced.as_tuple(), lo, hi):  # between its two neighbours
         assert np.all(got >= np.minimum(a, b)) and np.all(got <= np.maximum(a, b))
+    for table in priced.as_tuple():  # vLLM's shape survives blending and the extrapolation below
+        assert (np.diff(table) >= 0).all()
     # monotone in context where the inputs are
     later = costs.at(probe + 37)
     assert np.all(later.verify >= priced.verify) and np.all(later.draft >= priced.draft)
@@ -285,3 +308,20 @@ def test_kv_rows_cover_every_sum_within_the_bound(grid):
     steps = np.diff(grid.head_points)
     assert (steps >= 1).all() and (steps <= np.maximum(1, np.asarray(grid.head_points[:-1]) // 200)).all()
     assert grid.max_rel_error <= DEFAULT_TOLERANCE + 1e-9
+
+
+def test_kv_rows_use_the_profiling_engines_max_num_seqs(reference_table):
+    """R(N) caps at the max_num_seqs the table was profiled with, also when the engine's differs
+    (validate of another engine's files): the KV rows are that wide, and step_tables agrees with
+    price() for batches below, at and above it."""
+    costs = ContextCosts.from_table(reference_table, max_num_reqs=300, max_num_batched_tokens=9000)
+    assert costs.profile_num_reqs == 256 and costs.max_num_reqs == 300
+    grid = ContextGrid(costs)
+    assert grid.head.shape[1] == 256
+    sizes = np.arange(9001)
+    for n, total in ((100, 100 * 5000), (256, 256 * 3000), (280, 280 * 12000), (1, 70)):
+        draft, verify = grid.step_tables(total, n)
+        want_d, want_v = grid.price(np.full(len(sizes), total), np.full(len(sizes), n), sizes)
+        assert draft[n] == want_d[0] and np.array_equal(verify[n:], want_v[n:]), n
+        exact = costs.at(verify_context(total, max(n, 300), 256)).verify[max(n, 300)]
+        assert abs(verify[max(n, 300)] / exact - 1) <= grid.max_rel_error + 1e-12

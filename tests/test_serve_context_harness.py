@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -360,3 +359,43 @@ def test_observe_every_zero_is_an_engine_without_observe(sc):
     assert not any(k.startswith("DSPARK_CALIB_") for k in env) and env["PATH"] == "/bin"
     on = sc.arm_env("aware", "/t.parquet", "/tmp/obs", every=4, base={})
     assert on["DSPARK_CALIB_OBSERVE"] == "/tmp/obs" and on["DSPARK_CALIB_OBSERVE_EVERY"] == "4"
+
+
+def test_gpu_sampler_device_index_and_a_failing_reader(sc, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234-abcd")
+    index, note = sc.GpuSampler.device_index()
+    assert index == 0 and "not an index" in note
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert sc.GpuSampler.device_index() == (3, "")
+    sampler = sc.GpuSampler(0.01)
+    sampler.stop()  # before start: nothing to join
+
+    class Broken:
+        source, note = "nvml", ""
+
+        def read(self):
+            raise RuntimeError("NVML went away")
+
+    import dspark_calib.vllm.gpu_readings as gr
+    monkeypatch.setattr(gr, "GpuReader", lambda index: Broken())
+    sampler = sc.GpuSampler(0.01)
+    sampler.start()
+    sampler._thread.join(timeout=5)
+    assert not sampler._thread.is_alive() and sampler.samples == [] and "reading failed: RuntimeError" in sampler.note
+
+
+def test_report_sets_an_arm_without_observe_beside_stock(sc, tmp_path):
+    import argparse
+    import shutil
+
+    src = REPO / "benchmarks" / "results" / "h200" / "context-stock.json"
+    shutil.copy(src, tmp_path / "context-stock.json")
+    noobs = json.loads(src.read_text())
+    noobs.update(arm="stock-noobs", observe_every=0, observed={"rows": 0, "off": True})
+    (tmp_path / "context-stock-noobs.json").write_text(json.dumps(noobs))
+    args = argparse.Namespace(results=[str(tmp_path)], json=str(tmp_path / "r.json"), md=str(tmp_path / "r.md"))
+    assert sc.run_report(args) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["arms"] == ["stock", "stock-noobs"]
+    rows = {(r["arm"], r["workload"]): r for r in rep["rows"]}
+    assert rows[("stock-noobs", "ctx8k")]["vs_stock"] == 1.0  # the same numbers: ratio to stock

@@ -890,24 +890,42 @@ class GpuSampler:
     def start(self) -> None:
         self._thread.start()
 
+    @staticmethod
+    def device_index() -> tuple[int, str]:
+        """NVML's index of the engine's GPU: the first CUDA_VISIBLE_DEVICES entry when it is a
+        number (NVML counts in PCI order: right on these hosts, which set none or CUDA_DEVICE_ORDER
+        =PCI_BUS_ID), else device 0 and a note saying so (a GPU-/MIG- UUID)."""
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        if not first or first.isdigit():
+            return int(first or 0), ""
+        return 0, f"CUDA_VISIBLE_DEVICES entry {first[:40]!r} is not an index: NVML device 0 read"
+
     def _run(self) -> None:
+        index, where = self.device_index()
         try:
             from dspark_calib.vllm.gpu_readings import GpuReader
 
-            reader = GpuReader(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
+            reader = GpuReader(index)
         except Exception as exc:  # noqa: BLE001 - no readings is a result, not a failed arm
-            self.note = f"{type(exc).__name__}: {exc}"[:200]
+            self.note = "; ".join(x for x in (where, f"{type(exc).__name__}: {exc}"[:200]) if x)
             return
-        self.source, self.note = reader.source, reader.note
+        self.source, self.note = reader.source, "; ".join(x for x in (where, reader.note) if x)
         while not self._stop.wait(self.period):
-            r = reader.read()
-            if len(self.samples) < GPU_MAX_SAMPLES:
-                self.samples.append({"t": round(time.time(), 3), "sm_mhz": r.sm_mhz, "power_w": r.power_w,
-                                     "temp_c": r.temp_c, "throttle": list(r.throttle)})
+            if len(self.samples) >= GPU_MAX_SAMPLES:
+                self.note = "; ".join(x for x in (self.note, f"stopped at {GPU_MAX_SAMPLES} readings") if x)
+                return
+            try:
+                r = reader.read()
+            except Exception as exc:  # noqa: BLE001 - a reading lost ends the series, never the arm
+                self.note = "; ".join(x for x in (self.note, f"reading failed: {type(exc).__name__}") if x)
+                return
+            self.samples.append({"t": round(time.time(), 3), "sm_mhz": r.sm_mhz, "power_w": r.power_w,
+                                 "temp_c": r.temp_c, "throttle": list(r.throttle)})
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
 
 def gpu_by_workload(samples: list[dict[str, Any]], events: list[dict[str, Any]], source: str,
@@ -1254,9 +1272,16 @@ def run_report(args: argparse.Namespace) -> int:
                 observed = os.path.join(d, f"context-{m.group(1)}-observed.parquet")
                 table = (arms[m.group(1)].get("table") or {}).get("path")
                 local = os.path.join(d, os.path.basename(table)) if table else None
+                want = (arms[m.group(1)].get("table") or {}).get("hash")
                 if os.path.isfile(observed) and local and os.path.isfile(local):
-                    arms[m.group(1)]["revalidated"] = revalidate(local, observed,
-                                                                 list(arms[m.group(1)].get("workloads", {})))
+                    try:  # one bad file costs its own rows, not the report
+                        got = _table_info(local).get("hash")
+                        if want and got != want:
+                            raise ValueError(f"{local} has hash {got}, the arm loaded {want}")
+                        arms[m.group(1)]["revalidated"] = revalidate(local, observed,
+                                                                     list(arms[m.group(1)].get("workloads", {})))
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"re-validation of {observed} skipped: {type(exc).__name__}: {exc}"[:300])
     if not arms:
         print(f"no context-ARM.json under {', '.join(args.results)}")
         return 1
