@@ -26,7 +26,7 @@ by default) relative to the exact interpolation. A uniform grid cannot do that
 cheaply: on the H200 Qwen3-8B curves a 256-token step is a 12 % cost change at
 context 1024 (verify at 256 tokens costs 16.8 ms there and rises ~8 us per
 context token) but 1.5 % at 16384. Error-driven spacing is dense where the
-cost is small and sparse where it is large: 0..16384 takes 585 points, and
+cost is small and sparse where it is large: 0..16384 takes 583 points, and
 the KV-sum rows for verify sizes below max_num_reqs (next section) 2310 (44 MiB
 in all at max_num_batched_tokens 8192, built in 0.2-0.3 s; a 1 % tolerance would
 halve both). Memory is capped by ``max_bytes`` (64 MiB by default) for the
