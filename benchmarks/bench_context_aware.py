@@ -14,7 +14,10 @@ each, contexts spread over 1k..16k so lookups hit different grid rows):
   call to the next (the worst case for the verify buffer below 256 requests, whose rows
   are then rewritten every call);
 * ``added_batch_changed``: as the jump, and every step's batch differs from the last one
-  (every request's slot looked up again: requests arriving or finishing);
+  (requests arriving or finishing), every request held being scheduled (full occupancy:
+  the sum is one masked reduction over the occupied slots);
+* ``added_not_all_scheduled``: the same, with one request held but not scheduled (every
+  request's slot looked up again: the worst case; not at 1 request);
 * ``plain`` / ``wrapped``: vLLM's get_num_tokens alone and behind the wrapper,
   interleaved call by call; ``wrapped - plain`` medians as a cross-check.
 
@@ -87,13 +90,19 @@ def bench_size(num_reqs, grid, tables, calls, rng):
     state = ca.install(m, grid)
     wrapped = m.get_num_tokens
     clock = time.perf_counter_ns
-    out = {"added": [], "added_context_jump": [], "added_batch_changed": [], "plain": [], "wrapped": []}
+    out = {"added": [], "added_context_jump": [], "added_batch_changed": [], "added_not_all_scheduled": [],
+           "plain": [], "wrapped": []}
     steady = computed[0].copy()
     # The same wrapper code around a no-op instead of vLLM's method: the mode's own work.
     bare_state = ca.ContextAwareState(grid, tables, lambda a, b: 0)
-    bare_state.watched = state.watched  # slot changes are counted (install wrapped req_states); none happen here
+    bare_state.watched = state.watched  # slot changes are counted (install wrapped req_states)
+    bare_state.active = state.active  # and the occupied slots kept
     bare = ca._make_wrapper(m, bare_state)
-    for phase in ("added", "added_context_jump", "added_batch_changed", "end_to_end"):
+    # all but the last request: one held, not scheduled (the occupied-slot sum does not apply)
+    partial = [dict(list(num_tokens.items())[:-1]), dict(list(reordered.items())[1:])]
+    for phase in ("added", "added_context_jump", "added_batch_changed", "added_not_all_scheduled", "end_to_end"):
+        if phase == "added_not_all_scheduled" and num_reqs < 2:
+            continue
         for i in range(calls + calls // 10):  # first tenth: warm-up, dropped
             m.req_states.num_computed_tokens_np = computed[i % VARIANTS]
             keep = i >= calls // 10
@@ -109,18 +118,18 @@ def bench_size(num_reqs, grid, tables, calls, rng):
                 t0 = clock(); bare(num_tokens, draft_tokens); t1 = clock()
                 if keep:
                     out["added_context_jump"].append(t1 - t0)
-            elif phase == "added_batch_changed":  # every step a different batch: no reuse
-                batch = reordered if i % 2 else num_tokens
-                t0 = clock(); bare(batch, draft_tokens); t1 = clock()
+            elif phase in ("added_batch_changed", "added_not_all_scheduled"):  # a different batch each step
+                pair = (num_tokens, reordered) if phase == "added_batch_changed" else partial
+                t0 = clock(); bare(pair[i % 2], draft_tokens); t1 = clock()
                 if keep:
-                    out["added_batch_changed"].append(t1 - t0)
+                    out[phase].append(t1 - t0)
             else:
                 t0 = clock(); plain(num_tokens, draft_tokens); t1 = clock()
                 wrapped(num_tokens, draft_tokens); t2 = clock()
                 if keep:
                     out["plain"].append(t1 - t0)
                     out["wrapped"].append(t2 - t1)
-    res = {k: _summary(v) for k, v in out.items()}
+    res = {k: _summary(v) if v else None for k, v in out.items()}
     res["wrapped_minus_plain_p50_us"] = res["wrapped"]["p50_us"] - res["plain"]["p50_us"]
     res["goal_p50_us"] = GOAL_US
     res["met"] = res["added"]["p50_us"] <= GOAL_US
@@ -179,12 +188,14 @@ def main():
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"grid: {len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, max error {grid.max_rel_error:.4%}, "
           f"built in {grid_s:.2f} s")
-    print(f"{'reqs':>5} {'added p50':>10} {'added p99':>10} {'jump p50':>9} {'changed p50':>11} {'plain p50':>10} "
-          f"{'wrapped p50':>12}  goal {GOAL_US} us")
+    print(f"{'reqs':>5} {'added p50':>10} {'added p99':>10} {'jump p50':>9} {'changed p50':>11} {'partial p50':>11} "
+          f"{'plain p50':>10} {'wrapped p50':>12}  goal {GOAL_US} us")
     for n, r in sizes.items():
+        part = r["added_not_all_scheduled"]
+        part_p50 = "-" if part is None else f"{part['p50_us']:.2f}u"
         print(f"{n:>5} {r['added']['p50_us']:>9.2f}u {r['added']['p99_us']:>9.2f}u "
-              f"{r['added_context_jump']['p50_us']:>8.2f}u "
-              f"{r['added_batch_changed']['p50_us']:>10.2f}u {r['plain']['p50_us']:>9.1f}u "
+              f"{r['added_context_jump']['p50_us']:>8.2f}u {r['added_batch_changed']['p50_us']:>10.2f}u "
+              f"{part_p50:>11} {r['plain']['p50_us']:>9.1f}u "
               f"{r['wrapped']['p50_us']:>11.1f}u  {'met' if r['met'] else 'MISSED'}")
     print(f"wrote {out}")
 

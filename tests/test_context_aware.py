@@ -368,6 +368,7 @@ def test_slot_cache_is_reused_for_the_same_batch_and_dropped_when_a_slot_changes
     ids = [f"r{i}" for i in range(200)]  # above the small-batch path
     for r in ids:
         m.req_states.add_request(r, int(rng.integers(1000, 16000)))
+    m.req_states.add_request("idle", 5)  # held but not scheduled: the full-occupancy path is off
     m.req_states.prefill_len.np[:] = 1
     state = ca.install(m, grid_3ctx)
     num_tokens = {r: 4 for r in ids}
@@ -401,3 +402,44 @@ def test_managers_sharing_a_grid_keep_their_own_verify_table(grid_3ctx, referenc
     num_b, drafts_b = schedule(b, np.full(16, 1100, np.int32), [STEPS] * 16, rng)
     b.get_num_tokens(num_b, drafts_b)
     assert a.cost_tables[1] is not b.cost_tables[1] and np.array_equal(a.cost_tables[1], seen)
+
+
+def test_full_occupancy_steps_sum_the_occupied_slots_through_adds_and_removes(grid_3ctx):
+    """Requests arrive and finish every few steps (the batch changes, as at high concurrency); when a
+    step schedules every request req_states holds, the context sum comes from the occupied-slot
+    mask. Whatever path a step takes, its tables are the grid's for the true sum."""
+    m = make_manager(grid_3ctx.tables_for(8192))
+    m.req_states = CountedStates(**vars(m.req_states), free=list(range(MAX_REQS)))
+    rng = np.random.default_rng(13)
+    for i in range(60):  # some requests before install
+        m.req_states.add_request(f"r{i}", int(rng.integers(0, 20000)))
+    m.req_states.prefill_len.np[:] = 1
+    state = ca.install(m, grid_3ctx)
+    live, next_id, fast = [f"r{i}" for i in range(60)], 60, 0
+    for step in range(300):
+        for _ in range(int(rng.integers(0, 4))):  # finish some
+            if len(live) > 50:
+                m.req_states.remove_request(live.pop(int(rng.integers(0, len(live)))))
+        for _ in range(int(rng.integers(0, 4))):  # admit some
+            if len(live) < MAX_REQS:
+                m.req_states.add_request(f"r{next_id}", int(rng.integers(0, 20000)))
+                live.append(f"r{next_id}")
+                next_id += 1
+        if step % 50 == 7:  # vLLM re-adds a request under another slot (resumed): the mask follows
+            rid = live[0]
+            m.req_states.free.append(m.req_states.req_id_to_index[rid])
+            m.req_states.add_request(rid, int(rng.integers(0, 20000)))
+        slots = [m.req_states.req_id_to_index[r] for r in live]
+        m.req_states.num_computed_tokens_np[slots] += 4
+        sched = live if step % 3 else live[: len(live) - 1]  # now and then one request sits out
+        fast += len(sched) == len(m.req_states.req_id_to_index)
+        num_tokens = {r: 1 for r in sched}
+        m.get_num_tokens(num_tokens, {r: [] for r in sched})
+        total = int(m.req_states.num_computed_tokens_np[[m.req_states.req_id_to_index[r] for r in sched]]
+                    .astype(np.int64).sum())
+        draft, verify = m.cost_tables
+        want_d, want_v = grid_3ctx.price([total] * 3, [len(sched)] * 3, [len(sched), 300, 2000])
+        assert draft[len(sched)] == want_d[0] and [verify[k] for k in (len(sched), 300, 2000)] == list(want_v), step
+    assert fast >= 150 and state.active.sum() == len(m.req_states.req_id_to_index)
+    ca.uninstall(m)
+    assert state.active is None and "add_request" not in vars(m.req_states)
