@@ -130,7 +130,7 @@ def verify_context(context_sum: int, num_tokens: int, max_num_reqs: int) -> int:
     return -(-int(context_sum) // max(1, profile_requests(num_tokens, max_num_reqs)))
 
 
-def blend(lower: np.ndarray, upper: np.ndarray, weight: float) -> np.ndarray:
+def blend(lower: np.ndarray, upper: np.ndarray, weight: float | np.ndarray) -> np.ndarray:
     """lower + weight * (upper - lower), kept within [min, max] of the two per entry.
 
     This form (not (1-w)*lo + w*hi) is monotone in ``weight`` entry by entry under
@@ -345,14 +345,9 @@ class ContextGrid:
             at = np.clip(np.searchsorted(np.asarray(knots), context, side="left"), 1, len(knots) - 1)
             c0, c1 = np.asarray(knots, dtype=np.float64)[at - 1], np.asarray(knots, dtype=np.float64)[at]
             weight = np.clip((context - c0) / (c1 - c0), 0.0, 1.0)
-            v0, v1 = verify[at - 1, sizes], verify[at, sizes]
-            head = v1 - v0
-            head *= weight
-            head += v0
-            np.clip(head, np.minimum(v0, v1), np.maximum(v0, v1), out=head)
+            head = blend(verify[at - 1, sizes], verify[at, sizes], weight)  # per entry, as at() blends
         self.head = _readonly(head)
-        self.head_points: tuple[int, ...] = tuple(points)
-        self._head_points = list(points)  # bisect on a list: no numpy call per step
+        self.head_points: tuple[int, ...] = tuple(points)  # bisected per step: no numpy call
         self._head_last = len(points) - 1
         self._head_tolerance = 1 / q
         self._buffer = StepBuffer(self)  # for callers that bring none (one grid, one caller)
@@ -440,7 +435,7 @@ class ContextGrid:
         tail = self.index(-(-context_sum // reqs))
         if num_reqs > reqs:  # every N >= num_reqs > R: one verify context
             return draft, self._tables[tail][1]
-        head = bisect_left(self._head_points, context_sum)
+        head = bisect_left(self.head_points, context_sum)
         if head > self._head_last:
             head = self._head_last
         buffer = buffer or self._buffer

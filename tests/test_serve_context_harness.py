@@ -362,11 +362,13 @@ def test_observe_every_zero_is_an_engine_without_observe(sc):
 
 
 def test_gpu_sampler_device_index_and_a_failing_reader(sc, monkeypatch):
+    import dspark_calib.vllm.gpu_readings as gr
+
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234-abcd")
-    index, note = sc.GpuSampler.device_index()
+    index, note = gr.first_visible_index()
     assert index == 0 and "not an index" in note
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
-    assert sc.GpuSampler.device_index() == (3, "")
+    assert gr.first_visible_index() == (3, "")
     sampler = sc.GpuSampler(0.01)
     sampler.stop()  # before start: nothing to join
 
@@ -376,7 +378,6 @@ def test_gpu_sampler_device_index_and_a_failing_reader(sc, monkeypatch):
         def read(self):
             raise RuntimeError("NVML went away")
 
-    import dspark_calib.vllm.gpu_readings as gr
     monkeypatch.setattr(gr, "GpuReader", lambda index: Broken())
     sampler = sc.GpuSampler(0.01)
     sampler.start()

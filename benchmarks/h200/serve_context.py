@@ -890,21 +890,11 @@ class GpuSampler:
     def start(self) -> None:
         self._thread.start()
 
-    @staticmethod
-    def device_index() -> tuple[int, str]:
-        """NVML's index of the engine's GPU: the first CUDA_VISIBLE_DEVICES entry when it is a
-        number (NVML counts in PCI order: right on these hosts, which set none or CUDA_DEVICE_ORDER
-        =PCI_BUS_ID), else device 0 and a note saying so (a GPU-/MIG- UUID)."""
-        first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        if not first or first.isdigit():
-            return int(first or 0), ""
-        return 0, f"CUDA_VISIBLE_DEVICES entry {first[:40]!r} is not an index: NVML device 0 read"
-
     def _run(self) -> None:
-        index, where = self.device_index()
-        try:
-            from dspark_calib.vllm.gpu_readings import GpuReader
+        try:  # the engine's GPU: this process has no CUDA, so the first visible device's index
+            from dspark_calib.vllm.gpu_readings import GpuReader, first_visible_index
 
+            index, where = first_visible_index()
             reader = GpuReader(index)
         except Exception as exc:  # noqa: BLE001 - no readings is a result, not a failed arm
             self.note = "; ".join(x for x in (where, f"{type(exc).__name__}: {exc}"[:200]) if x)

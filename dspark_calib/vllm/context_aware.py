@@ -91,8 +91,8 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
             req_states = manager.req_states
             index = req_states.req_id_to_index.__getitem__
             computed = req_states.num_computed_tokens_np
-            if n >= tiny and n == len(req_states.req_id_to_index) and state.active is not None \
-                    and state.watched and state.watched[0][0] is req_states:  # every request it holds
+            if n >= tiny and n == len(req_states.req_id_to_index) and state.watched \
+                    and state.watched[0][0] is req_states:  # every request it holds (watched: active kept)
                 total = int(add_reduce(computed, where=state.active, dtype=int64))
             elif n <= small:
                 total = sum(map(computed.item, map(index, num_tokens_per_req)))

@@ -124,6 +124,16 @@ class BlockRecorder:
         return Telemetry(source=self.reader.source, blocks=tuple(self.blocks), note=self.reader.note)
 
 
+def first_visible_index() -> tuple[int, str]:
+    """NVML's index of the first CUDA_VISIBLE_DEVICES entry when it is a number (NVML counts in
+    PCI order, as CUDA does with CUDA_DEVICE_ORDER=PCI_BUS_ID), else device 0 and a note saying
+    so (a GPU-/MIG- UUID). For a process without CUDA of its own: nvml_index is the worker's."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if not first or first.isdigit():
+        return int(first or 0), ""
+    return 0, f"CUDA_VISIBLE_DEVICES entry {first[:40]!r} is not an index: NVML device 0 read"
+
+
 def nvml_index() -> int:
     """NVML's index of the GPU this worker runs on: vLLM's own map from the current CUDA device
     through CUDA_VISIBLE_DEVICES (NVML ignores that variable), else its first entry."""
@@ -133,8 +143,7 @@ def nvml_index() -> int:
 
         return int(current_platform.visible_device_id_to_physical_device_id(torch.cuda.current_device()))
     except Exception:  # noqa: BLE001 - no CUDA / an older vLLM: the first visible device
-        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-        return int(first) if first.isdigit() else 0
+        return first_visible_index()[0]
 
 
 def block_recorder() -> Any:
