@@ -24,7 +24,9 @@ each, contexts spread over 1k..16k so lookups hit different grid rows):
 The grid is the real H200 one (tests/data, three contexts). GC is off while
 timing.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_context_aware.py [--name NAME] [--calls N]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_context_aware.py [--name NAME] [--calls N] [--tail T]
+
+--tail T: the same with the mixed-context tail on (the batch's max as well as its sum).
 
 Writes benchmarks/results/context_aware_bench_<NAME>.json with the host's CPU
 model, Python and numpy versions and the load average before and after.
@@ -69,7 +71,7 @@ def _summary(ns):
     return {"p50_us": _pct(ns, 50), "p99_us": _pct(ns, 99), "mean_us": float(np.mean(ns) / 1e3), "n": len(ns)}
 
 
-def bench_size(num_reqs, grid, tables, calls, rng):
+def bench_size(num_reqs, grid, tables, calls, rng, tail_milli=0):
     m = make_manager(tables, rng=rng)
     req_ids = [f"req-{i}" for i in range(num_reqs)]
     slots = rng.permutation(MAX_REQS)[:num_reqs]
@@ -87,14 +89,14 @@ def bench_size(num_reqs, grid, tables, calls, rng):
         arr[slots] = rng.integers(1024, 16384) + rng.integers(-500, 500, num_reqs)
         computed.append(arr)
     plain = av.AdaptiveVerificationManager.get_num_tokens.__get__(m)
-    state = ca.install(m, grid)
+    state = ca.install(m, grid, tail_milli=tail_milli)
     wrapped = m.get_num_tokens
     clock = time.perf_counter_ns
     out = {"added": [], "added_context_jump": [], "added_batch_changed": [], "added_not_all_scheduled": [],
            "plain": [], "wrapped": []}
     steady = computed[0].copy()
     # The same wrapper code around a no-op instead of vLLM's method: the mode's own work.
-    bare_state = ca.ContextAwareState(grid, tables, lambda a, b: 0)
+    bare_state = ca.ContextAwareState(grid, tables, lambda a, b: 0, tail_milli=tail_milli)
     bare_state.watched = state.watched  # slot changes are counted (install wrapped req_states)
     bare_state.active = state.active  # and the occupied slots kept
     bare = ca._make_wrapper(m, bare_state)
@@ -163,7 +165,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--name", default=default_name())
     ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--tail", type=float, default=0.0, help="the mixed-context tail (DSPARK_CALIB_CONTEXT_TAIL)")
     args = ap.parse_args()
+    tail_milli = round(args.tail * 1000)
     rng = np.random.default_rng(0)
     table = build_reference_table()
     with mock.patch.object(av, "get_tp_group", SingleRank):
@@ -174,7 +178,7 @@ def main():
     load_before = os.getloadavg()
     gc.disable()
     try:
-        sizes = {str(n): bench_size(n, grid, tables, args.calls, rng) for n in (1, 32, 256)}
+        sizes = {str(n): bench_size(n, grid, tables, args.calls, rng, tail_milli) for n in (1, 32, 256)}
     finally:
         gc.enable()
     result = {
@@ -182,6 +186,7 @@ def main():
         "machine": machine(load_before),
         "grid": {**grid.describe(), "build_s": grid_s},
         "calls_per_size": args.calls,
+        "tail_milli": tail_milli,
         "by_num_reqs": sizes,
     }
     out = HERE / "results" / f"context_aware_bench_{args.name}.json"

@@ -333,6 +333,10 @@ def validate_cmd(
     as_json: JsonOpt = False,
     plot: PlotOpt = None,
     all_groups: Annotated[bool, typer.Option("--all", help="List every size x context group.")] = False,
+    tail: Annotated[Optional[float], typer.Option(
+        "--tail", min=0, max=1, metavar="T",
+        help="Context-aware pricing with the mixed-context tail T (mean + T x (max - mean)); "
+             "default: the tail the files record (DSPARK_CALIB_CONTEXT_TAIL of the engine), else 0.")] = None,
 ) -> None:
     """Predicted vs measured step cost on observed serving steps: single-context and context-aware pricing.
 
@@ -348,7 +352,8 @@ def validate_cmd(
     from dspark_calib.validate import max_error_exceeded, validate
 
     t = read_table(table, samples=False)  # curves and metadata: raw samples are not needed here
-    result = validate(t, read_observed(files), single_context=context)
+    result = validate(t, read_observed(files), single_context=context,
+                      tail_milli=None if tail is None else round(tail * 1000))
     exceeded = max_error is not None and max_error_exceeded(result, max_error)
     if plot:
         from dspark_calib.render_validate import plot_validation

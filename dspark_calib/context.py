@@ -48,6 +48,18 @@ requests: on the H200 run (2026-11-30) 32 requests at 16k verifying ~150
 tokens were predicted 45 % too slow at the mean, 4 % at S / R(N), and the
 context-aware arm picked budgets 5 % smaller and lost 9 % throughput.
 
+Mixed contexts: the tail term (``tail_context_sum``, off by default)
+-------------------------------------------------------------------
+The profile's dummy batches give every request the same context. A serving batch
+that mixes short and long requests reads the same S but runs slower: the long
+requests' KV splits finish last. On the H200 (2026-11-30, two runs, two hosts, six
+arms) a 1k/8k/16k mix ran 8-12 % slower than priced at its S (drafts up to 9 %);
+pricing it at S' = S + t (n max - S), i.e. at mean + t (max - mean), with t = 0.25
+left -0.4 ... +3.8 %, and moved uniform batches (max ~ mean) by under 1 %. t is the
+kernel's, not the table's: it is read from served steps (``validate`` fits it) and
+set by the operator (DSPARK_CALIB_CONTEXT_TAIL), in thousandths so that every rank
+computes the same integer S'.
+
 Only numpy here: ``validate`` prices observed steps with this, and it must
 not pull in torch or vllm.
 """
@@ -128,6 +140,18 @@ def verify_context(context_sum: int, num_tokens: int, max_num_reqs: int) -> int:
     """The profiled context whose verify cost at num_tokens matches a step reading context_sum KV
     tokens: ceil(S / R(N)) (see the module docstring). Integers only: identical on every rank."""
     return -(-int(context_sum) // max(1, profile_requests(num_tokens, max_num_reqs)))
+
+
+MAX_TAIL_MILLI = 1000  # t = 1: every request priced at the batch's longest context
+
+
+def tail_context_sum(context_sum: Any, context_max: Any, num_reqs: Any, tail_milli: int) -> Any:
+    """The KV sum a step is priced at with the mixed-context tail (module docstring):
+    S + t (n max - S), t = tail_milli / 1000, rounded down. Integers only (identical on every
+    rank); scalars or numpy arrays alike; tail_milli 0 returns S unchanged."""
+    if not tail_milli:
+        return context_sum
+    return context_sum + (tail_milli * (context_max * num_reqs - context_sum)) // MAX_TAIL_MILLI
 
 
 def blend(lower: np.ndarray, upper: np.ndarray, weight: float | np.ndarray) -> np.ndarray:

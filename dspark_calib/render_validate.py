@@ -13,7 +13,9 @@ from rich.console import Console
 from rich.table import Table
 
 from dspark_calib.atomic import atomic_write
-from dspark_calib.validate import AWARE, KINDS, PRICINGS, SINGLE, VERDICT_KINDS, GroupErrors, ValidationResult
+from dspark_calib.vllm.env import CONTEXT_TAIL  # standard library only
+from dspark_calib.validate import (AWARE, KINDS, MIN_TAIL_STEPS, MIXED_SPREAD, PRICINGS, SINGLE, VERDICT_KINDS,
+                                   GroupErrors, ValidationResult)
 
 LABEL = {SINGLE: "single-context", AWARE: "context-aware"}
 MAX_GROUP_ROWS = 60
@@ -21,6 +23,10 @@ MAX_GROUP_ROWS = 60
 
 def _pct(value: float) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}%"
+
+
+def _signed(value: float) -> str:
+    return ("+" if value is not None and value > 0 else "") + _pct(value)
 
 
 def _style(value: float, limit: float | None) -> str:
@@ -48,7 +54,7 @@ def _errors_table(title: str, groups: tuple[GroupErrors, ...], *, limit: float |
             e = g.errors[p]
             median = _pct(e.median_pct)
             cells += [f"[{_style(e.median_pct, judged)}]{median}[/]" if _style(e.median_pct, judged) else median,
-                      _pct(e.p90_pct), ("+" if e.median_signed_pct > 0 else "") + _pct(e.median_signed_pct)]
+                      _pct(e.p90_pct), _signed(e.median_signed_pct)]
         table.add_row(*cells)
     return table
 
@@ -75,6 +81,18 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
                       f"({100 * change.share:.1f}%) between the two pricings")
     else:
         console.print("budget change: not recorded in these files (needs budget_static and budget_context_aware)")
+    fit = result.tail_fit
+    if fit.steps:
+        line = (f"mixed-context decode steps (longest >= {MIXED_SPREAD:g} x mean): {fit.steps}; context-aware verify "
+                f"median {_pct(fit.verify.median_pct)} (bias {_signed(fit.verify.median_signed_pct)}) at tail "
+                f"{fit.tail:g}")
+        if fit.best_tail is None:
+            line += f"; too few to fit a tail (under {MIN_TAIL_STEPS})"
+        else:
+            line += (f"; best tail {fit.best_tail:g}: verify {_pct(fit.best_verify.median_pct)} (bias "
+                     f"{_signed(fit.best_verify.median_signed_pct)}), drafts {_pct(fit.best_draft.median_pct)} "
+                     f"({CONTEXT_TAIL}={fit.best_tail:g})")
+        console.print(line, markup=False)
     console.print(_errors_table("absolute % error by kind", result.overall, limit=max_error, sizes=False))
     console.print(_errors_table("by context", result.by_context, limit=max_error, sizes=False))
     groups = result.groups if all_groups else result.groups[:MAX_GROUP_ROWS]

@@ -24,6 +24,13 @@ kind. Also: the share of observed steps whose budget the two pricings choose
 differently (from the engine's budget_static / budget_context_aware columns:
 a budget needs the step's draft confidences, which only the engine has).
 
+Mixed contexts (``TailFit``): decode steps whose longest request is at least
+MIXED_SPREAD x the mean are re-priced with the mixed-context tail t of
+context.tail_context_sum over 0, 0.05, ..., 1; the t with the smallest median
+verify error is reported, with the steps it rests on, for the operator to set
+(DSPARK_CALIB_CONTEXT_TAIL). Context-aware pricing here uses the tail the files
+record (the engine's), or ``tail_milli``.
+
 Analysis only: numpy, no torch, no vllm. The tables are sized to cover every
 observed step (a dense table's entry at a size does not depend on its length),
 so a step is priced exactly as the engine would.
@@ -37,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark_calib.context import DEFAULT_TOLERANCE, ContextCosts, ContextGrid
+from dspark_calib.context import MAX_TAIL_MILLI, DEFAULT_TOLERANCE, ContextCosts, ContextGrid, tail_context_sum
 from dspark_calib.errors import CalibError
 from dspark_calib.observe import ABSENT, ObservedSteps
 
@@ -47,6 +54,9 @@ KINDS = ("draft", "verify", "verify_prefill")
 VERDICT_KINDS = ("draft", "verify")  # --max-error: the step shapes a profile measures
 VLLM_DEFAULT_CONTEXT = 8192
 ALL = "all"
+MIXED_SPREAD = 1.25  # a decode step is "mixed" when its longest context is >= 1.25 x its mean
+MIN_TAIL_STEPS = 20  # fewer mixed steps than this: no tail is suggested
+TAIL_STEP_MILLI = 50
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,23 @@ class BudgetChange:
 
 
 @dataclass(frozen=True)
+class TailFit:
+    """Decode verifies of mixed-context batches, priced with the tail in use and with the best one."""
+
+    steps: int  # mixed decode steps (max >= MIXED_SPREAD x mean)
+    tail: float  # the tail context-aware pricing used here (files' or --tail)
+    verify: ErrorStats  # at that tail
+    best_tail: float | None  # None: fewer than MIN_TAIL_STEPS mixed steps
+    best_verify: ErrorStats | None
+    best_draft: ErrorStats | None  # drafts of the same steps (full CUDA graph) at best_tail
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "tail": self.tail, "verify": self.verify.to_dict(), "best_tail": self.best_tail,
+                "best_verify": self.best_verify and self.best_verify.to_dict(),
+                "best_draft": self.best_draft and self.best_draft.to_dict(), "spread": MIXED_SPREAD}
+
+
+@dataclass(frozen=True)
 class ValidationResult:
     table_hash: str
     files: tuple[str, ...]
@@ -109,6 +136,7 @@ class ValidationResult:
     by_context: tuple[GroupErrors, ...]  # per kind x context bucket
     groups: tuple[GroupErrors, ...]  # per kind x size bucket x context bucket
     budget_change: BudgetChange
+    tail_fit: TailFit
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -119,7 +147,7 @@ class ValidationResult:
             "overall": [g.to_dict() for g in self.overall],
             "by_context": [g.to_dict() for g in self.by_context],
             "groups": [g.to_dict() for g in self.groups],
-            "budget_change": self.budget_change.to_dict(),
+            "budget_change": self.budget_change.to_dict(), "tail_fit": self.tail_fit.to_dict(),
         }
 
 
@@ -150,7 +178,17 @@ def _recorded(observed: ObservedSteps, key: str, default: int) -> int:
     return int(default)
 
 
-def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None,
+def recorded_tail(observed: ObservedSteps) -> int:
+    """The tail (thousandths) the engine priced with, when every file says the same; else 0."""
+    values = {m.get("context_tail_milli", 0) for m in observed.metadata}
+    if len(values) == 1:
+        (value,) = values
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TAIL_MILLI:
+            return value
+    return 0
+
+
+def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None, tail_milli: int | None = None,
              grid_tolerance: float = DEFAULT_TOLERANCE, context_floor: int = 1024) -> ValidationResult:
     """Compare the table's predictions with observed steps (see the module docstring)."""
     if len(observed) == 0:
@@ -172,7 +210,14 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
 
     num_reqs, num_tokens = c["num_reqs"], c["num_target_tokens"]
     ctx = -(-c["context_sum"] // num_reqs)  # ceil(mean), exactly as context-aware mode prices drafts
-    aware_draft, aware_verify = grid.price(c["context_sum"], num_reqs, num_tokens)
+    tail = recorded_tail(observed) if tail_milli is None else int(tail_milli)
+    if not 0 <= tail <= MAX_TAIL_MILLI:
+        raise CalibError(f"the tail must be between 0 and 1, got {tail / MAX_TAIL_MILLI:g}")
+
+    def priced(t: int) -> tuple[np.ndarray, np.ndarray]:
+        return grid.price(tail_context_sum(c["context_sum"], c["context_max"], num_reqs, t), num_reqs, num_tokens)
+
+    aware_draft, aware_verify = priced(tail)
     verify = {SINGLE: single_verify[num_tokens], AWARE: aware_verify}
     predicted = {"draft": {SINGLE: single_draft[num_reqs], AWARE: aware_draft},
                  "verify": verify, "verify_prefill": verify}
@@ -203,6 +248,9 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
                 groups.append(GroupErrors(kind, bucket_label(int(sb), 1), label,
                                           stats((ctx_bucket == cb) & (size_bucket == sb))))
 
+    mixed = steps["verify"] & (c["context_max"] * num_reqs >= MIXED_SPREAD * c["context_sum"])
+    tail_fit = _fit_tail(priced, tail, mixed, mixed & steps["draft"], c)
+
     both = (c["budget_static"] != ABSENT) & (c["budget_context_aware"] != ABSENT)
     changed = int((c["budget_static"][both] != c["budget_context_aware"][both]).sum())
     lo, hi = costs.contexts[0], costs.contexts[-1]
@@ -213,8 +261,24 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
         out_of_range_steps=int(((ctx < lo) | (ctx > hi)).sum()),
         verify_out_of_range_steps=int((steps["verify"] & ((vctx < lo) | (vctx > hi))).sum()), grid=grid.describe(),
         overall=tuple(overall), by_context=tuple(by_context), groups=tuple(groups),
-        budget_change=BudgetChange(int(both.sum()), changed),
+        budget_change=BudgetChange(int(both.sum()), changed), tail_fit=tail_fit,
     )
+
+
+def _fit_tail(priced: Any, tail: int, mixed: np.ndarray, mixed_drafts: np.ndarray, c: dict) -> TailFit:
+    """The tail (0, 0.05, ..., 1) with the smallest median verify error on the mixed decode steps."""
+    def errors(t: int) -> tuple[ErrorStats, ErrorStats]:
+        draft, verify = priced(t)
+        return (ErrorStats.of(verify[mixed], c["forward_ms"][mixed]),
+                ErrorStats.of(draft[mixed_drafts], c["drafter_ms"][mixed_drafts]))
+
+    n = int(mixed.sum())
+    now = errors(tail)[0]
+    if n < MIN_TAIL_STEPS:
+        return TailFit(n, tail / MAX_TAIL_MILLI, now, None, None, None)
+    fits = {t: errors(t) for t in range(0, MAX_TAIL_MILLI + 1, TAIL_STEP_MILLI)}
+    best = min(fits, key=lambda t: (fits[t][0].median_pct, t))  # ties: the smaller tail
+    return TailFit(n, tail / MAX_TAIL_MILLI, now, best / MAX_TAIL_MILLI, *fits[best])
 
 
 def max_error_exceeded(result: ValidationResult, pct: float, *, pricing: str = AWARE) -> bool:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
 
-from dspark_calib.context import ContextCosts, ContextGrid, ceil_mean, verify_context
+from dspark_calib.context import ContextCosts, ContextGrid, ceil_mean, tail_context_sum, verify_context
 from dspark_calib.fit import choose_draft_budget
 from dspark_calib.vllm import context_aware as ca
 
@@ -123,6 +123,37 @@ def test_choice_equals_vllm_on_the_interpolated_tables(grid_3ctx, reference_tabl
     slots = [m.req_states.req_id_to_index[r] for r in num_tokens]
     assert m._batch_budget[2] == choose_draft_budget(*want_tables, m._stale_confidences[0].np[slots], drafts,
                                                       [1] * num_reqs)
+
+
+@SETTINGS
+@given(num_reqs=st.integers(1, 256), tail=st.sampled_from([0, 1, 200, 650, 1000]), seed=st.integers(0, 2**31 - 1))
+def test_tail_prices_mixed_batches_at_the_raised_sum_and_keeps_vllms_rule(grid_3ctx, reference_table, num_reqs,
+                                                                            tail, seed):
+    """With a tail, every path (a few ids, many ids) prices the batch at tail_context_sum of its true
+    sum and max, and the choice is still vLLM's rule on those tables."""
+    rng = np.random.default_rng(seed)
+    m = make_manager(reference_table.dense_tables(8192), rng=rng)
+    contexts = rng.choice([300, 1100, 8000, 16500], num_reqs).astype(np.int32)  # a mix
+    drafts = rng.integers(0, STEPS + 1, num_reqs)
+    num_tokens, draft_tokens = schedule(m, contexts, drafts, rng)
+    ca.install(m, grid_3ctx, tail_milli=tail)
+    got = m.get_num_tokens(num_tokens, draft_tokens)
+    raised = tail_context_sum(int(contexts.sum()), int(contexts.max()), num_reqs, tail)
+    assert int(contexts.sum()) <= raised <= int(contexts.max()) * num_reqs
+    assert ca.installed_state(m).last_context == ceil_mean(raised, num_reqs)
+    tables = tuple(np.array(a) for a in m.cost_tables)
+    sizes = np.arange(num_reqs, MAX_TOKENS + 1)
+    draft, verify = grid_3ctx.price(np.full(len(sizes), raised), np.full(len(sizes), num_reqs), sizes)
+    assert tables[0][num_reqs] == draft[0] and np.array_equal(tables[1][sizes], verify)
+    assert got == vllm_with_tables(tables, m, num_tokens, draft_tokens)[0]
+
+
+def test_tail_is_checked_and_replaced_by_a_second_install(grid_3ctx):
+    m = make_manager(grid_3ctx.tables_for(8192))
+    with pytest.raises(ValueError, match="tail_milli"):
+        ca.install(m, grid_3ctx, tail_milli=1001)
+    assert ca.install(m, grid_3ctx, tail_milli=250).tail == 250
+    assert ca.install(m, grid_3ctx).tail == 0
 
 
 def test_context_changes_the_choice_on_h200(grid_3ctx, reference_table):
@@ -404,7 +435,8 @@ def test_managers_sharing_a_grid_keep_their_own_verify_table(grid_3ctx, referenc
     assert a.cost_tables[1] is not b.cost_tables[1] and np.array_equal(a.cost_tables[1], seen)
 
 
-def test_full_occupancy_steps_sum_the_occupied_slots_through_adds_and_removes(grid_3ctx):
+@pytest.mark.parametrize("tail", [0, 250])
+def test_full_occupancy_steps_sum_the_occupied_slots_through_adds_and_removes(grid_3ctx, tail):
     """Requests arrive and finish every few steps (the batch changes, as at high concurrency); when a
     step schedules every request req_states holds, the context sum comes from the occupied-slot
     mask. Whatever path a step takes, its tables are the grid's for the true sum."""
@@ -414,7 +446,7 @@ def test_full_occupancy_steps_sum_the_occupied_slots_through_adds_and_removes(gr
     for i in range(60):  # some requests before install
         m.req_states.add_request(f"r{i}", int(rng.integers(0, 20000)))
     m.req_states.prefill_len.np[:] = 1
-    state = ca.install(m, grid_3ctx)
+    state = ca.install(m, grid_3ctx, tail_milli=tail)
     live, next_id, fast = [f"r{i}" for i in range(60)], 60, 0
     for step in range(300):
         for _ in range(int(rng.integers(0, 4))):  # finish some
@@ -435,11 +467,27 @@ def test_full_occupancy_steps_sum_the_occupied_slots_through_adds_and_removes(gr
         fast += len(sched) == len(m.req_states.req_id_to_index)
         num_tokens = {r: 1 for r in sched}
         m.get_num_tokens(num_tokens, {r: [] for r in sched})
-        total = int(m.req_states.num_computed_tokens_np[[m.req_states.req_id_to_index[r] for r in sched]]
-                    .astype(np.int64).sum())
+        held = m.req_states.num_computed_tokens_np[[m.req_states.req_id_to_index[r] for r in sched]].astype(np.int64)
+        total = tail_context_sum(int(held.sum()), int(held.max()), len(sched), tail)
         draft, verify = m.cost_tables
         want_d, want_v = grid_3ctx.price([total] * 3, [len(sched)] * 3, [len(sched), 300, 2000])
         assert draft[len(sched)] == want_d[0] and [verify[k] for k in (len(sched), 300, 2000)] == list(want_v), step
     assert fast >= 150 and state.active.sum() == len(m.req_states.req_id_to_index)
     ca.uninstall(m)
     assert state.active is None and "add_request" not in vars(m.req_states)
+
+
+def test_context_tail_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(two_context_load, caplog):
+    import logging
+
+    table, load = two_context_load
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        m = load(DSPARK_CALIB_CONTEXT_TAIL="0.25")
+    assert ca.installed_state(m).tail == 250
+    assert any("mixed batches priced at mean + 0.25 x (max - mean)" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        bad = load(DSPARK_CALIB_CONTEXT_TAIL="1.5")
+    warned = [r for r in caplog.records if "DSPARK_CALIB_CONTEXT_TAIL=1.5 must be between 0 and 1" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "\n" not in warned[0].getMessage()
+    assert ca.installed_state(bad).tail == 0  # context-aware stays on, at the plain mean

@@ -432,3 +432,24 @@ def test_exit_flushes_buffered_rows_and_a_late_exit_hook_is_harmless(engine):
     gc.collect()
     assert ref() is None
     at_exit()  # a late exit hook is a no-op
+
+
+def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatch, tmp_path, reference_table,
+                                                                      grid_3ctx):
+    from dspark_calib.validate import recorded_tail, validate
+
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "1")
+    clock = Clock()
+    runner = FakeRunner(make_manager(reference_table.dense_tables(8192)), clock)
+    m = runner.adaptive_verification
+    obs = start(runner, clock)
+    ca.install(m, grid_3ctx, tail_milli=250)
+    plugin.state_of(m).run = SimpleNamespace(decision=SimpleNamespace(load=True, context_len=8192,
+                                                                      content_hash="ab" * 32))
+    for n in (8, 64):
+        step(runner, n, drafts=7, context=4000, rng=np.random.default_rng(n))
+    runner.shutdown()
+    rows = read_observed([obs.directory])
+    assert rows.metadata[0]["context_tail_milli"] == 250 and recorded_tail(rows) == 250
+    assert validate(reference_table, rows).tail_fit.tail == 0.25

@@ -329,3 +329,17 @@ def test_every_env_name_lives_in_env_py():
     assert found == {}
     assert set(env.ALL) == {v for k, v in vars(env).items() if k.isupper() and isinstance(v, str)
                             and v.startswith(env.PREFIX) and v != env.PREFIX}
+
+
+def test_context_tail_is_read_in_thousandths_and_checked():
+    from dspark_calib.errors import CalibError
+    from dspark_calib.vllm import env
+
+    assert env.context_tail_milli({}) == 0 and env.context_tail_milli({env.CONTEXT_TAIL: " "}) == 0
+    assert env.context_tail_milli({env.CONTEXT_TAIL: "0.25"}) == 250
+    assert env.context_tail_milli({env.CONTEXT_TAIL: "1"}) == 1000
+    for bad, why in (("-0.1", "between 0 and 1"), ("1.01", "between 0 and 1"), ("nan", "between 0 and 1"),
+                     ("a lot", "is not a number")):
+        with pytest.raises(CalibError, match=why) as exc:
+            env.context_tail_milli({env.CONTEXT_TAIL: bad})
+        assert str(exc.value).startswith(env.CONTEXT_TAIL) and "\n" not in str(exc.value)

@@ -400,3 +400,23 @@ def test_report_sets_an_arm_without_observe_beside_stock(sc, tmp_path):
     assert rep["arms"] == ["stock", "stock-noobs"]
     rows = {(r["arm"], r["workload"]): r for r in rep["rows"]}
     assert rows[("stock-noobs", "ctx8k")]["vs_stock"] == 1.0  # the same numbers: ratio to stock
+
+
+def test_an_aware_arm_with_a_context_tail(sc, tmp_path):
+    import argparse
+    import shutil
+
+    env = sc.arm_env("aware", "/t.parquet", "/o", tail=0.2, base={})
+    assert env["DSPARK_CALIB_CONTEXT_TAIL"] == "0.2" and env["DSPARK_CALIB_CONTEXT_AWARE"] == "1"
+    assert "DSPARK_CALIB_CONTEXT_TAIL" not in sc.arm_env("aware", "/t.parquet", "/o", base={})
+    with pytest.raises(ValueError, match="arm aware only"):
+        sc.arm_env("stock", None, "/o", tail=0.2, base={})
+    assert sc.arm_label("aware", 4, 0.2) == "aware-tail20" and sc.arm_label("stock", 0) == "stock-noobs"
+    src = REPO / "benchmarks" / "results" / "h200"
+    shutil.copy(src / "context-stock.json", tmp_path / "context-stock.json")
+    tail = json.loads((src / "context-aware.json").read_text())
+    tail.update(arm="aware-tail20")
+    (tmp_path / "context-aware-tail20.json").write_text(json.dumps(tail))
+    args = argparse.Namespace(results=[str(tmp_path)], json=str(tmp_path / "r.json"), md=str(tmp_path / "r.md"))
+    assert sc.run_report(args) == 0
+    assert sorted(json.loads((tmp_path / "r.json").read_text())["arms"]) == ["aware-tail20", "stock"]

@@ -216,3 +216,57 @@ def test_verify_context_uses_the_tables_own_max_num_seqs_and_counts_out_of_range
     signed = g.errors[AWARE].median_signed_pct  # the one step there, measured 10 ms
     assert abs(signed - (r256 / 10 - 1) * 100) <= 0.6 * r256 / 10  # R = 256: 12500 of context, not 10667
     assert abs(signed - (r300 / 10 - 1) * 100) > 0.6 * r256 / 10
+
+
+def mixed_steps(table, tail_milli, n, *, seed=5):
+    """Decode steps of batches mixing 1k and 16k requests, measured exactly as pricing at the raised
+    sum tail_context_sum(S, max, n, tail_milli) predicts (what a kernel tail would do)."""
+    from dspark_calib.context import tail_context_sum
+
+    grid = ContextGrid.from_table(table)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        reqs = int(rng.integers(4, 65))
+        ctxs = rng.choice([1024, 16384], reqs)
+        ctxs[0] = 16384  # every batch mixed: its longest is >= 1.25 x its mean unless all are long
+        ctxs[-1] = 1024
+        tokens = reqs + int(rng.integers(0, 4 * reqs + 1))
+        total = int(ctxs.sum())
+        (d,), (v,) = grid.price([tail_context_sum(total, int(ctxs.max()), reqs, tail_milli)], [reqs], [tokens])
+        out.append(ObservedStep(step=i, forward_ms=float(v), drafter_ms=float(d), num_target_tokens=tokens,
+                                num_reqs=reqs, full_cudagraph=True, context_mean=total / reqs,
+                                context_max=int(ctxs.max()), context_sum=total, scheduled_drafts=7 * reqs,
+                                draft_budget=tokens - reqs, priced_context=0, predicted_draft_ms=1.0,
+                                predicted_verify_ms=1.0))
+    return out
+
+
+def test_tail_fit_recovers_the_tail_of_mixed_batches(reference_table, tmp_path):
+    with ObservedWriter(tmp_path) as w:
+        for s in mixed_steps(reference_table, 300, 60):
+            w.append(s)
+    observed = read_observed([tmp_path])
+    plain = validate(reference_table, observed)
+    fit = plain.tail_fit
+    assert fit.steps == 60 and fit.tail == 0 and fit.verify.median_pct > 3 and fit.verify.median_signed_pct < 0
+    assert fit.best_tail == 0.3 and fit.best_verify.median_pct == 0.0 and fit.best_draft.median_pct == 0.0
+    raised = validate(reference_table, observed, tail_milli=300)  # context-aware pricing itself uses it
+    verify = [g for g in raised.overall if g.kind == "verify"][0].errors[AWARE]
+    assert verify.median_pct == 0.0 and raised.tail_fit.tail == 0.3
+    json.dumps(raised.to_dict())
+    with pytest.raises(CalibError, match="tail"):
+        validate(reference_table, observed, tail_milli=1200)
+
+
+def test_tail_recorded_by_the_engine_is_used_and_few_mixed_steps_fit_nothing(reference_table, tmp_path):
+    with ObservedWriter(tmp_path, metadata={"context_tail_milli": 300}) as w:
+        for s in mixed_steps(reference_table, 300, 12) + synthetic_steps(reference_table, (8192,), per_context=30):
+            w.append(s)
+    res = validate(reference_table, read_observed([tmp_path]))
+    assert res.tail_fit.tail == 0.3 and res.tail_fit.steps == 12  # uniform batches are not "mixed"
+    assert res.tail_fit.verify.median_pct == 0.0 and res.tail_fit.best_tail is None
+    console = Console(record=True, width=200)
+    render_validation(res, console)
+    text = console.export_text()
+    assert "mixed-context decode steps (longest >= 1.25 x mean): 12" in text and "too few to fit a tail" in text

@@ -90,3 +90,10 @@ def test_bad_inputs_are_one_line(shipped_observed, tmp_path):
 
 def test_validate_command_imports_no_torch_or_vllm(shipped_observed):
     assert_command_is_light('validate', str(SHIPPED), str(shipped_observed), '--json')
+
+
+def test_tail_option_and_its_bounds(shipped_observed):
+    d = json.loads(invoke("validate", SHIPPED, shipped_observed, "--json", "--tail", "0.2").stdout)
+    assert d["tail_fit"]["tail"] == 0.2 and d["tail_fit"]["spread"] == 1.25
+    r = invoke("validate", SHIPPED, shipped_observed, "--tail", "1.5")  # click's usage error, as every range option
+    assert r.exit_code == 2 and "'--tail'" in r.stderr and "Traceback" not in r.output

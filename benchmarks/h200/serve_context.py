@@ -471,12 +471,14 @@ def validate_by_context(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # -- the arms ---------------------------------------------------------------------------------
-def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4,
+def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, tail: float = 0.0,
             base: dict[str, str] | None = None) -> dict[str, str]:
     """The engine child's environment: base (os.environ) without any DSPARK_CALIB_* or profile
-    context, plus the arm's own."""
+    context, plus the arm's own (tail: the aware arm's DSPARK_CALIB_CONTEXT_TAIL)."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {arm!r}")
+    if tail and arm != "aware":
+        raise ValueError(f"a context tail prices context-aware steps: arm aware only, got {arm!r}")
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith("DSPARK_CALIB_") and k != "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN"}
     env.update({"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "8192",
@@ -491,7 +493,14 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4,
             env.update({"DSPARK_CALIB_CONTEXT_AWARE": "0", "DSPARK_CALIB_CONTEXT_LEN": "8192"})
         else:
             env["DSPARK_CALIB_CONTEXT_AWARE"] = "1"
+            if tail:
+                env["DSPARK_CALIB_CONTEXT_TAIL"] = f"{tail:g}"
     return env
+
+
+def arm_label(arm: str, observe_every: int, tail: float = 0.0) -> str:
+    """The files' and the report's name: the arm, -tailNN (the tail in hundredths), -noobs."""
+    return arm + (f"-tail{round(tail * 100)}" if tail else "") + ("" if observe_every > 0 else "-noobs")
 
 
 def speculative_config(acceptance_length: float | None = ACCEPTANCE_LENGTH,
@@ -810,7 +819,10 @@ class FakeEngine:
 def run_arm(args: argparse.Namespace) -> int:
     t_start = time.time()
     arm = args.arm
-    label = arm if args.observe_every > 0 else f"{arm}-noobs"  # the files' and the report's name
+    if args.context_tail and arm != "aware":
+        print(f"arm {arm}: --context-tail prices context-aware steps (arm aware only)", file=sys.stderr)
+        return 2
+    label = arm_label(arm, args.observe_every, args.context_tail)
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     work = os.path.abspath(args.work or f"/tmp/serve-context-{label}")
@@ -825,7 +837,7 @@ def run_arm(args: argparse.Namespace) -> int:
     table = os.path.abspath(args.table) if args.table else None
     plan = plan_workloads(only=args.workloads.split(",") if args.workloads else None,
                           waves=args.waves)
-    env = arm_env(arm, table, obs, every=args.observe_every)
+    env = arm_env(arm, table, obs, every=args.observe_every, tail=args.context_tail)
     deadline = args.deadline_epoch or (t_start + 570)
     child_deadline = deadline - KILL_MARGIN_S
     cmd = [sys.executable, os.path.abspath(__file__), "_engine", "--results", results_path,
@@ -1024,8 +1036,7 @@ def post_process(arm: str, events: list[dict[str, Any]], obs: str, table: str | 
                  log_text: str = "", rc: int | None = 0, killed: bool = False, dry_run: bool = False,
                  label: str | None = None, observe_every: int = 4) -> dict[str, Any]:
     """The arm's summary from the child's events and the observe files; writes the compacted
-    observe file and the per-request file under out_dir (named by label: the arm, or ARM-noobs
-    for a run with observe off)."""
+    observe file and the per-request file under out_dir (named by label: arm_label)."""
     label = label or arm
     engine = next((e for e in events if e.get("event") == "engine"), {})
     done = [e for e in events if e.get("event") == "workload"]
@@ -1255,7 +1266,7 @@ def run_report(args: argparse.Namespace) -> int:
     arms = {}
     for d in args.results:
         for name in sorted(os.listdir(d)):
-            m = re.fullmatch(r"context-([a-z]+(?:-noobs)?)\.json", name)
+            m = re.fullmatch(r"context-([a-z]+(?:-tail\d+)?(?:-noobs)?)\.json", name)
             if m:
                 with open(os.path.join(d, name)) as fh:
                     arms[m.group(1)] = json.load(fh)
@@ -1318,6 +1329,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--workloads", help="comma list (default all: ctx1k,ctx8k,ctx16k,mix)")
     a.add_argument("--waves", type=int, default=2)
     a.add_argument("--observe-every", type=int, default=4)
+    a.add_argument("--context-tail", type=float, default=0.0,
+                   help="aware arm: DSPARK_CALIB_CONTEXT_TAIL (files context-aware-tailNN.*)")
     a.add_argument("--acceptance-length", type=float, default=ACCEPTANCE_LENGTH)
     a.add_argument("--acceptance-rates", help="comma list of K non-increasing unconditional rates (instead)")
     a.add_argument("--dry-run", action="store_true", help="fake engine on CPU: the whole control flow, no vLLM")

@@ -8,7 +8,10 @@ step, sums ``num_computed_tokens`` over the scheduled requests (the manager's
 ``manager.cost_tables`` to the grid's tables for that step (drafts at the mean
 context, verify at the context whose profiled batch read as much KV:
 context.ContextGrid.step_tables, two row lookups) and then calls vLLM's own
-get_num_tokens, so the budget rule itself stays vLLM's.
+get_num_tokens, so the budget rule itself stays vLLM's. With a tail (``install(...,
+tail_milli=)``, DSPARK_CALIB_CONTEXT_TAIL) the sum is raised towards the batch's
+longest context first (context.tail_context_sum: mixed batches run slower than their
+mean says); that needs the max as well, one more reduction over the same slots.
 
 Tensor parallelism: every rank's req_states holds the same scheduler state, so
 every rank computes the same context and picks the same grid row: no collective
@@ -27,7 +30,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from dspark_calib.context import DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, ContextCosts, ContextGrid, StepBuffer
+from dspark_calib.context import (DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, MAX_TAIL_MILLI, ContextCosts, ContextGrid,
+                                  StepBuffer, tail_context_sum)
 
 _STATE = "_dspark_calib_context_aware"
 # Below this many requests a Python sum beats numpy's fixed costs (measured on CPU,
@@ -42,11 +46,12 @@ class ContextAwareState:
     """What install() keeps on the manager: enough to run the step and to undo it."""
 
     __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context", "stacked",
-                 "generation", "keys", "slots", "slots_generation", "watched", "buffer", "active")
+                 "generation", "keys", "slots", "slots_generation", "watched", "buffer", "active", "tail")
 
     def __init__(self, grid: ContextGrid | None, base_tables: Any, original: Callable, wrapper: Callable | None = None,
-                 stacked: bool = False):
-        self.grid = grid  # None after an uninstall that could not unwrap (another wrapper on top)
+                 stacked: bool = False, tail_milli: int = 0):
+        self.grid = grid
+        self.tail = int(tail_milli)  # the mixed-context tail in thousandths (0: the mean, the issue's pricing)  # None after an uninstall that could not unwrap (another wrapper on top)
         self.base_tables = base_tables
         self.original = original
         self.wrapper = wrapper
@@ -81,7 +86,7 @@ def batch_context_sum(req_states: Any, num_tokens_per_req: Mapping[str, int]) ->
 def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dict], int]:
     original = state.original
     small, tiny = _SMALL_BATCH, _TINY_BATCH
-    intp, int64, add_reduce = np.intp, np.int64, np.add.reduce
+    intp, int64, add_reduce, max_reduce = np.intp, np.int64, np.add.reduce, np.maximum.reduce
 
     def get_num_tokens(num_tokens_per_req: dict[str, int], draft_tokens: dict[str, list[int]]) -> int:
         n = len(num_tokens_per_req)
@@ -91,11 +96,18 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
             req_states = manager.req_states
             index = req_states.req_id_to_index.__getitem__
             computed = req_states.num_computed_tokens_np
+            tail = state.tail
             if n >= tiny and n == len(req_states.req_id_to_index) and state.watched \
                     and state.watched[0][0] is req_states:  # every request it holds (watched: active kept)
                 total = int(add_reduce(computed, where=state.active, dtype=int64))
+                if tail:
+                    total = tail_context_sum(total, int(max_reduce(computed, where=state.active, initial=0)), n, tail)
             elif n <= small:
-                total = sum(map(computed.item, map(index, num_tokens_per_req)))
+                if tail:
+                    values = list(map(computed.item, map(index, num_tokens_per_req)))
+                    total = tail_context_sum(sum(values), max(values), n, tail)
+                else:
+                    total = sum(map(computed.item, map(index, num_tokens_per_req)))
             else:
                 keys = tuple(num_tokens_per_req)
                 if keys == state.keys and state.slots_generation == state.generation and state.watched:
@@ -103,7 +115,10 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
                 else:
                     slots = np.fromiter(map(index, keys), dtype=intp, count=n)
                     state.keys, state.slots, state.slots_generation = keys, slots, state.generation
-                total = int(computed[slots].sum())
+                values = computed[slots]
+                total = int(values.sum())
+                if tail:
+                    total = tail_context_sum(total, int(values.max()), n, tail)
             state.last_context = -(-total // n)  # ceil(mean): integers only, identical on every rank
             manager.cost_tables = grid.step_tables(total, n, state.buffer)
         return original(num_tokens_per_req, draft_tokens)
@@ -111,22 +126,25 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
     return get_num_tokens
 
 
-def install(manager: Any, grid: ContextGrid) -> ContextAwareState:
+def install(manager: Any, grid: ContextGrid, *, tail_milli: int = 0) -> ContextAwareState:
     """Make this manager's get_num_tokens price each step for its batch (drafts at the mean
     context, verify by the KV the step reads: ContextGrid.step_tables).
 
     Per instance (other managers in the process are untouched) and idempotent: a
     second install replaces the grid and keeps the original method and tables. It
     wraps what is there: vLLM's method, or another instance wrapper (observe mode's),
-    so the two compose in either order.
+    so the two compose in either order. tail_milli: the mixed-context tail in thousandths
+    (context.tail_context_sum; 0, the default, prices at the plain KV sum).
     """
+    if not 0 <= int(tail_milli) <= MAX_TAIL_MILLI:
+        raise ValueError(f"tail_milli must be between 0 and {MAX_TAIL_MILLI}, got {tail_milli}")
     state = getattr(manager, _STATE, None)
     if state is not None:
-        state.grid, state.buffer = grid, StepBuffer(grid)
+        state.grid, state.buffer, state.tail = grid, StepBuffer(grid), int(tail_milli)
         return state
     own = manager.__dict__.get("get_num_tokens")
     original = own if own is not None else type(manager).get_num_tokens.__get__(manager)
-    state = ContextAwareState(grid, manager.cost_tables, original, stacked=own is not None)
+    state = ContextAwareState(grid, manager.cost_tables, original, stacked=own is not None, tail_milli=tail_milli)
     state.wrapper = _make_wrapper(manager, state)
     state.watched = _watch_slots(getattr(manager, "req_states", None), state)
     setattr(manager, _STATE, state)
@@ -230,14 +248,14 @@ def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, broadcast: bool
     return ContextGrid(costs, tolerance=tolerance, max_bytes=max_bytes)
 
 
-def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False) -> str:
+def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False, tail_milli: int = 0) -> str:
     """What load mode calls after installing its curves: context-aware when the table has two or
     more contexts. Returns the one line to log; never raises (the engine keeps the static tables)."""
     if len(curves) < 2:
         return "dspark-calib: context-aware costs off: the table profiles one context"
     try:
         grid = grid_for_manager(manager, curves, broadcast=broadcast)
-        install(manager, grid)
+        install(manager, grid, tail_milli=tail_milli)
     except Exception as exc:  # noqa: BLE001 - a serving engine must not die of an optional mode
         from dspark_calib.errors import first_line
 
@@ -246,4 +264,5 @@ def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False) 
     return (f"dspark-calib: context-aware costs on: contexts {lo}..{hi} ({len(grid.contexts)} profiled), grid "
             f"{len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, within {100 * grid.max_rel_error:.2f}% of the "
             f"interpolation; verify priced by the KV a step reads; below {lo} costs are extrapolated linearly, "
-            f"above {hi} they are {hi}'s")
+            f"above {hi} they are {hi}'s" + (f"; mixed batches priced at mean + {tail_milli / MAX_TAIL_MILLI:g} x "
+                                             f"(max - mean)" if tail_milli else ""))

@@ -171,7 +171,8 @@ class Observer:
         p = self.pricing
         meta = {**self.metadata, "sample_every": self.every}
         if p is not None:
-            meta.update(mode=p.mode, static_context=p.static_context, table_hash=p.table_hash)
+            meta.update(mode=p.mode, static_context=p.static_context, table_hash=p.table_hash,
+                        context_tail_milli=p.tail_milli)
         self.writer = ObservedWriter(self.directory, metadata=meta, name=self.name, **self.writer_kwargs)
         return self.writer
 

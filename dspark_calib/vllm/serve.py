@@ -201,6 +201,12 @@ def _context_aware(manager: Any, curves: dict) -> None:
         if rank0:
             log.info("dspark-calib: context-aware costs off (%s=0): static tables at one context", E.CONTEXT_AWARE)
         return
-    line = ca.enable(manager, curves, broadcast=False)  # never raises; every rank builds the same grid
+    try:
+        tail = E.context_tail_milli()
+    except CalibError as exc:
+        tail = 0
+        if rank0:
+            log.warning("dspark-calib: %s; mixed batches priced at their mean context", exc)
+    line = ca.enable(manager, curves, broadcast=False, tail_milli=tail)  # never raises; every rank: the same grid
     if rank0:
         log.log(logging.WARNING if "static tables kept" in line else logging.INFO, line)
