@@ -347,13 +347,15 @@ def validate_cmd(
 
     files = observed_paths(observed)  # directories expanded: --plot is checked against every input
     plot = plot_path(plot, [table, *files])  # before any work
+    from dspark_calib.vllm.env import tail_to_milli  # standard library only
+
+    tail_milli = None if tail is None else tail_to_milli(tail, f"--tail {tail:g}")
     from dspark_calib.observe import read_observed
     from dspark_calib.table import read_table
     from dspark_calib.validate import max_error_exceeded, validate
 
     t = read_table(table, samples=False)  # curves and metadata: raw samples are not needed here
-    result = validate(t, read_observed(files), single_context=context,
-                      tail_milli=None if tail is None else round(tail * 1000))
+    result = validate(t, read_observed(files), single_context=context, tail_milli=tail_milli)
     exceeded = max_error is not None and max_error_exceeded(result, max_error)
     if plot:
         from dspark_calib.render_validate import plot_validation

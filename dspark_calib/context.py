@@ -55,7 +55,7 @@ that mixes short and long requests reads the same S but runs slower: the long
 requests' KV splits finish last. On the H200 (2026-11-30, two runs, two hosts, six
 arms) a 1k/8k/16k mix ran 8-12 % slower than priced at its S (drafts up to 9 %);
 pricing it at S' = S + t (n max - S), i.e. at mean + t (max - mean), with t = 0.25
-left -0.4 ... +3.8 %, and moved uniform batches (max ~ mean) by under 1 %. t is the
+left +0.4 ... +3.8 %, and moved uniform batches (max ~ mean) by under 1 %. t is the
 kernel's, not the table's: it is read from served steps (``validate`` fits it) and
 set by the operator (DSPARK_CALIB_CONTEXT_TAIL), in thousandths so that every rank
 computes the same integer S'.

@@ -179,13 +179,22 @@ def _recorded(observed: ObservedSteps, key: str, default: int) -> int:
 
 
 def recorded_tail(observed: ObservedSteps) -> int:
-    """The tail (thousandths) the engine priced with, when every file says the same; else 0."""
-    values = {m.get("context_tail_milli", 0) for m in observed.metadata}
-    if len(values) == 1:
-        (value,) = values
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TAIL_MILLI:
-            return value
-    return 0
+    """The tail (thousandths) the context-aware engines that wrote these files priced with (0 when
+    none was context-aware or none recorded one). Engines that disagree are an error: the files
+    must be validated apart, or with --tail."""
+    values = set()
+    for m in observed.metadata:
+        if m.get("mode") != "context-aware":
+            continue  # a stock or one-context engine prices no tail
+        value = m.get("context_tail_milli", 0)
+        if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TAIL_MILLI):
+            raise CalibError(f"an observe file records context_tail_milli={value!r} (want 0..{MAX_TAIL_MILLI})")
+        values.add(value)
+    if len(values) > 1:
+        shown = ", ".join(f"{v / MAX_TAIL_MILLI:g}" for v in sorted(values))
+        raise CalibError(f"the observe files come from engines with different tails ({shown}): validate them "
+                         f"apart, or price them all with --tail")
+    return values.pop() if values else 0
 
 
 def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None, tail_milli: int | None = None,

@@ -391,7 +391,8 @@ class CountedStates(SimpleNamespace):
         return slot
 
 
-def test_slot_cache_is_reused_for_the_same_batch_and_dropped_when_a_slot_changes(grid_3ctx):
+@pytest.mark.parametrize("tail", [0, 300])
+def test_slot_cache_is_reused_for_the_same_batch_and_dropped_when_a_slot_changes(grid_3ctx, tail):
     m = make_manager(grid_3ctx.tables_for(8192))
     base = m.req_states
     m.req_states = CountedStates(**vars(base), free=list(range(MAX_REQS)))
@@ -401,12 +402,14 @@ def test_slot_cache_is_reused_for_the_same_batch_and_dropped_when_a_slot_changes
         m.req_states.add_request(r, int(rng.integers(1000, 16000)))
     m.req_states.add_request("idle", 5)  # held but not scheduled: the full-occupancy path is off
     m.req_states.prefill_len.np[:] = 1
-    state = ca.install(m, grid_3ctx)
+    state = ca.install(m, grid_3ctx, tail_milli=tail)
     num_tokens = {r: 4 for r in ids}
     drafts = {r: [1, 2, 3] for r in ids}
 
     def expected_ctx():
-        return -(-ca.batch_context_sum(m.req_states, num_tokens) // len(ids))
+        held = m.req_states.num_computed_tokens_np[[m.req_states.req_id_to_index[r] for r in ids]]
+        raised = tail_context_sum(ca.batch_context_sum(m.req_states, num_tokens), int(held.max()), len(ids), tail)
+        return -(-raised // len(ids))
 
     m.get_num_tokens(num_tokens, drafts)
     first = state.slots
@@ -488,6 +491,6 @@ def test_context_tail_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_war
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
         bad = load(DSPARK_CALIB_CONTEXT_TAIL="1.5")
-    warned = [r for r in caplog.records if "DSPARK_CALIB_CONTEXT_TAIL=1.5 must be between 0 and 1" in r.getMessage()]
+    warned = [r for r in caplog.records if "DSPARK_CALIB_CONTEXT_TAIL='1.5' must be between 0 and 1" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "\n" not in warned[0].getMessage()
     assert ca.installed_state(bad).tail == 0  # context-aware stays on, at the plain mean

@@ -338,8 +338,9 @@ def test_context_tail_is_read_in_thousandths_and_checked():
     assert env.context_tail_milli({}) == 0 and env.context_tail_milli({env.CONTEXT_TAIL: " "}) == 0
     assert env.context_tail_milli({env.CONTEXT_TAIL: "0.25"}) == 250
     assert env.context_tail_milli({env.CONTEXT_TAIL: "1"}) == 1000
-    for bad, why in (("-0.1", "between 0 and 1"), ("1.01", "between 0 and 1"), ("nan", "between 0 and 1"),
-                     ("a lot", "is not a number")):
+    assert env.context_tail_milli({env.CONTEXT_TAIL: "1e-3"}) == 1 and env.context_tail_milli({env.CONTEXT_TAIL: "-0"}) == 0
+    for bad, why in (("-0.1", "between 0 and 1"), ("1.0000001", "='1.0000001' must be between 0 and 1"),
+                     ("nan", "between 0 and 1"), ("0.0004", "below the tail's resolution"), ("a lot", "is not a number")):
         with pytest.raises(CalibError, match=why) as exc:
             env.context_tail_milli({env.CONTEXT_TAIL: bad})
         assert str(exc.value).startswith(env.CONTEXT_TAIL) and "\n" not in str(exc.value)

@@ -260,7 +260,7 @@ def test_tail_fit_recovers_the_tail_of_mixed_batches(reference_table, tmp_path):
 
 
 def test_tail_recorded_by_the_engine_is_used_and_few_mixed_steps_fit_nothing(reference_table, tmp_path):
-    with ObservedWriter(tmp_path, metadata={"context_tail_milli": 300}) as w:
+    with ObservedWriter(tmp_path, metadata={"mode": "context-aware", "context_tail_milli": 300}) as w:
         for s in mixed_steps(reference_table, 300, 12) + synthetic_steps(reference_table, (8192,), per_context=30):
             w.append(s)
     res = validate(reference_table, read_observed([tmp_path]))
@@ -270,3 +270,32 @@ def test_tail_recorded_by_the_engine_is_used_and_few_mixed_steps_fit_nothing(ref
     render_validation(res, console)
     text = console.export_text()
     assert "mixed-context decode steps (longest >= 1.25 x mean): 12" in text and "too few to fit a tail" in text
+
+
+def test_files_from_engines_with_different_tails_are_refused_and_stock_files_record_none(reference_table, tmp_path):
+    def write(d, meta):
+        with ObservedWriter(tmp_path / d, metadata=meta) as w:
+            for s in mixed_steps(reference_table, 200, 5):
+                w.append(s)
+        return tmp_path / d
+
+    a = write("a", {"mode": "context-aware", "context_tail_milli": 200})
+    b = write("b", {"mode": "context-aware", "context_tail_milli": 0})
+    stock = write("stock", {"mode": "stock", "context_tail_milli": 0})
+    with pytest.raises(CalibError, match=r"different tails \(0, 0.2\)"):
+        validate(reference_table, read_observed([a, b]))
+    assert validate(reference_table, read_observed([a, b]), tail_milli=200).tail_fit.tail == 0.2  # --tail: one pricing
+    assert validate(reference_table, read_observed([a, stock])).tail_fit.tail == 0.2  # stock prices no tail
+    bad = write("bad", {"mode": "context-aware", "context_tail_milli": 5000})
+    with pytest.raises(CalibError, match="context_tail_milli=5000"):
+        validate(reference_table, read_observed([bad]))
+
+
+def test_tail_context_sum_by_hand():
+    from dspark_calib.context import tail_context_sum
+
+    # 3 requests at 1000, 1000, 16000: S 18000, n max 48000; t 0.25 -> 18000 + 30000 / 4
+    assert tail_context_sum(18000, 16000, 3, 250) == 25500 and tail_context_sum(18000, 16000, 3, 0) == 18000
+    assert tail_context_sum(18000, 16000, 3, 1000) == 48000 and tail_context_sum(10, 4, 3, 333) == 10  # rounds down
+    big = np.array([2**31 - 1], dtype=np.int64)  # int32's limit as a max over 256 requests: no overflow
+    assert tail_context_sum(big * 200, big, 256, 1000)[0] == (2**31 - 1) * 256

@@ -822,6 +822,10 @@ def run_arm(args: argparse.Namespace) -> int:
     if args.context_tail and arm != "aware":
         print(f"arm {arm}: --context-tail prices context-aware steps (arm aware only)", file=sys.stderr)
         return 2
+    if not (0.0 <= args.context_tail <= 1.0 and abs(args.context_tail * 100 - round(args.context_tail * 100)) < 1e-9):
+        print(f"arm {arm}: --context-tail {args.context_tail:g} must be a multiple of 0.01 between 0 and 1 "
+              f"(the files are named by it)", file=sys.stderr)
+        return 2
     label = arm_label(arm, args.observe_every, args.context_tail)
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)

@@ -50,8 +50,8 @@ class ContextAwareState:
 
     def __init__(self, grid: ContextGrid | None, base_tables: Any, original: Callable, wrapper: Callable | None = None,
                  stacked: bool = False, tail_milli: int = 0):
-        self.grid = grid
-        self.tail = int(tail_milli)  # the mixed-context tail in thousandths (0: the mean, the pricing)  # None after an uninstall that could not unwrap (another wrapper on top)
+        self.grid = grid  # None after an uninstall that could not unwrap (another wrapper on top)
+        self.tail = int(tail_milli)  # the mixed-context tail in thousandths (0: the mean, the pricing)
         self.base_tables = base_tables
         self.original = original
         self.wrapper = wrapper

@@ -131,9 +131,19 @@ def context_tail_milli(env: Mapping[str, str] | None = None) -> int:
     value = _number(env, CONTEXT_TAIL, float, "a number")
     if value is None:
         return 0
+    return tail_to_milli(value, f"{CONTEXT_TAIL}={shown((_get(env, CONTEXT_TAIL) or '').strip())}")
+
+
+def tail_to_milli(value: float, name: str) -> int:
+    """A tail in [0, 1] as the integer thousandths every rank prices with; name (the setting, as the
+    operator wrote it) leads the one-line error. A nonzero tail finer than 0.001 is refused, not
+    silently rounded to 0."""
     if not 0.0 <= value <= 1.0:  # also refuses nan
-        raise CalibError(f"{CONTEXT_TAIL}={value:g} must be between 0 and 1")
-    return round(value * 1000)
+        raise CalibError(f"{name} must be between 0 and 1")
+    milli = round(value * 1000)
+    if value and not milli:
+        raise CalibError(f"{name} is below the tail's resolution, 0.001")
+    return milli
 
 
 def load_timeout(env: Mapping[str, str] | None = None) -> float:
