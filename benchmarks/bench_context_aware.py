@@ -57,6 +57,7 @@ import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av  # noqa: E402
 from conftest import build_reference_table  # noqa: E402
 from dspark_calib import __version__  # noqa: E402
 from dspark_calib.vllm import context_aware as ca  # noqa: E402
+from dspark_calib.vllm.env import tail_to_milli  # noqa: E402
 from test_context_aware import MAX_REQS, STEPS, CountedStates, SingleRank, make_manager  # noqa: E402
 
 GOAL_US = 5.0
@@ -167,7 +168,7 @@ def main():
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--tail", type=float, default=0.0, help="the mixed-context tail (DSPARK_CALIB_CONTEXT_TAIL)")
     args = ap.parse_args()
-    tail_milli = round(args.tail * 1000)
+    tail_milli = tail_to_milli(args.tail, f"--tail {args.tail:g}")
     rng = np.random.default_rng(0)
     table = build_reference_table()
     with mock.patch.object(av, "get_tp_group", SingleRank):

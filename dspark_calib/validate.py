@@ -258,7 +258,8 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
                                           stats((ctx_bucket == cb) & (size_bucket == sb))))
 
     mixed = steps["verify"] & (c["context_max"] * num_reqs >= MIXED_SPREAD * c["context_sum"])
-    tail_fit = _fit_tail(priced, tail, mixed, mixed & steps["draft"], c)
+    now = ErrorStats.of(aware_verify[mixed], c["forward_ms"][mixed])  # the pricing above, not priced again
+    tail_fit = _fit_tail(priced, tail, now, mixed, mixed & steps["draft"], c)
 
     both = (c["budget_static"] != ABSENT) & (c["budget_context_aware"] != ABSENT)
     changed = int((c["budget_static"][both] != c["budget_context_aware"][both]).sum())
@@ -274,15 +275,16 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     )
 
 
-def _fit_tail(priced: Any, tail: int, mixed: np.ndarray, mixed_drafts: np.ndarray, c: dict) -> TailFit:
-    """The tail (0, 0.05, ..., 1) with the smallest median verify error on the mixed decode steps."""
+def _fit_tail(priced: Any, tail: int, now: ErrorStats, mixed: np.ndarray, mixed_drafts: np.ndarray,
+              c: dict) -> TailFit:
+    """The tail (0, 0.05, ..., 1) with the smallest median verify error on the mixed decode steps
+    (now: their errors at the tail in use)."""
     def errors(t: int) -> tuple[ErrorStats, ErrorStats]:
         draft, verify = priced(t)
         return (ErrorStats.of(verify[mixed], c["forward_ms"][mixed]),
                 ErrorStats.of(draft[mixed_drafts], c["drafter_ms"][mixed_drafts]))
 
     n = int(mixed.sum())
-    now = errors(tail)[0]
     if n < MIN_TAIL_STEPS:
         return TailFit(n, tail / MAX_TAIL_MILLI, now, None, None, None)
     fits = {t: errors(t) for t in range(0, MAX_TAIL_MILLI + 1, TAIL_STEP_MILLI)}
