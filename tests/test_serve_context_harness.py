@@ -211,7 +211,14 @@ def test_own_prediction_errors_by_context(sc, tmp_path):
     assert errs[("verify", "all")]["n"] == 20
 
 
-def test_compaction_round_trips_through_validate(sc, tmp_path):
+def test_compaction_round_trips_through_validate(sc, tmp_path, monkeypatch):
+    import itertools
+
+    import dspark_calib.observe as observe
+
+    # each file a different second, as on a real engine: still one engine's metadata
+    tick = itertools.count()
+    monkeypatch.setattr(observe, "_utc_now", lambda: f"2026-12-01T00:00:{next(tick) % 60:02d}Z")
     src = tmp_path / "obs"
     rows = _stream([(40, 64, 8300), (25, 32, 16500)])
     _write(src, rows, per_file=9)

@@ -446,7 +446,10 @@ def compact_observed(src_dir: str, dst: str) -> dict[str, Any]:
     paths = observed_paths([src_dir])
     tables = [pq.read_table(p) for p in paths]
     schema = tables[0].schema
-    metas = {t.schema.metadata.get(METADATA_KEY) for t in tables if t.schema.metadata}
+    # created_at is per file (second resolution): files of one engine differ in it and nothing else
+    metas = {json.dumps({k: v for k, v in json.loads(t.schema.metadata[METADATA_KEY]).items() if k != "created_at"},
+                        sort_keys=True)
+             for t in tables if t.schema.metadata and METADATA_KEY in t.schema.metadata}
     merged = pa.concat_tables([t.cast(schema) for t in tables])
     tmp = dst + ".tmp"
     pq.write_table(merged, tmp, compression="zstd")
