@@ -15,6 +15,7 @@ import sys
 from typing import Annotated, Any, Callable, List, Optional, TypeVar
 
 import typer
+import typer.core
 
 from dspark_calib import __version__
 from dspark_calib.errors import CalibError
@@ -22,7 +23,37 @@ from dspark_calib.errors import CalibError
 PROG = "dspark-calib"
 EXIT_ERROR = 2  # bad input; 1 is reserved for "diff threshold exceeded"
 
+class _OneLineUsageErrors(typer.core.TyperGroup):
+    """Usage errors (unknown option, missing argument, value out of range) as one stderr line, exit 2.
+
+    typer draws them in a multi-line rich box; the line names the command, the setting and
+    the problem like every other error here. Runs for the console script and CliRunner alike.
+    """
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        # typer >= 0.28 vendors click (typer._click); BadParameter's module is the one in use
+        exceptions = sys.modules[typer.BadParameter.__module__]
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except exceptions.ClickException as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # the help is already on stdout (typer's own test)
+                sys.exit(exc.exit_code)
+            ctx = getattr(exc, "ctx", None)
+            where = ctx.command_path.removeprefix(PROG).strip() if ctx is not None else ""
+            hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
+            typer.echo(f"{PROG}: error: " + (f"{where}: " if where else "")
+                       + " ".join(exc.format_message().split()) + hint, err=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            typer.echo(f"{PROG}: aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)  # typer returns an Exit's code when not standalone
+
+
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     name=PROG,
     help="Offline cost tables for vLLM's DSpark adaptive verification: inspect, compare, import, merge.",
     no_args_is_help=True,

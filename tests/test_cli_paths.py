@@ -234,3 +234,34 @@ def test_deeply_nested_json_is_one_line(tmp_path, where):
     assert isinstance(r.exception, SystemExit) and "Traceback" not in r.output
     errors = [line for line in r.output.splitlines() if "error:" in line]
     assert errors == ["dspark-calib: error: input too deeply nested or too large (RecursionError)"]
+
+
+# -- usage errors: one line too, not typer's box -------------------------------------------
+@pytest.mark.parametrize("args, fragments", [
+    (("inspect", "--context-len", "0", "t.parquet"), ("inspect: ", "'--context-len'", "0 is not in the range")),
+    (("inspect",), ("inspect: ", "Missing argument 'TABLE'")),
+    (("diff", "--bogus", "a", "b"), ("diff: ", "No such option: --bogus")),
+    (("no-such-command",), ("No such command 'no-such-command'",)),
+    (("check", ".", "--tp", "x"), ("check: ", "'--tp'", "'x' is not a valid")),
+])
+def test_usage_errors_are_one_line(args, fragments):
+    line = one_line_error(invoke(*args), *fragments)
+    assert "╭" not in line and "(see 'dspark-calib" in line
+
+
+def test_usage_error_from_the_console_script():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.argv = ['dspark-calib', 'inspect', '--bogus']; from dspark_calib.cli import main; main()"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == ["dspark-calib: error: inspect: No such option: --bogus (see 'dspark-calib inspect -h')"]
+
+
+def test_help_and_no_arguments_still_print_help():
+    r = invoke("inspect", "--help")
+    assert r.exit_code == 0 and "Usage: dspark-calib inspect" in r.stdout and r.stderr == ""
+    r = invoke()
+    assert r.exit_code == 2 and "Usage: dspark-calib" in r.stdout and "error" not in r.stderr
