@@ -60,6 +60,20 @@ kernel's, not the table's: it is read from served steps (``validate`` fits it) a
 set by the operator (DSPARK_CALIB_CONTEXT_TAIL), in thousandths so that every rank
 computes the same integer S'.
 
+Prefill chunks: priced by query-context pairs (``prefill_context_sum``)
+----------------------------------------------------------------------
+S / R(N) holds for decode requests (a few queries each, memory-bound: the step reads
+their KV once). A prefill chunk of q tokens at context c does q x (c + q) query-context
+pairs of attention on only c + q tokens of KV, compute-bound, and S / R(N) prices it as
+nearly free: on the H200 steps carrying an 8k chunk ran 18-31 % slower than that pricing
+said (vLLM's one 8192 curve, whose dummy batches do N x 8192 pairs, was closer). The
+dummy batch of N tokens at context L does N x L pairs, so a chunk is worth P x R(N) / N
+KV tokens: ``prefill_context_sum`` = (S - S_p) + ceil(R(N) P / N), P the chunks' pairs,
+S_p their computed tokens. A decode-only step (P = 0) is priced exactly as before.
+Reconstructed from the H200 files' sums (one chunk per step; the per-chunk columns
+exist from observe schema 1.1), the 8k and 16k chunk steps come within 1.7-4.9 %
+(median) where S / R(N) was 22-34 % low.
+
 Only numpy here: ``validate`` prices observed steps with this, and it must
 not pull in torch or vllm.
 """
@@ -152,6 +166,17 @@ def tail_context_sum(context_sum: Any, context_max: Any, num_reqs: Any, tail_mil
     if not tail_milli:
         return context_sum
     return context_sum + (tail_milli * (context_max * num_reqs - context_sum)) // MAX_TAIL_MILLI
+
+
+def prefill_context_sum(context_sum: Any, prefill_context_sum: Any, prefill_pairs: Any, num_tokens: Any,
+                        max_num_reqs: int) -> Any:
+    """The KV sum a step carrying prefill chunks is priced at (module docstring): the decode
+    requests' own KV plus the chunks' query-context pairs P at R(N) / N KV tokens a pair,
+    (S - S_p) + ceil(R(N) P / N). Integers only; scalars or numpy arrays alike; P = 0 returns S."""
+    tokens = np.maximum(num_tokens, 1)
+    reqs = np.minimum(tokens, max_num_reqs)
+    out = context_sum - prefill_context_sum + (-(-(reqs * prefill_pairs) // tokens))
+    return int(out) if np.ndim(out) == 0 else out
 
 
 def blend(lower: np.ndarray, upper: np.ndarray, weight: float | np.ndarray) -> np.ndarray:

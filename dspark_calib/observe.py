@@ -9,6 +9,12 @@ Format history (OBSERVED_SCHEMA_VERSION, "major.minor"):
   tool_version, created_at (UTC, ISO 8601), plus what the writer was given
   (e.g. table_hash, mode, tp_rank, sample_every, max_num_reqs,
   max_num_batched_tokens).
+* 1.1 (dspark-calib 0.1.0): three nullable columns at the end, the step's prefill chunks
+  (requests with more than one non-draft token): ``prefill_tokens`` (their non-draft
+  tokens), ``prefill_context_sum`` (their computed tokens) and ``prefill_pairs`` (sum of
+  q x (c + q): the query-context pairs their attention does; context.prefill_context_sum
+  prices by it). Migration: a 1.0 file reads with the three ABSENT (not recorded), and
+  ``validate`` then leaves prefill-carrying steps at the plain KV sum.
 
 Compatibility rules, as for tables: a reader accepts every minor of its major
 (columns a newer minor adds are ignored; a minor may only add columns); a newer
@@ -43,7 +49,7 @@ from dspark_calib import __version__
 from dspark_calib.atomic import atomic_write
 from dspark_calib.errors import CalibError, first_line
 
-OBSERVED_SCHEMA_VERSION = "1.0"
+OBSERVED_SCHEMA_VERSION = "1.1"
 METADATA_KEY = b"dspark_calib_observed"
 FILE_PREFIX = "observed-"
 INT, FLOAT, BOOL = "int64", "float64", "bool"
@@ -66,8 +72,16 @@ COLUMNS: dict[str, str] = {
     "predicted_verify_ms": FLOAT,
     "budget_static": INT,  # nullable: budget under the table's one-context pricing
     "budget_context_aware": INT,  # nullable: budget under context-aware pricing
+    # 1.1: the prefill chunks (requests with more than one non-draft token); null: not recorded
+    "prefill_tokens": INT,
+    "prefill_context_sum": INT,
+    "prefill_pairs": INT,
 }
-NULLABLE = frozenset({"budget_static", "budget_context_aware"})
+BUDGETS = ("budget_static", "budget_context_aware")
+PREFILL = ("prefill_tokens", "prefill_context_sum", "prefill_pairs")
+NULLABLE = frozenset(BUDGETS + PREFILL)
+# Columns a minor added, and the minor: a file of an older minor reads them as ABSENT (migration).
+ADDED_IN_MINOR = {name: 1 for name in PREFILL}
 ABSENT = -1  # in memory, a null budget
 
 
@@ -91,6 +105,9 @@ class ObservedStep:
     predicted_verify_ms: float
     budget_static: int | None = None
     budget_context_aware: int | None = None
+    prefill_tokens: int | None = None
+    prefill_context_sum: int | None = None
+    prefill_pairs: int | None = None
 
     def __post_init__(self) -> None:
         problem = _row_problem({f.name: getattr(self, f.name) for f in fields(self)})
@@ -120,6 +137,16 @@ def _row_problem(r: dict[str, Any]) -> str | None:
             continue
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 0 <= v <= r["scheduled_drafts"]:
             return f"{name} must be an integer in 0..scheduled_drafts ({r['scheduled_drafts']}), got {v!r}"
+    prefill = [r[name] for name in PREFILL]
+    if any(v is not None for v in prefill):
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in prefill):
+            return f"prefill_tokens/context_sum/pairs must be integers >= 0 (or all None), got {prefill!r}"
+        tokens, ctx_sum, pairs = prefill
+        # each chunk has q >= 2 non-draft tokens at c <= context_max: 2q <= q (c + q) <= q (max + q)
+        if tokens > r["num_target_tokens"] or ctx_sum > total or (tokens == 0 and ctx_sum) \
+                or not 2 * tokens <= pairs <= tokens * (r["context_max"] + tokens):
+            return (f"prefill columns disagree with the step (tokens {tokens}, context sum {ctx_sum}, pairs {pairs}; "
+                    f"step: {r['num_target_tokens']} tokens, context sum {total}, max {r['context_max']})")
     return None
 
 
@@ -283,8 +310,12 @@ def _read_one(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         raise CalibError("row counts in the parquet footer disagree (damaged file)", path=path)
     types = _arrow_types()
     cols: dict[str, np.ndarray] = {}
+    minor = int(str(meta["schema_version"]).split(".")[1])
     for name, typ in COLUMNS.items():
         if name not in arrow.column_names:
+            if minor < ADDED_IN_MINOR.get(name, 0):  # an older minor's file: not recorded
+                cols[name] = np.full(arrow.num_rows, ABSENT, dtype=typ)
+                continue
             raise CalibError(f"column {name} is missing", path=path)
         col = arrow.column(name)
         if col.type != types[typ]:
@@ -345,9 +376,16 @@ def _column_problem(c: dict[str, np.ndarray]) -> str | None:
     checks.append((c["context_max"] * n < c["context_sum"], "context_max below the mean"))
     checks.append(((c["draft_budget"] < 0) | (c["draft_budget"] > c["scheduled_drafts"]),
                    "draft_budget outside 0..scheduled_drafts"))
-    for name in NULLABLE:
+    for name in BUDGETS:
         v = c[name]
         checks.append(((v != ABSENT) & ((v < 0) | (v > c["scheduled_drafts"])), f"{name} outside 0..scheduled_drafts"))
+    tokens, ctx_sum, pairs = (c[name] for name in PREFILL)
+    known = tokens != ABSENT
+    checks.append(((known != (ctx_sum != ABSENT)) | (known != (pairs != ABSENT)), "prefill columns null in some, not all"))
+    checks.append((known & ((tokens < 0) | (tokens > c["num_target_tokens"]) | (ctx_sum < 0)
+                            | (ctx_sum > c["context_sum"]) | ((tokens == 0) & (ctx_sum != 0)) | (pairs < 2 * tokens)
+                            | (pairs > tokens * (c["context_max"] + tokens))),
+                   "prefill columns disagree with the step's tokens and contexts"))
     for bad, what in checks:
         if bad.any():
             row = int(np.flatnonzero(bad)[0])

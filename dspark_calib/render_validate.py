@@ -93,6 +93,17 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
                      f"{_signed(fit.best_verify.median_signed_pct)}), drafts {_pct(fit.best_draft.median_pct)} "
                      f"({CONTEXT_TAIL}={fit.best_tail:g})")
         console.print(line, markup=False)
+    pre = result.prefill
+    if pre.steps:
+        if pre.recorded:
+            line = (f"prefill-carrying steps: {pre.steps} ({pre.recorded} with their chunks recorded); verify median "
+                    + ", ".join(f"{label} {_pct(e.median_pct)} (bias {_signed(e.median_signed_pct)})"
+                                for label, e in (("single-context", pre.single), ("context-aware", pre.kv_sum),
+                                                 ("chunks priced by query-context pairs", pre.pairs))))
+        else:
+            line = (f"prefill-carrying steps: {pre.steps}; their chunks are not recorded (observe files before "
+                    f"schema 1.1), so they are priced by the KV sum only")
+        console.print(line, markup=False)
     console.print(_errors_table("absolute % error by kind", result.overall, limit=max_error, sizes=False))
     console.print(_errors_table("by context", result.by_context, limit=max_error, sizes=False))
     groups = result.groups if all_groups else result.groups[:MAX_GROUP_ROWS]

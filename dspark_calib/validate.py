@@ -31,6 +31,11 @@ verify error is reported, with the steps it rests on, for the operator to set
 (DSPARK_CALIB_CONTEXT_TAIL). Context-aware pricing here uses the tail the files
 record (the engine's), or ``tail_milli``.
 
+Prefill chunks (``PrefillCheck``): where the files record the chunks (observe schema
+1.1), the prefill-carrying steps' verify is also priced by query-context pairs
+(context.prefill_context_sum) beside the plain KV sum context-aware mode prices them at,
+so served steps say whether the engine should price chunks that way.
+
 Analysis only: numpy, no torch, no vllm. The tables are sized to cover every
 observed step (a dense table's entry at a size does not depend on its length),
 so a step is priced exactly as the engine would.
@@ -44,7 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark_calib.context import MAX_TAIL_MILLI, DEFAULT_TOLERANCE, ContextCosts, ContextGrid, tail_context_sum
+from dspark_calib.context import (MAX_TAIL_MILLI, DEFAULT_TOLERANCE, ContextCosts, ContextGrid, prefill_context_sum,
+                                  tail_context_sum)
 from dspark_calib.errors import CalibError
 from dspark_calib.observe import ABSENT, ObservedSteps
 
@@ -123,6 +129,22 @@ class TailFit:
 
 
 @dataclass(frozen=True)
+class PrefillCheck:
+    """Verifies of steps carrying a prefill chunk, priced three ways (recorded chunks only)."""
+
+    steps: int  # prefill-carrying steps (timed)
+    recorded: int  # of which the files record the chunks (observe schema >= 1.1)
+    single: ErrorStats | None  # on the recorded ones (None: none recorded)
+    kv_sum: ErrorStats | None  # context-aware as the engine prices them: the plain KV sum
+    pairs: ErrorStats | None  # context-aware with the chunks priced by query-context pairs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "recorded": self.recorded,
+                **{k: (v.to_dict() if v is not None else None)
+                   for k, v in (("single_context", self.single), ("kv_sum", self.kv_sum), ("pairs", self.pairs))}}
+
+
+@dataclass(frozen=True)
 class ValidationResult:
     table_hash: str
     files: tuple[str, ...]
@@ -137,6 +159,7 @@ class ValidationResult:
     groups: tuple[GroupErrors, ...]  # per kind x size bucket x context bucket
     budget_change: BudgetChange
     tail_fit: TailFit
+    prefill: PrefillCheck
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -148,6 +171,7 @@ class ValidationResult:
             "by_context": [g.to_dict() for g in self.by_context],
             "groups": [g.to_dict() for g in self.groups],
             "budget_change": self.budget_change.to_dict(), "tail_fit": self.tail_fit.to_dict(),
+            "prefill": self.prefill.to_dict(),
         }
 
 
@@ -260,6 +284,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     mixed = steps["verify"] & (c["context_max"] * num_reqs >= MIXED_SPREAD * c["context_sum"])
     now = ErrorStats.of(aware_verify[mixed], c["forward_ms"][mixed])  # the pricing above, not priced again
     tail_fit = _fit_tail(priced, tail, now, mixed, mixed & steps["draft"], c)
+    prefill = _check_prefill(grid, tail, steps["verify_prefill"], single_verify[num_tokens], aware_verify, c)
 
     both = (c["budget_static"] != ABSENT) & (c["budget_context_aware"] != ABSENT)
     changed = int((c["budget_static"][both] != c["budget_context_aware"][both]).sum())
@@ -271,8 +296,25 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
         out_of_range_steps=int(((ctx < lo) | (ctx > hi)).sum()),
         verify_out_of_range_steps=int((steps["verify"] & ((vctx < lo) | (vctx > hi))).sum()), grid=grid.describe(),
         overall=tuple(overall), by_context=tuple(by_context), groups=tuple(groups),
-        budget_change=BudgetChange(int(both.sum()), changed), tail_fit=tail_fit,
+        budget_change=BudgetChange(int(both.sum()), changed), tail_fit=tail_fit, prefill=prefill,
     )
+
+
+def _check_prefill(grid: ContextGrid, tail: int, steps: np.ndarray, single: np.ndarray, kv_sum: np.ndarray,
+                   c: dict) -> PrefillCheck:
+    """The prefill-carrying steps whose chunks are recorded, priced single-context, by the KV sum
+    (as served) and by query-context pairs (context.prefill_context_sum; the tail on top, as served)."""
+    sel = steps & (c["prefill_tokens"] != ABSENT)
+    if not sel.any():
+        return PrefillCheck(int(steps.sum()), 0, None, None, None)
+    n, tokens = c["num_reqs"][sel], c["num_target_tokens"][sel]
+    s = tail_context_sum(c["context_sum"][sel], c["context_max"][sel], n, tail)  # as served, then the chunks
+    s = prefill_context_sum(s, c["prefill_context_sum"][sel], c["prefill_pairs"][sel], tokens,
+                            grid.costs.profile_num_reqs)
+    _, pairs = grid.price(s, n, tokens)
+    measured = c["forward_ms"][sel]
+    return PrefillCheck(int(steps.sum()), int(sel.sum()), ErrorStats.of(single[sel], measured),
+                        ErrorStats.of(kv_sum[sel], measured), ErrorStats.of(pairs, measured))
 
 
 def _fit_tail(priced: Any, tail: int, now: ErrorStats, mixed: np.ndarray, mixed_drafts: np.ndarray,

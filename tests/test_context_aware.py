@@ -254,6 +254,10 @@ def test_capture_step_matches_vllms_choice_and_the_other_pricing(grid_3ctx, refe
     slots = np.array([m.req_states.req_id_to_index[r] for r in num_tokens])
     prefilling = rng.random(num_reqs) < mid_prefill  # these do not sample this step
     m.req_states.prefill_len.np[slots[prefilling]] = contexts[prefilling] + 100
+    chunks = rng.integers(1, 25, num_reqs)  # a prefilling request runs a chunk, without drafts
+    for i, r in enumerate(num_tokens):
+        if prefilling[i]:
+            num_tokens[r], draft_tokens[r], drafts[i] = int(chunks[i]), [], 0
     state = ca.install(m, grid_3ctx)
     total = m.get_num_tokens(num_tokens, draft_tokens)
     cap = capture_step(m, num_tokens, draft_tokens, priced_context=state.last_context, alt_tables=static)
@@ -268,6 +272,13 @@ def test_capture_step_matches_vllms_choice_and_the_other_pricing(grid_3ctx, refe
                       context_aware=True)
     assert (rec.budget_context_aware, rec.budget_static) == (cap.draft_budget, cap.alt_budget)
     assert rec.context_mean == cap.context_sum / num_reqs
+    # the prefill chunks, from vLLM's own split into draft and non-draft tokens (chunks of 1 are decode-like)
+    q = np.array([m._batch_budget[1][r] for r in num_tokens], dtype=np.int64)
+    chunk = q > 1
+    c = contexts.astype(np.int64)[chunk]
+    assert (rec.prefill_tokens, rec.prefill_context_sum) == (int(q[chunk].sum()), int(c.sum()))
+    assert rec.prefill_pairs == sum(int(a) * (int(b) + int(a)) for a, b in zip(q[chunk], c))
+    assert (rec.prefill_tokens > 0) == bool((prefilling & (chunks > 1)).any())
 
 
 def test_grid_without_broadcast_makes_no_collective(reference_table, single_rank):

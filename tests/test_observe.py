@@ -25,7 +25,9 @@ def step(i=0, **kw):
 
 
 def test_round_trip_keeps_every_value(tmp_path):
-    steps = [step(i, budget_static=i % 3 if i % 2 else None, full_cudagraph=bool(i % 2)) for i in range(7)]
+    steps = [step(i, budget_static=i % 3 if i % 2 else None, full_cudagraph=bool(i % 2),
+                  **(dict(prefill_tokens=3 * i, prefill_context_sum=100 * i, prefill_pairs=3 * i * (100 + 3 * i))
+                     if i % 3 else {})) for i in range(7)]
     with ObservedWriter(tmp_path, metadata={"mode": "context_aware", "table_hash": "ab" * 32, "tp_rank": 1}) as w:
         for s in steps:
             w.append(s)
@@ -84,7 +86,14 @@ def test_an_unusable_directory_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("bad", [dict(forward_ms=-1.0), dict(forward_ms=float("nan")), dict(num_reqs=0),
                                  dict(draft_budget=57), dict(budget_static=-2), dict(context_mean=3.0),
-                                 dict(context_max=10), dict(full_cudagraph=1), dict(step=1.5)])
+                                 dict(context_max=10), dict(full_cudagraph=1), dict(step=1.5),
+                                 # prefill: all three or none; within the step's tokens and contexts
+                                 dict(prefill_tokens=10), dict(prefill_tokens=65, prefill_context_sum=0, prefill_pairs=65 ** 2),
+                                 dict(prefill_tokens=10, prefill_context_sum=12005, prefill_pairs=200),
+                                 dict(prefill_tokens=10, prefill_context_sum=1000, prefill_pairs=19),
+                                 dict(prefill_tokens=10, prefill_context_sum=1000, prefill_pairs=10 * 2011),
+                                 dict(prefill_tokens=0, prefill_context_sum=5, prefill_pairs=0),
+                                 dict(prefill_tokens=-2, prefill_context_sum=0, prefill_pairs=0)])
 def test_bad_steps_are_refused(bad):
     with pytest.raises(CalibError) as err:
         step(**bad)
@@ -136,6 +145,13 @@ def _bad_cases(tmp_path, good):
         "observed schema 2.0 is not readable": _rewrite(good, tmp_path / "g.parquet",
                                                         meta=json.dumps({"schema_version": "2.0"}).encode()),
         "malformed observed metadata": _rewrite(good, tmp_path / "h.parquet", meta=b"{not json"),
+        "column prefill_pairs is missing": _rewrite(good, tmp_path / "i.parquet", drop="prefill_pairs"),  # a 1.1 file
+        "row 3: prefill columns null in some": _rewrite(good, tmp_path / "j.parquet",
+                                                        replace=("prefill_tokens", [None, None, None, 4])),
+        "row 0: prefill columns disagree": _rewrite(
+            _rewrite(_rewrite(good, tmp_path / "k0.parquet", replace=("prefill_tokens", [4, None, None, None])),
+                     tmp_path / "k1.parquet", replace=("prefill_context_sum", [0, None, None, None])),
+            tmp_path / "k.parquet", replace=("prefill_pairs", [7, None, None, None])),
     }
 
 
@@ -147,6 +163,18 @@ def test_bad_files_are_one_line_errors_naming_the_file(tmp_path):
             read_observed([path])
         msg = str(err.value)
         assert expected in msg and path in msg and "\n" not in msg, (expected, msg)
+
+
+def test_a_1_0_file_reads_with_the_prefill_columns_absent(tmp_path):
+    """The 1.0 -> 1.1 migration: the H200 files of 2026-11-30 are 1.0 and must stay readable."""
+    good = _good_file(tmp_path)
+    t = pq.read_table(good).drop_columns(list(observe.PREFILL))
+    meta = json.loads(t.schema.metadata[observe.METADATA_KEY])
+    meta["schema_version"] = "1.0"
+    pq.write_table(t.replace_schema_metadata({observe.METADATA_KEY: json.dumps(meta).encode()}), tmp_path / "old.parquet")
+    got = read_observed([tmp_path / "old.parquet"])
+    assert len(got) == 4 and all(got[name].tolist() == [ABSENT] * 4 for name in observe.PREFILL)
+    assert got["forward_ms"].tolist() == read_observed([good])["forward_ms"].tolist()
 
 
 def test_a_newer_minor_with_extra_columns_is_read(tmp_path):

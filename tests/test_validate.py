@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -299,3 +300,66 @@ def test_tail_context_sum_by_hand():
     assert tail_context_sum(18000, 16000, 3, 1000) == 48000 and tail_context_sum(10, 4, 3, 333) == 10  # rounds down
     big = np.array([2**31 - 1], dtype=np.int64)  # int32's limit as a max over 256 requests: no overflow
     assert tail_context_sum(big * 200, big, 256, 1000)[0] == (2**31 - 1) * 256
+
+
+def chunk_steps(table, n, *, seed=7):
+    """Steps of decode requests at 8k plus one prefill chunk of q tokens at context c, measured as a
+    profile batch of N tokens doing as many query-context pairs would cost: at KV sum
+    S_decode + ceil(R(N) q (c + q) / N), written out here, not through context.prefill_context_sum."""
+    grid = ContextGrid.from_table(table)
+    reqs_profiled = grid.costs.profile_num_reqs
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        decode = int(rng.integers(8, 64))
+        q, c = int(rng.integers(512, 4096)), int(rng.choice([0, 4096, 8192]))
+        tokens = decode * 4 + q
+        ctxs = np.full(decode, 8192)
+        s_decode = int(ctxs.sum())
+        r = min(tokens, reqs_profiled)
+        kv = s_decode + -(-(r * q * (c + q)) // tokens)
+        (_,), (v,) = grid.price([kv], [decode + 1], [tokens])
+        total = s_decode + c
+        out.append(ObservedStep(step=i, forward_ms=float(v), drafter_ms=1.0, num_target_tokens=tokens,
+                                num_reqs=decode + 1, full_cudagraph=False, context_mean=total / (decode + 1),
+                                context_max=max(8192, c), context_sum=total, scheduled_drafts=7 * decode,
+                                draft_budget=3 * decode, priced_context=0, predicted_draft_ms=1.0,
+                                predicted_verify_ms=1.0, prefill_tokens=q, prefill_context_sum=c,
+                                prefill_pairs=q * (c + q)))
+    return out
+
+
+def test_prefill_chunks_priced_by_query_context_pairs(reference_table, tmp_path):
+    rows = chunk_steps(reference_table, 40)
+    with ObservedWriter(tmp_path / "new") as w:
+        for s in rows:
+            w.append(s)
+    pre = validate(reference_table, read_observed([tmp_path / "new"])).prefill
+    assert (pre.steps, pre.recorded) == (40, 40)
+    assert pre.pairs.median_pct == 0.0 and pre.pairs.p90_pct == 0.0
+    assert pre.kv_sum.median_pct > 10 and pre.kv_sum.median_signed_pct < 0  # the KV sum prices chunks nearly free
+    assert pre.single.n == 40
+    # the same steps from an engine before observe schema 1.1: counted, not re-priced
+    with ObservedWriter(tmp_path / "old") as w:
+        for s in rows:
+            w.append(dataclasses.replace(s, prefill_tokens=None, prefill_context_sum=None, prefill_pairs=None))
+    old = validate(reference_table, read_observed([tmp_path / "old"]))
+    assert (old.prefill.steps, old.prefill.recorded, old.prefill.pairs) == (40, 0, None)
+    assert json.loads(json.dumps(old.to_dict()))["prefill"]["pairs"] is None
+    console = Console(record=True, width=300)
+    render_validation(old, console)
+    assert "their chunks are not recorded" in console.export_text()
+
+
+def test_prefill_context_sum_by_hand():
+    from dspark_calib.context import prefill_context_sum
+
+    # decode-only (no chunk): the KV sum unchanged
+    assert prefill_context_sum(5000, 0, 0, 300, 256) == 5000
+    # a 4000-token chunk at context 1000 beside 3 decode requests (S 3 x 8000 + 1000), N 4012, R 256
+    assert prefill_context_sum(25000, 1000, 4000 * 5000, 4012, 256) == 24000 + -(-256 * 20_000_000 // 4012)
+    # below R requests: R(N) = N, so the chunk's pairs count whole
+    assert prefill_context_sum(100, 0, 64 * 64, 70, 256) == 100 + 64 * 64
+    got = prefill_context_sum(np.array([5000, 25000]), np.array([0, 1000]), np.array([0, 20_000_000]),
+                              np.array([300, 4012]), 256)
+    assert got.tolist() == [5000, 24000 + -(-256 * 20_000_000 // 4012)]

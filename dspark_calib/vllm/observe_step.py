@@ -36,6 +36,11 @@ class StepCapture:
     predicted_draft_ms: float
     predicted_verify_ms: float
     alt_budget: int | None  # the budget under the other pricing (None: not computed)
+    # the prefill chunks (requests with more than one non-draft token): tokens, computed tokens,
+    # query-context pairs sum q (c + q) (context.prefill_context_sum prices by them)
+    prefill_tokens: int = 0
+    prefill_context_sum: int = 0
+    prefill_pairs: int = 0
 
     @property
     def context_mean(self) -> float:
@@ -58,6 +63,8 @@ def capture_step(manager: Any, num_tokens_per_req: Mapping[str, int], draft_toke
     drafts = np.fromiter((drafts_per_req[r] for r in req_ids), dtype=np.int64, count=n)
     non_draft = np.fromiter((non_draft_per_req[r] for r in req_ids), dtype=np.int64, count=n)
     non_draft_total = int(non_draft.sum())
+    chunk = non_draft > 1
+    q, c = non_draft[chunk], computed[chunk]
     draft_table, verify_table = manager.cost_tables
     alt = None
     if alt_tables is not None:
@@ -71,7 +78,8 @@ def capture_step(manager: Any, num_tokens_per_req: Mapping[str, int], draft_toke
         num_reqs=n, context_sum=int(computed.sum()), context_max=int(computed.max()) if n else 0,
         scheduled_drafts=int(drafts.sum()), non_draft_tokens=non_draft_total, draft_budget=int(budget),
         priced_context=int(priced_context), predicted_draft_ms=float(draft_table[n]),
-        predicted_verify_ms=float(verify_table[non_draft_total + budget]), alt_budget=alt)
+        predicted_verify_ms=float(verify_table[non_draft_total + budget]), alt_budget=alt,
+        prefill_tokens=int(q.sum()), prefill_context_sum=int(c.sum()), prefill_pairs=int((q * (c + q)).sum()))
 
 
 def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_ms: float, num_target_tokens: int,
@@ -85,7 +93,9 @@ def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_m
         context_mean=capture.context_mean, context_max=capture.context_max, context_sum=capture.context_sum,
         scheduled_drafts=capture.scheduled_drafts, draft_budget=chosen, priced_context=capture.priced_context,
         predicted_draft_ms=capture.predicted_draft_ms, predicted_verify_ms=capture.predicted_verify_ms,
-        budget_static=alt if context_aware else chosen, budget_context_aware=chosen if context_aware else alt)
+        budget_static=alt if context_aware else chosen, budget_context_aware=chosen if context_aware else alt,
+        prefill_tokens=capture.prefill_tokens, prefill_context_sum=capture.prefill_context_sum,
+        prefill_pairs=capture.prefill_pairs)
 
 
 # -- how the engine prices its steps (read once, at the first sampled step) ----------------------
