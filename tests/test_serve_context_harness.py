@@ -427,3 +427,23 @@ def test_an_aware_arm_with_a_context_tail(sc, tmp_path):
     args = argparse.Namespace(results=[str(tmp_path)], json=str(tmp_path / "r.json"), md=str(tmp_path / "r.md"))
     assert sc.run_report(args) == 0
     assert sorted(json.loads((tmp_path / "r.json").read_text())["arms"]) == ["aware-tail20", "stock"]
+
+
+def test_revalidate_adds_the_chunk_pricing_row_when_chunks_are_recorded(sc, tmp_path):
+    import dataclasses
+
+    rows = _stream([(40, 64, 8300), (25, 32, 16500)])
+    # every fifth workload step also carries a 2000-token chunk at context 0 (observe schema 1.1)
+    rows = [dataclasses.replace(r, num_target_tokens=r.num_target_tokens + 2000, prefill_tokens=2000,
+                                prefill_context_sum=0, prefill_pairs=2000 * 2000)
+            if r.step % 5 == 0 and r.num_reqs > 8 else r for r in rows]
+    _write(tmp_path / "obs", rows, per_file=1000)
+    dst = str(tmp_path / "compact.parquet")
+    sc.compact_observed(str(tmp_path / "obs"), dst)
+    out = sc.revalidate(str(SHIPPED), dst, ["ctx8k", "ctx16k"])
+    chunk = [r for r in out if r["kind"] == "verify_prefill, chunks by pairs"]
+    assert {r["workload"] for r in chunk} == {"all", "ctx8k", "ctx16k"}
+    (prefill_all,) = [r for r in out if r["kind"] == "verify_prefill" and r["workload"] == "all"]
+    assert chunk[0]["steps"] == prefill_all["steps"] > 0
+    # a chunk's pairs price the step higher than its KV sum does (measured 1.0 ms here: both far off)
+    assert chunk[0]["context_aware_median_signed_pct"] > prefill_all["context_aware_median_signed_pct"]

@@ -1241,7 +1241,7 @@ def revalidate(table_path: str, observed_path: str, workloads: list[str]) -> lis
     code at hand, not of the commit the arm ran (the on-host numbers stay in context-ARM.json)."""
     from dspark_calib.observe import ObservedSteps, read_observed
     from dspark_calib.table import read_table
-    from dspark_calib.validate import validate
+    from dspark_calib.validate import AWARE, SINGLE, validate
 
     obs = read_observed([observed_path])
     cols = sorted_columns(dict(obs.columns))
@@ -1253,11 +1253,15 @@ def revalidate(table_path: str, observed_path: str, workloads: list[str]) -> lis
         sub = ObservedSteps(cols if rows is None else {k: v[rows] for k, v in cols.items()}, obs.files, obs.metadata)
         if len(sub) == 0:
             continue
-        for g in validate(table, sub).overall:
-            d = g.to_dict()
-            out.append({"workload": name, "kind": g.kind, "steps": d["context_aware"]["n"],
-                        **{f"{p}_{k}": d[p][k] for p in ("single_context", "context_aware")
-                           for k in ("median_pct", "p90_pct", "median_signed_pct")}})
+        result = validate(table, sub)
+        rows = [(g.kind, g.errors[SINGLE], g.errors[AWARE]) for g in result.overall]
+        pre = result.prefill
+        if pre.recorded:  # observe schema >= 1.1: the chunks priced by query-context pairs, as one more row
+            rows.append(("verify_prefill, chunks by pairs", pre.single, pre.pairs))
+        for kind, single, aware in rows:
+            d = {"single_context": single.to_dict(), "context_aware": aware.to_dict()}
+            out.append({"workload": name, "kind": kind, "steps": aware.n,
+                        **{f"{p}_{k}": d[p][k] for p in d for k in ("median_pct", "p90_pct", "median_signed_pct")}})
     return out
 
 
