@@ -18,15 +18,20 @@ each, contexts spread over 1k..16k so lookups hit different grid rows):
   the sum is one masked reduction over the occupied slots);
 * ``added_not_all_scheduled``: the same, with one request held but not scheduled (every
   request's slot looked up again: the worst case; not at 1 request);
+* ``added_chunk_step`` (with --chunks): a step in which one request runs a 512-token prefill
+  chunk without drafts: the chunk is looked for among the requests without drafts and the
+  verify priced by its pairs (not at 1 request: vLLM needs a drafted request to call);
 * ``plain`` / ``wrapped``: vLLM's get_num_tokens alone and behind the wrapper,
   interleaved call by call; ``wrapped - plain`` medians as a cross-check.
 
 The grid is the real H200 one (tests/data, three contexts). GC is off while
 timing.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_context_aware.py [--name NAME] [--calls N] [--tail T]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_context_aware.py [--name NAME] [--calls N] [--tail T] [--chunks]
 
 --tail T: the same with the mixed-context tail on (the batch's max as well as its sum).
+--chunks: with chunk pricing on (DSPARK_CALIB_CONTEXT_CHUNKS=1; decode steps pay one length
+comparison), plus the chunk step above.
 
 Writes benchmarks/results/context_aware_bench_<NAME>.json with the host's CPU
 model, Python and numpy versions and the load average before and after.
@@ -72,7 +77,7 @@ def _summary(ns):
     return {"p50_us": _pct(ns, 50), "p99_us": _pct(ns, 99), "mean_us": float(np.mean(ns) / 1e3), "n": len(ns)}
 
 
-def bench_size(num_reqs, grid, tables, calls, rng, tail_milli=0):
+def bench_size(num_reqs, grid, tables, calls, rng, tail_milli=0, chunks=False):
     m = make_manager(tables, rng=rng)
     req_ids = [f"req-{i}" for i in range(num_reqs)]
     slots = rng.permutation(MAX_REQS)[:num_reqs]
@@ -90,21 +95,27 @@ def bench_size(num_reqs, grid, tables, calls, rng, tail_milli=0):
         arr[slots] = rng.integers(1024, 16384) + rng.integers(-500, 500, num_reqs)
         computed.append(arr)
     plain = av.AdaptiveVerificationManager.get_num_tokens.__get__(m)
-    state = ca.install(m, grid, tail_milli=tail_milli)
+    state = ca.install(m, grid, tail_milli=tail_milli, chunks=chunks)
     wrapped = m.get_num_tokens
     clock = time.perf_counter_ns
     out = {"added": [], "added_context_jump": [], "added_batch_changed": [], "added_not_all_scheduled": [],
-           "plain": [], "wrapped": []}
+           "added_chunk_step": [], "plain": [], "wrapped": []}
     steady = computed[0].copy()
     # The same wrapper code around a no-op instead of vLLM's method: the mode's own work.
-    bare_state = ca.ContextAwareState(grid, tables, lambda a, b: 0, tail_milli=tail_milli)
+    bare_state = ca.ContextAwareState(grid, tables, lambda a, b: 0, tail_milli=tail_milli, chunks=chunks)
     bare_state.watched = state.watched  # slot changes are counted (install wrapped req_states)
     bare_state.active = state.active  # and the occupied slots kept
     bare = ca._make_wrapper(m, bare_state)
     # all but the last request: one held, not scheduled (the occupied-slot sum does not apply)
     partial = [dict(list(num_tokens.items())[:-1]), dict(list(reordered.items())[1:])]
-    for phase in ("added", "added_context_jump", "added_batch_changed", "added_not_all_scheduled", "end_to_end"):
-        if phase == "added_not_all_scheduled" and num_reqs < 2:
+    # the last request runs a 512-token prefill chunk, without drafts
+    chunk_tokens = {**num_tokens, req_ids[-1]: 512}
+    chunk_drafts = {r: d for r, d in draft_tokens.items() if r != req_ids[-1]}
+    for phase in ("added", "added_context_jump", "added_batch_changed", "added_not_all_scheduled",
+                  "added_chunk_step", "end_to_end"):
+        if phase in ("added_not_all_scheduled", "added_chunk_step") and num_reqs < 2:
+            continue
+        if phase == "added_chunk_step" and not chunks:
             continue
         for i in range(calls + calls // 10):  # first tenth: warm-up, dropped
             m.req_states.num_computed_tokens_np = computed[i % VARIANTS]
@@ -121,6 +132,10 @@ def bench_size(num_reqs, grid, tables, calls, rng, tail_milli=0):
                 t0 = clock(); bare(num_tokens, draft_tokens); t1 = clock()
                 if keep:
                     out["added_context_jump"].append(t1 - t0)
+            elif phase == "added_chunk_step":
+                t0 = clock(); bare(chunk_tokens, chunk_drafts); t1 = clock()
+                if keep:
+                    out[phase].append(t1 - t0)
             elif phase in ("added_batch_changed", "added_not_all_scheduled"):  # a different batch each step
                 pair = (num_tokens, reordered) if phase == "added_batch_changed" else partial
                 t0 = clock(); bare(pair[i % 2], draft_tokens); t1 = clock()
@@ -167,6 +182,7 @@ def main():
     ap.add_argument("--name", default=default_name())
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--tail", type=float, default=0.0, help="the mixed-context tail (DSPARK_CALIB_CONTEXT_TAIL)")
+    ap.add_argument("--chunks", action="store_true", help="chunk pricing on (DSPARK_CALIB_CONTEXT_CHUNKS=1)")
     args = ap.parse_args()
     tail_milli = tail_to_milli(args.tail, f"--tail {args.tail:g}")
     rng = np.random.default_rng(0)
@@ -179,7 +195,7 @@ def main():
     load_before = os.getloadavg()
     gc.disable()
     try:
-        sizes = {str(n): bench_size(n, grid, tables, args.calls, rng, tail_milli) for n in (1, 32, 256)}
+        sizes = {str(n): bench_size(n, grid, tables, args.calls, rng, tail_milli, args.chunks) for n in (1, 32, 256)}
     finally:
         gc.enable()
     result = {
@@ -188,6 +204,7 @@ def main():
         "grid": {**grid.describe(), "build_s": grid_s},
         "calls_per_size": args.calls,
         "tail_milli": tail_milli,
+        "chunks": args.chunks,
         "by_num_reqs": sizes,
     }
     out = HERE / "results" / f"context_aware_bench_{args.name}.json"
@@ -195,13 +212,15 @@ def main():
     print(f"grid: {len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, max error {grid.max_rel_error:.4%}, "
           f"built in {grid_s:.2f} s")
     print(f"{'reqs':>5} {'added p50':>10} {'added p99':>10} {'jump p50':>9} {'changed p50':>11} {'partial p50':>11} "
-          f"{'plain p50':>10} {'wrapped p50':>12}  goal {GOAL_US} us")
+          f"{'chunk p50':>10} {'plain p50':>10} {'wrapped p50':>12}  goal {GOAL_US} us")
     for n, r in sizes.items():
         part = r["added_not_all_scheduled"]
         part_p50 = "-" if part is None else f"{part['p50_us']:.2f}u"
+        chunk = r["added_chunk_step"]
+        chunk_p50 = "-" if chunk is None else f"{chunk['p50_us']:.2f}u"
         print(f"{n:>5} {r['added']['p50_us']:>9.2f}u {r['added']['p99_us']:>9.2f}u "
               f"{r['added_context_jump']['p50_us']:>8.2f}u {r['added_batch_changed']['p50_us']:>10.2f}u "
-              f"{part_p50:>11} {r['plain']['p50_us']:>9.1f}u "
+              f"{part_p50:>11} {chunk_p50:>10} {r['plain']['p50_us']:>9.1f}u "
               f"{r['wrapped']['p50_us']:>11.1f}u  {'met' if r['met'] else 'MISSED'}")
     print(f"wrote {out}")
 

@@ -368,6 +368,10 @@ def validate_cmd(
         "--tail", min=0, max=1, metavar="T",
         help="Context-aware pricing with the mixed-context tail T (mean + T x (max - mean)); "
              "default: the tail the files record (DSPARK_CALIB_CONTEXT_TAIL of the engine), else 0.")] = None,
+    chunks: Annotated[Optional[bool], typer.Option(
+        "--chunks/--no-chunks",
+        help="Context-aware pricing of prefill chunks by their query-context pairs (--chunks) or by the KV sum; "
+             "default: as the files' engines priced them (DSPARK_CALIB_CONTEXT_CHUNKS), else the KV sum.")] = None,
 ) -> None:
     """Predicted vs measured step cost on observed serving steps: single-context and context-aware pricing.
 
@@ -386,7 +390,7 @@ def validate_cmd(
     from dspark_calib.validate import max_error_exceeded, validate
 
     t = read_table(table, samples=False)  # curves and metadata: raw samples are not needed here
-    result = validate(t, read_observed(files), single_context=context, tail_milli=tail_milli)
+    result = validate(t, read_observed(files), single_context=context, tail_milli=tail_milli, chunks=chunks)
     exceeded = max_error is not None and max_error_exceeded(result, max_error)
     if plot:
         from dspark_calib.render_validate import plot_validation

@@ -468,19 +468,24 @@ class ContextGrid:
             return self._tables[-1]
         return self._tables[self._slot[i]]
 
-    def step_tables(self, context_sum: int, num_reqs: int, buffer: "StepBuffer | None" = None) -> Tables:
+    def step_tables(self, context_sum: int, num_reqs: int, buffer: "StepBuffer | None" = None,
+                    verify_sum: int | None = None) -> Tables:
         """The (draft, verify) tables for a serving step of num_reqs requests whose computed
         tokens sum to context_sum: drafts at the mean context, verify at N tokens at
-        ``verify_context(S, N)`` (module docstring). O(1) per step: two row lookups; below
-        max_num_reqs requests the verify array is ``buffer``'s (one per manager; the grid's own
-        when None), rewritten only when its rows change, so it is valid until the next call with
-        that buffer (vLLM reads it within the step)."""
+        ``verify_context(S, N)`` (module docstring), S = verify_sum when given (a step whose
+        prefill chunks are priced by their pairs: prefill_context_sum). O(1) per step: two row
+        lookups; below max_num_reqs requests the verify array is ``buffer``'s (one per manager;
+        the grid's own when None), rewritten only when its rows change, so it is valid until the
+        next call with that buffer (vLLM reads it within the step)."""
         reqs = self.costs.profile_num_reqs
-        if num_reqs == reqs:  # a full batch: one context for drafts and every verify size (a prebuilt pair)
-            return self.tables_for(-(-context_sum // reqs))
+        if verify_sum is None:
+            if num_reqs == reqs:  # a full batch: one context for drafts and every verify size (a prebuilt pair)
+                return self.tables_for(-(-context_sum // reqs))
+            verify_sum = context_sum
         if num_reqs <= 0:
             num_reqs = 1
         draft = self._tables[self.index(-(-context_sum // num_reqs))][0]
+        context_sum = verify_sum
         tail = self.index(-(-context_sum // reqs))
         if num_reqs > reqs:  # every N >= num_reqs > R: one verify context
             return draft, self._tables[tail][1]
@@ -498,7 +503,8 @@ class ContextGrid:
         return draft, scratch
 
     def price(self, context_sum: Sequence[int] | np.ndarray, num_reqs: Sequence[int] | np.ndarray,
-              num_tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+              num_tokens: Sequence[int] | np.ndarray,
+              verify_sum: Sequence[int] | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Vectorised ``step_tables``: each step's (draft cost at num_reqs, verify cost at
         num_tokens), exactly the entries the engine's tables held for it."""
         s = np.asarray(context_sum, dtype=np.int64)
@@ -506,6 +512,8 @@ class ContextGrid:
         tokens = np.asarray(num_tokens, dtype=np.int64)
         reqs = self.costs.profile_num_reqs
         draft = self.draft[self.indices(-(-s // np.maximum(n, 1))), n]
+        if verify_sum is not None:
+            s = np.asarray(verify_sum, dtype=np.int64)
         verify = self.verify[self.indices(-(-s // reqs)), tokens]
         small = tokens < reqs
         rows = np.minimum(np.searchsorted(np.asarray(self.head_points), s[small], side="left"), self._head_last)

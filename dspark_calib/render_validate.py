@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dspark_calib.atomic import atomic_write
-from dspark_calib.vllm.env import CONTEXT_TAIL  # standard library only
+from dspark_calib.vllm.env import CONTEXT_CHUNKS, CONTEXT_TAIL  # standard library only
 from dspark_calib.validate import (AWARE, KINDS, MIN_TAIL_STEPS, MIXED_SPREAD, PRICINGS, SINGLE, VERDICT_KINDS,
                                    GroupErrors, ValidationResult)
 
@@ -96,10 +96,13 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
     pre = result.prefill
     if pre.steps:
         if pre.recorded:
+            kv, pairs = ("chunks by the KV sum", pre.kv_sum), ("chunks by query-context pairs", pre.pairs)
+            used, other = (pairs, kv) if pre.by_pairs else (kv, pairs)
             line = (f"prefill-carrying steps: {pre.steps} ({pre.recorded} with their chunks recorded); verify median "
                     + ", ".join(f"{label} {_pct(e.median_pct)} (bias {_signed(e.median_signed_pct)})"
-                                for label, e in (("single-context", pre.single), ("context-aware", pre.kv_sum),
-                                                 ("chunks priced by query-context pairs", pre.pairs))))
+                                for label, e in (("single-context", pre.single),
+                                                 (f"context-aware {used[0]} (in use)", used[1]), other))
+                    + f" ({CONTEXT_CHUNKS}=1 serves chunks by pairs)")
         else:
             line = (f"prefill-carrying steps: {pre.steps}; their chunks are not recorded (observe files before "
                     f"schema 1.1), so they are priced by the KV sum only")

@@ -32,9 +32,10 @@ verify error is reported, with the steps it rests on, for the operator to set
 record (the engine's), or ``tail_milli``.
 
 Prefill chunks (``PrefillCheck``): where the files record the chunks (observe schema
-1.1), the prefill-carrying steps' verify is also priced by query-context pairs
-(context.prefill_context_sum) beside the plain KV sum context-aware mode prices them at,
-so served steps say whether the engine should price chunks that way.
+1.1), the prefill-carrying steps' verify is priced both by the KV sum and by
+query-context pairs (context.prefill_context_sum), so served steps say which to serve
+with. Context-aware pricing itself prices chunks as the files' context-aware engines did
+(DSPARK_CALIB_CONTEXT_CHUNKS, recorded as context_chunks), or as ``chunks`` says.
 
 Analysis only: numpy, no torch, no vllm. The tables are sized to cover every
 observed step (a dense table's entry at a size does not depend on its length),
@@ -135,11 +136,12 @@ class PrefillCheck:
     steps: int  # prefill-carrying steps (timed)
     recorded: int  # of which the files record the chunks (observe schema >= 1.1)
     single: ErrorStats | None  # on the recorded ones (None: none recorded)
-    kv_sum: ErrorStats | None  # context-aware as the engine prices them: the plain KV sum
-    pairs: ErrorStats | None  # context-aware with the chunks priced by query-context pairs
+    kv_sum: ErrorStats | None  # context-aware, chunks priced by the KV sum (as decode requests)
+    pairs: ErrorStats | None  # context-aware, chunks priced by query-context pairs
+    by_pairs: bool = False  # context-aware pricing here (the engines', or --chunks) is the pairs'
 
     def to_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "recorded": self.recorded,
+        return {"steps": self.steps, "recorded": self.recorded, "by_pairs": self.by_pairs,
                 **{k: (v.to_dict() if v is not None else None)
                    for k, v in (("single_context", self.single), ("kv_sum", self.kv_sum), ("pairs", self.pairs))}}
 
@@ -202,27 +204,42 @@ def _recorded(observed: ObservedSteps, key: str, default: int) -> int:
     return int(default)
 
 
-def recorded_tail(observed: ObservedSteps) -> int:
-    """The tail (thousandths) the context-aware engines that wrote these files priced with (0 when
-    none was context-aware or none recorded one). Engines that disagree are an error: the files
-    must be validated apart, or with --tail."""
+def _engine_setting(observed: ObservedSteps, key: str, default: Any, valid: Any, want: str, what: str,
+                    option: str, show: Any = str) -> Any:
+    """What the context-aware engines that wrote these files priced with (default when none was
+    context-aware or none recorded it). Engines that disagree are an error: the files must be
+    validated apart, or with the option that sets it."""
     values = set()
     for m in observed.metadata:
         if m.get("mode") != "context-aware":
-            continue  # a stock or one-context engine prices no tail
-        value = m.get("context_tail_milli", 0)
-        if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TAIL_MILLI):
-            raise CalibError(f"an observe file records context_tail_milli={value!r} (want 0..{MAX_TAIL_MILLI})")
+            continue  # a stock or one-context engine prices neither tail nor chunks
+        value = m.get(key, default)
+        if not valid(value):
+            raise CalibError(f"an observe file records {key}={value!r} (want {want})")
         values.add(value)
     if len(values) > 1:
-        shown = ", ".join(f"{v / MAX_TAIL_MILLI:g}" for v in sorted(values))
-        raise CalibError(f"the observe files come from engines with different tails ({shown}): validate them "
-                         f"apart, or price them all with --tail")
-    return values.pop() if values else 0
+        shown = ", ".join(show(v) for v in sorted(values))
+        raise CalibError(f"the observe files come from engines with different {what} ({shown}): validate them "
+                         f"apart, or price them all with {option}")
+    return values.pop() if values else default
+
+
+def recorded_tail(observed: ObservedSteps) -> int:
+    """The tail (thousandths) the context-aware engines that wrote these files priced with."""
+    return _engine_setting(
+        observed, "context_tail_milli", 0,
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TAIL_MILLI,
+        f"0..{MAX_TAIL_MILLI}", "tails", "--tail", lambda v: f"{v / MAX_TAIL_MILLI:g}")
+
+
+def recorded_chunks(observed: ObservedSteps) -> bool:
+    """Did the context-aware engines that wrote these files price prefill chunks by their pairs?"""
+    return _engine_setting(observed, "context_chunks", False, lambda v: isinstance(v, bool), "true or false",
+                           "chunk pricing", "--chunks or --no-chunks")
 
 
 def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None, tail_milli: int | None = None,
-             grid_tolerance: float = DEFAULT_TOLERANCE, context_floor: int = 1024) -> ValidationResult:
+             chunks: bool | None = None, grid_tolerance: float = DEFAULT_TOLERANCE, context_floor: int = 1024) -> ValidationResult:
     """Compare the table's predictions with observed steps (see the module docstring)."""
     if len(observed) == 0:
         raise CalibError("no observed steps to validate against")
@@ -247,8 +264,19 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     if not 0 <= tail <= MAX_TAIL_MILLI:
         raise CalibError(f"the tail must be between 0 and 1, got {tail / MAX_TAIL_MILLI:g}")
 
-    def priced(t: int) -> tuple[np.ndarray, np.ndarray]:
-        return grid.price(tail_context_sum(c["context_sum"], c["context_max"], num_reqs, t), num_reqs, num_tokens)
+    chunks = recorded_chunks(observed) if chunks is None else bool(chunks)
+    chunked = c["prefill_pairs"] > 0  # recorded (1.1) and carrying a chunk
+    non_draft = num_tokens - c["draft_budget"]
+
+    def priced(t: int, by_pairs: bool = chunks) -> tuple[np.ndarray, np.ndarray]:
+        """As the engine prices: drafts and verify at the KV sum raised by tail t, and with by_pairs
+        a chunk step's verify at prefill_context_sum of it (N: the non-draft tokens, as served)."""
+        s = tail_context_sum(c["context_sum"], c["context_max"], num_reqs, t)
+        v = None
+        if by_pairs and chunked.any():
+            v = np.where(chunked, prefill_context_sum(s, c["prefill_context_sum"], c["prefill_pairs"], non_draft,
+                                                      costs.profile_num_reqs), s)
+        return grid.price(s, num_reqs, num_tokens, verify_sum=v)
 
     aware_draft, aware_verify = priced(tail)
     verify = {SINGLE: single_verify[num_tokens], AWARE: aware_verify}
@@ -284,7 +312,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     mixed = steps["verify"] & (c["context_max"] * num_reqs >= MIXED_SPREAD * c["context_sum"])
     now = ErrorStats.of(aware_verify[mixed], c["forward_ms"][mixed])  # the pricing above, not priced again
     tail_fit = _fit_tail(priced, tail, now, mixed, mixed & steps["draft"], c)
-    prefill = _check_prefill(grid, tail, steps["verify_prefill"], single_verify[num_tokens], aware_verify, c)
+    prefill = _check_prefill(priced, tail, chunks, steps["verify_prefill"], single_verify[num_tokens], c)
 
     both = (c["budget_static"] != ABSENT) & (c["budget_context_aware"] != ABSENT)
     changed = int((c["budget_static"][both] != c["budget_context_aware"][both]).sum())
@@ -300,21 +328,17 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     )
 
 
-def _check_prefill(grid: ContextGrid, tail: int, steps: np.ndarray, single: np.ndarray, kv_sum: np.ndarray,
+def _check_prefill(priced: Any, tail: int, chunks: bool, steps: np.ndarray, single: np.ndarray,
                    c: dict) -> PrefillCheck:
     """The prefill-carrying steps whose chunks are recorded, priced single-context, by the KV sum
-    (as served) and by query-context pairs (context.prefill_context_sum; the tail on top, as served)."""
+    and by query-context pairs (context.prefill_context_sum), the tail in use under both."""
     sel = steps & (c["prefill_tokens"] != ABSENT)
     if not sel.any():
-        return PrefillCheck(int(steps.sum()), 0, None, None, None)
-    n, tokens = c["num_reqs"][sel], c["num_target_tokens"][sel]
-    s = tail_context_sum(c["context_sum"][sel], c["context_max"][sel], n, tail)  # as served, then the chunks
-    s = prefill_context_sum(s, c["prefill_context_sum"][sel], c["prefill_pairs"][sel], tokens,
-                            grid.costs.profile_num_reqs)
-    _, pairs = grid.price(s, n, tokens)
+        return PrefillCheck(int(steps.sum()), 0, None, None, None, chunks)
     measured = c["forward_ms"][sel]
-    return PrefillCheck(int(steps.sum()), int(sel.sum()), ErrorStats.of(single[sel], measured),
-                        ErrorStats.of(kv_sum[sel], measured), ErrorStats.of(pairs, measured))
+    kv_sum, pairs = (ErrorStats.of(priced(tail, by_pairs)[1][sel], measured) for by_pairs in (False, True))
+    return PrefillCheck(int(steps.sum()), int(sel.sum()), ErrorStats.of(single[sel], measured), kv_sum, pairs,
+                        chunks)
 
 
 def _fit_tail(priced: Any, tail: int, now: ErrorStats, mixed: np.ndarray, mixed_drafts: np.ndarray,

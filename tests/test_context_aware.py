@@ -148,6 +148,52 @@ def test_tail_prices_mixed_batches_at_the_raised_sum_and_keeps_vllms_rule(grid_3
     assert got == vllm_with_tables(tables, m, num_tokens, draft_tokens)[0]
 
 
+@SETTINGS
+@given(num_reqs=st.integers(2, 256), chunks=st.integers(0, 6), tail=st.sampled_from([0, 250]),
+       seed=st.integers(0, 2**31 - 1))
+def test_chunk_pricing_prices_verify_by_pairs_and_keeps_vllms_rule(grid_3ctx, reference_table, num_reqs, chunks,
+                                                                    tail, seed):
+    """With chunk pricing, a step whose requests without drafts run prefill chunks has its verify
+    priced at S_tail - S_chunks + ceil(R(M) P / M) (M: non-draft tokens, P: the chunks' q (c + q)),
+    written out here; drafts stay at the (tailed) mean; the choice is vLLM's rule on those tables."""
+    rng = np.random.default_rng(seed)
+    m = make_manager(reference_table.dense_tables(8192), rng=rng)
+    contexts = rng.choice([0, 900, 4000, 8000, 16500], num_reqs).astype(np.int32)
+    drafts = rng.integers(1, STEPS + 1, num_reqs)
+    num_tokens, draft_tokens = schedule(m, contexts, drafts, rng)
+    ids = list(num_tokens)
+    chunk_ids = ids[:min(chunks, num_reqs - 1)]  # at least one request keeps its drafts (vLLM's call needs one)
+    for r in chunk_ids:
+        num_tokens[r] = int(rng.integers(1, 600))  # a chunk (1: a one-token prefill, not a chunk)
+        del draft_tokens[r]
+    ca.install(m, grid_3ctx, tail_milli=tail, chunks=True)
+    got = m.get_num_tokens(num_tokens, draft_tokens)
+    slot = m.req_states.req_id_to_index
+    s_tail = tail_context_sum(int(contexts.astype(np.int64).sum()), int(contexts.max()), num_reqs, tail)
+    real = [r for r in chunk_ids if num_tokens[r] > 1]
+    c = {r: int(m.req_states.num_computed_tokens_np[slot[r]]) for r in real}
+    pairs = sum(num_tokens[r] * (c[r] + num_tokens[r]) for r in real)
+    non_draft = sum(num_tokens.values()) - sum(len(d) for d in draft_tokens.values())
+    r_m = min(non_draft, grid_3ctx.costs.profile_num_reqs)
+    verify_sum = s_tail - sum(c.values()) + -(-(r_m * pairs) // non_draft) if pairs else s_tail
+    tables = tuple(np.array(a) for a in m.cost_tables)
+    sizes = np.arange(non_draft, MAX_TOKENS + 1)
+    draft, verify = grid_3ctx.price(np.full(len(sizes), s_tail), np.full(len(sizes), num_reqs), sizes,
+                                    verify_sum=np.full(len(sizes), verify_sum))
+    assert tables[0][num_reqs] == draft[0] and np.array_equal(tables[1][sizes], verify)
+    assert ca.installed_state(m).last_context == ceil_mean(s_tail, num_reqs)  # drafts: the mean, chunks or not
+    assert got == vllm_with_tables(tables, m, num_tokens, draft_tokens)[0]
+    # chunk pricing off: the same step's verify at the KV sum
+    off = make_manager(reference_table.dense_tables(8192), rng=np.random.default_rng(seed))
+    off.req_states, off._stale_confidences = m.req_states, m._stale_confidences
+    ca.install(off, grid_3ctx, tail_milli=tail)
+    off.get_num_tokens(num_tokens, draft_tokens)
+    _, kv = grid_3ctx.price(np.full(len(sizes), s_tail), np.full(len(sizes), num_reqs), sizes)
+    assert np.array_equal(np.array(off.cost_tables[1])[sizes], kv)
+    # the H200 costs rise with context at every size: pairs above the KV sum price the step higher
+    assert (verify >= kv).all() if verify_sum >= s_tail else (verify <= kv).all()
+
+
 def test_tail_is_checked_and_replaced_by_a_second_install(grid_3ctx):
     m = make_manager(grid_3ctx.tables_for(8192))
     with pytest.raises(ValueError, match="tail_milli"):
@@ -505,3 +551,20 @@ def test_context_tail_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_war
     warned = [r for r in caplog.records if "DSPARK_CALIB_CONTEXT_TAIL='1.5' must be between 0 and 1" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "\n" not in warned[0].getMessage()
     assert ca.installed_state(bad).tail == 0  # context-aware stays on, at the plain mean
+
+
+def test_context_chunks_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(two_context_load, caplog):
+    import logging
+
+    table, load = two_context_load
+    assert not ca.installed_state(load()).chunks  # off by default
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        m = load(DSPARK_CALIB_CONTEXT_CHUNKS="1")
+    assert ca.installed_state(m).chunks
+    assert any("prefill chunks priced by their query-context pairs" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        bad = load(DSPARK_CALIB_CONTEXT_CHUNKS="pairs")
+    warned = [r for r in caplog.records if "DSPARK_CALIB_CONTEXT_CHUNKS='pairs' is not a boolean" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "\n" not in warned[0].getMessage()
+    assert not ca.installed_state(bad).chunks  # context-aware stays on, chunks by the KV sum

@@ -436,7 +436,7 @@ def test_exit_flushes_buffered_rows_and_a_late_exit_hook_is_harmless(engine):
 
 def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatch, tmp_path, reference_table,
                                                                       grid_3ctx):
-    from dspark_calib.validate import recorded_tail, validate
+    from dspark_calib.validate import recorded_chunks, recorded_tail, validate
 
     monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
     monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "1")
@@ -444,7 +444,7 @@ def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatc
     runner = FakeRunner(make_manager(reference_table.dense_tables(8192)), clock)
     m = runner.adaptive_verification
     obs = start(runner, clock)
-    ca.install(m, grid_3ctx, tail_milli=250)
+    ca.install(m, grid_3ctx, tail_milli=250, chunks=True)
     plugin.state_of(m).run = SimpleNamespace(decision=SimpleNamespace(load=True, context_len=8192,
                                                                       content_hash="ab" * 32))
     for n in (8, 64):
@@ -452,4 +452,7 @@ def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatc
     runner.shutdown()
     rows = read_observed([obs.directory])
     assert rows.metadata[0]["context_tail_milli"] == 250 and recorded_tail(rows) == 250
-    assert validate(reference_table, rows).tail_fit.tail == 0.25
+    assert rows.metadata[0]["context_chunks"] is True and recorded_chunks(rows)
+    result = validate(reference_table, rows)
+    assert result.tail_fit.tail == 0.25 and result.prefill.by_pairs
+    assert list(rows["prefill_tokens"]) == [0, 0]  # decode steps: recorded, no chunk

@@ -304,8 +304,9 @@ def test_tail_context_sum_by_hand():
 
 def chunk_steps(table, n, *, seed=7):
     """Steps of decode requests at 8k plus one prefill chunk of q tokens at context c, measured as a
-    profile batch of N tokens doing as many query-context pairs would cost: at KV sum
-    S_decode + ceil(R(N) q (c + q) / N), written out here, not through context.prefill_context_sum."""
+    profile batch doing as many query-context pairs would cost: at KV sum
+    S_decode + ceil(R(M) q (c + q) / M), M the step's non-draft tokens (the engine prices every
+    budget at one context), written out here, not through context.prefill_context_sum."""
     grid = ContextGrid.from_table(table)
     reqs_profiled = grid.costs.profile_num_reqs
     rng = np.random.default_rng(seed)
@@ -316,8 +317,9 @@ def chunk_steps(table, n, *, seed=7):
         tokens = decode * 4 + q
         ctxs = np.full(decode, 8192)
         s_decode = int(ctxs.sum())
-        r = min(tokens, reqs_profiled)
-        kv = s_decode + -(-(r * q * (c + q)) // tokens)
+        non_draft = decode + q  # 3 drafts verified per decode request
+        r = min(non_draft, reqs_profiled)
+        kv = s_decode + -(-(r * q * (c + q)) // non_draft)
         (_,), (v,) = grid.price([kv], [decode + 1], [tokens])
         total = s_decode + c
         out.append(ObservedStep(step=i, forward_ms=float(v), drafter_ms=1.0, num_target_tokens=tokens,
@@ -349,6 +351,38 @@ def test_prefill_chunks_priced_by_query_context_pairs(reference_table, tmp_path)
     console = Console(record=True, width=300)
     render_validation(old, console)
     assert "their chunks are not recorded" in console.export_text()
+
+
+def test_chunk_pricing_follows_the_engines_and_the_option(reference_table, tmp_path):
+    rows = chunk_steps(reference_table, 30)
+
+    def write(name, **meta):
+        with ObservedWriter(tmp_path / name, metadata=meta) as w:
+            for s in rows:
+                w.append(s)
+        return read_observed([tmp_path / name])
+
+    def aware_prefill(result):
+        (g,) = [g for g in result.overall if g.kind == "verify_prefill"]
+        return g.errors[AWARE]
+
+    by_pairs = write("pairs", mode="context-aware", context_chunks=True)
+    r = validate(reference_table, by_pairs)
+    assert r.prefill.by_pairs and aware_prefill(r).median_pct == 0.0  # priced as that engine priced
+    assert aware_prefill(validate(reference_table, by_pairs, chunks=False)).median_pct > 10
+    kv = write("kv", mode="context-aware")  # an engine without chunk pricing (context_chunks absent: off)
+    assert not validate(reference_table, kv).prefill.by_pairs
+    assert aware_prefill(validate(reference_table, kv, chunks=True)).median_pct == 0.0
+    stock = write("stock", mode="stock", context_chunks=True)  # only context-aware engines price chunks
+    assert not validate(reference_table, stock).prefill.by_pairs
+    with pytest.raises(CalibError, match="different chunk pricing .*--chunks or --no-chunks"):
+        validate(reference_table, read_observed([tmp_path / "pairs", tmp_path / "kv"]))
+    with pytest.raises(CalibError, match="context_chunks='yes'"):
+        validate(reference_table, write("bad", mode="context-aware", context_chunks="yes"))
+    console = Console(record=True, width=400)
+    render_validation(r, console)
+    line = [ln for ln in console.export_text().splitlines() if ln.startswith("prefill-carrying")][0]
+    assert "context-aware chunks by query-context pairs (in use) 0.00%" in line
 
 
 def test_prefill_context_sum_by_hand():

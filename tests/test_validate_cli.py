@@ -99,3 +99,10 @@ def test_tail_option_and_its_bounds(shipped_observed):
     one_line_error(invoke("validate", SHIPPED, shipped_observed, "--tail", "1.5"), "validate: ", "'--tail'")
     one_line_error(invoke("validate", SHIPPED, shipped_observed, "--tail", "nan"), "--tail nan", "between 0 and 1")
     one_line_error(invoke("validate", SHIPPED, shipped_observed, "--tail", "0.0004"), "--tail 0.0004", "resolution")
+
+
+def test_chunks_option(shipped_observed):
+    docs = {flag: json.loads(invoke("validate", SHIPPED, shipped_observed, "--json", *flag).stdout)["prefill"]
+            for flag in ((), ("--chunks",), ("--no-chunks",))}
+    assert [d["by_pairs"] for d in docs.values()] == [False, True, False]
+    assert all(d["recorded"] == 0 and d["pairs"] is None for d in docs.values())  # rows without their chunks recorded

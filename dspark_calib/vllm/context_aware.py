@@ -11,7 +11,11 @@ context.ContextGrid.step_tables, two row lookups) and then calls vLLM's own
 get_num_tokens, so the budget rule itself stays vLLM's. With a tail (``install(...,
 tail_milli=)``, DSPARK_CALIB_CONTEXT_TAIL) the sum is raised towards the batch's
 longest context first (context.tail_context_sum: mixed batches run slower than their
-mean says); that needs the max as well, one more reduction over the same slots.
+mean says); that needs the max as well, one more reduction over the same slots. With
+chunk pricing (``install(..., chunks=True)``, DSPARK_CALIB_CONTEXT_CHUNKS) a step whose
+batch holds a request without drafts looks for prefill chunks among those requests and
+prices its verify by their query-context pairs (context.prefill_context_sum); drafts stay
+at the mean. Decode steps (every request drafted) pay one length comparison.
 
 Tensor parallelism: every rank's req_states holds the same scheduler state, so
 every rank computes the same context and picks the same grid row: no collective
@@ -31,7 +35,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from dspark_calib.context import (DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, MAX_TAIL_MILLI, ContextCosts, ContextGrid,
-                                  StepBuffer, tail_context_sum)
+                                  StepBuffer, prefill_context_sum, tail_context_sum)
 
 _STATE = "_dspark_calib_context_aware"
 # Below this many requests a Python sum beats numpy's fixed costs (measured on CPU,
@@ -46,12 +50,13 @@ class ContextAwareState:
     """What install() keeps on the manager: enough to run the step and to undo it."""
 
     __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context", "stacked",
-                 "generation", "keys", "slots", "slots_generation", "watched", "buffer", "active", "tail")
+                 "generation", "keys", "slots", "slots_generation", "watched", "buffer", "active", "tail", "chunks")
 
     def __init__(self, grid: ContextGrid | None, base_tables: Any, original: Callable, wrapper: Callable | None = None,
-                 stacked: bool = False, tail_milli: int = 0):
+                 stacked: bool = False, tail_milli: int = 0, chunks: bool = False):
         self.grid = grid  # None after an uninstall that could not unwrap (another wrapper on top)
         self.tail = int(tail_milli)  # the mixed-context tail in thousandths (0: the mean, the issue's pricing)
+        self.chunks = bool(chunks)  # price prefill chunks by their query-context pairs
         self.base_tables = base_tables
         self.original = original
         self.wrapper = wrapper
@@ -81,6 +86,25 @@ def batch_context_sum(req_states: Any, num_tokens_per_req: Mapping[str, int]) ->
         return sum(map(computed.item, map(index, num_tokens_per_req)))
     slots = np.fromiter(map(index, num_tokens_per_req), dtype=np.intp, count=n)
     return int(computed[slots].sum(dtype=np.int64))
+
+
+def chunk_verify_sum(context_sum: int, num_tokens_per_req: Mapping[str, int], draft_tokens: Mapping[str, Any],
+                     index: Callable[[str], int], computed: np.ndarray, max_num_reqs: int) -> int | None:
+    """The verify KV sum of a step with prefill chunks (context.prefill_context_sum), None when it
+    has none. Chunks are sought among the requests without drafts (vLLM schedules drafts only for
+    decoding requests); N is the step's non-draft tokens, the part of it the budget cannot change,
+    so every budget is priced at one context, as on a decode step. Integers only: every rank agrees."""
+    chunk_sum = pairs = 0
+    for r in num_tokens_per_req.keys() - draft_tokens.keys():
+        q = num_tokens_per_req[r]
+        if q > 1:
+            c = computed.item(index(r))
+            chunk_sum += c
+            pairs += q * (c + q)
+    if not pairs:
+        return None
+    non_draft = sum(num_tokens_per_req.values()) - sum(map(len, draft_tokens.values()))
+    return prefill_context_sum(context_sum, chunk_sum, pairs, non_draft, max_num_reqs)
 
 
 def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dict], int]:
@@ -120,13 +144,18 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
                 if tail:
                     total = tail_context_sum(total, int(values.max()), n, tail)
             state.last_context = -(-total // n)  # ceil(mean): integers only, identical on every rank
-            manager.cost_tables = grid.step_tables(total, n, state.buffer)
+            if state.chunks and len(draft_tokens) < n:  # a request without drafts: maybe a prefill chunk
+                verify_sum = chunk_verify_sum(total, num_tokens_per_req, draft_tokens, index, computed,
+                                              grid.costs.profile_num_reqs)
+                manager.cost_tables = grid.step_tables(total, n, state.buffer, verify_sum)
+            else:
+                manager.cost_tables = grid.step_tables(total, n, state.buffer)
         return original(num_tokens_per_req, draft_tokens)
 
     return get_num_tokens
 
 
-def install(manager: Any, grid: ContextGrid, *, tail_milli: int = 0) -> ContextAwareState:
+def install(manager: Any, grid: ContextGrid, *, tail_milli: int = 0, chunks: bool = False) -> ContextAwareState:
     """Make this manager's get_num_tokens price each step for its batch (drafts at the mean
     context, verify by the KV the step reads: ContextGrid.step_tables).
 
@@ -134,17 +163,19 @@ def install(manager: Any, grid: ContextGrid, *, tail_milli: int = 0) -> ContextA
     second install replaces the grid and keeps the original method and tables. It
     wraps what is there: vLLM's method, or another instance wrapper (observe mode's),
     so the two compose in either order. tail_milli: the mixed-context tail in thousandths
-    (context.tail_context_sum; 0, the default, prices at the plain KV sum).
+    (context.tail_context_sum; 0, the default, prices at the plain KV sum). chunks: price prefill
+    chunks by their query-context pairs (chunk_verify_sum; off: by the KV sum, like decode).
     """
     if not 0 <= int(tail_milli) <= MAX_TAIL_MILLI:
         raise ValueError(f"tail_milli must be between 0 and {MAX_TAIL_MILLI}, got {tail_milli}")
     state = getattr(manager, _STATE, None)
     if state is not None:
-        state.grid, state.buffer, state.tail = grid, StepBuffer(grid), int(tail_milli)
+        state.grid, state.buffer, state.tail, state.chunks = grid, StepBuffer(grid), int(tail_milli), bool(chunks)
         return state
     own = manager.__dict__.get("get_num_tokens")
     original = own if own is not None else type(manager).get_num_tokens.__get__(manager)
-    state = ContextAwareState(grid, manager.cost_tables, original, stacked=own is not None, tail_milli=tail_milli)
+    state = ContextAwareState(grid, manager.cost_tables, original, stacked=own is not None, tail_milli=tail_milli,
+                              chunks=chunks)
     state.wrapper = _make_wrapper(manager, state)
     state.watched = _watch_slots(getattr(manager, "req_states", None), state)
     setattr(manager, _STATE, state)
@@ -248,14 +279,15 @@ def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, broadcast: bool
     return ContextGrid(costs, tolerance=tolerance, max_bytes=max_bytes)
 
 
-def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False, tail_milli: int = 0) -> str:
+def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False, tail_milli: int = 0,
+           chunks: bool = False) -> str:
     """What load mode calls after installing its curves: context-aware when the table has two or
     more contexts. Returns the one line to log; never raises (the engine keeps the static tables)."""
     if len(curves) < 2:
         return "dspark-calib: context-aware costs off: the table profiles one context"
     try:
         grid = grid_for_manager(manager, curves, broadcast=broadcast)
-        install(manager, grid, tail_milli=tail_milli)
+        install(manager, grid, tail_milli=tail_milli, chunks=chunks)
     except Exception as exc:  # noqa: BLE001 - a serving engine must not die of an optional mode
         from dspark_calib.errors import first_line
 
@@ -265,4 +297,5 @@ def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False, 
             f"{len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, within {100 * grid.max_rel_error:.2f}% of the "
             f"interpolation; verify priced by the KV a step reads; below {lo} costs are extrapolated linearly, "
             f"above {hi} they are {hi}'s" + (f"; mixed batches priced at mean + {tail_milli / MAX_TAIL_MILLI:g} x "
-                                             f"(max - mean)" if tail_milli else ""))
+                                             f"(max - mean)" if tail_milli else "")
+            + ("; prefill chunks priced by their query-context pairs" if chunks else ""))

@@ -26,11 +26,12 @@ TABLE_SHA256 = "DSPARK_CALIB_TABLE_SHA256"  # comma list of pinned content hashe
 PROBE = "DSPARK_CALIB_PROBE"  # 0: skip the load-time probe (default 1)
 CONTEXT_AWARE = "DSPARK_CALIB_CONTEXT_AWARE"  # 0: keep vLLM's static tables for a multi-context table (default 1)
 CONTEXT_TAIL = "DSPARK_CALIB_CONTEXT_TAIL"  # 0..1: price mixed batches at mean + t x (max - mean) (default 0)
+CONTEXT_CHUNKS = "DSPARK_CALIB_CONTEXT_CHUNKS"  # 1: price prefill chunks by query-context pairs (default 0)
 OBSERVE = "DSPARK_CALIB_OBSERVE"  # observe mode: a directory for observed-*.parquet (with or without a table)
 OBSERVE_EVERY = "DSPARK_CALIB_OBSERVE_EVERY"  # time every Nth priced step (default DEFAULT_OBSERVE_EVERY)
 
 ALL = (CAPTURE, TABLE, POLICY, CONTEXT_LEN, ALLOW_REFERENCE, LOAD_TIMEOUT, TABLE_SHA256, PROBE, CONTEXT_AWARE,
-       CONTEXT_TAIL, OBSERVE, OBSERVE_EVERY)
+       CONTEXT_TAIL, CONTEXT_CHUNKS, OBSERVE, OBSERVE_EVERY)
 POLICIES = ("fallback", "strict", "warn")
 DEFAULT_LOAD_TIMEOUT_S = 5.0
 MAX_LOAD_TIMEOUT_S = 600.0  # an engine start waits on it; longer is a typo, not a wish
@@ -124,6 +125,10 @@ def probe_enabled(env: Mapping[str, str] | None = None) -> bool:
 
 def context_aware_enabled(env: Mapping[str, str] | None = None) -> bool:
     return _flag(env, CONTEXT_AWARE, True)
+
+
+def context_chunks_enabled(env: Mapping[str, str] | None = None) -> bool:
+    return _flag(env, CONTEXT_CHUNKS, False)
 
 
 def context_tail_milli(env: Mapping[str, str] | None = None) -> int:

@@ -172,7 +172,7 @@ class Observer:
         meta = {**self.metadata, "sample_every": self.every}
         if p is not None:
             meta.update(mode=p.mode, static_context=p.static_context, table_hash=p.table_hash,
-                        context_tail_milli=p.tail_milli)
+                        context_tail_milli=p.tail_milli, context_chunks=p.chunks)
         self.writer = ObservedWriter(self.directory, metadata=meta, name=self.name, **self.writer_kwargs)
         return self.writer
 

@@ -108,6 +108,7 @@ class Pricing:
     alt_tables: Any = None  # the static tables when the engine prices context-aware (budget_static)
     table_hash: str = ""
     tail_milli: int = 0  # context-aware: the mixed-context tail it prices with (validate re-prices so)
+    chunks: bool = False  # context-aware: prefill chunks priced by their query-context pairs (validate too)
 
 
 def last_context(manager: Any, default: int) -> int:
@@ -131,7 +132,7 @@ def pricing_for(stock_context: int) -> Callable[[Any], Pricing]:
         table_hash = str(decision.content_hash) if loaded else ""
         ca = installed_state(manager)
         if ca is not None:
-            return Pricing("context-aware", static, ca.base_tables, table_hash, ca.tail)
+            return Pricing("context-aware", static, ca.base_tables, table_hash, ca.tail, ca.chunks)
         return Pricing("table" if loaded else "stock", static, None, table_hash)
 
     return pricing

@@ -207,6 +207,13 @@ def _context_aware(manager: Any, curves: dict) -> None:
         tail = 0
         if rank0:
             log.warning("dspark-calib: %s; mixed batches priced at their mean context", exc)
-    line = ca.enable(manager, curves, broadcast=False, tail_milli=tail)  # never raises; every rank: the same grid
+    try:
+        chunks = E.context_chunks_enabled()
+    except CalibError as exc:
+        chunks = False
+        if rank0:
+            log.warning("dspark-calib: %s; prefill chunks priced by the KV sum", exc)
+    # never raises; every rank: the same grid
+    line = ca.enable(manager, curves, broadcast=False, tail_milli=tail, chunks=chunks)
     if rank0:
         log.log(logging.WARNING if "static tables kept" in line else logging.INFO, line)
