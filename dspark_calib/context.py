@@ -69,10 +69,11 @@ nearly free: on the H200 steps carrying an 8k chunk ran 18-31 % slower than that
 said (vLLM's one 8192 curve, whose dummy batches do N x 8192 pairs, was closer). The
 dummy batch of N tokens at context L does N x L pairs, so a chunk is worth P x R(N) / N
 KV tokens: ``prefill_context_sum`` = (S - S_p) + ceil(R(N) P / N), P the chunks' pairs,
-S_p their computed tokens. A decode-only step (P = 0) is priced exactly as before.
-Reconstructed from the H200 files' sums (one chunk per step; the per-chunk columns
-exist from observe schema 1.1), the 8k and 16k chunk steps come within 1.7-4.9 %
-(median) where S / R(N) was 22-34 % low.
+S_p their computed tokens. A decode-only step (P = 0) is priced exactly as before. The
+engine takes N = the step's non-draft tokens (one context for every budget). Reconstructed
+from the H200 files' sums (the per-chunk columns exist from observe schema 1.1), the
+chunk steps' median error is 2.9-4.5 % at 8k, 3.7-5.0 % at 16k and in the mix, 6.8-8.9 %
+at 1k, where S / R(N) was 22-23 %, 28-34 % and 11-13 % low (three arms, two hosts).
 
 Only numpy here: ``validate`` prices observed steps with this, and it must
 not pull in torch or vllm.
