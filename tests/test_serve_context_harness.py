@@ -419,14 +419,21 @@ def test_an_aware_arm_with_a_context_tail(sc, tmp_path):
     with pytest.raises(ValueError, match="arm aware only"):
         sc.arm_env("stock", None, "/o", tail=0.2, base={})
     assert sc.arm_label("aware", 4, 0.2) == "aware-tail20" and sc.arm_label("stock", 0) == "stock-noobs"
+    chunks = sc.arm_env("aware", "/t.parquet", "/o", tail=0.2, chunks=True, base={})
+    assert chunks["DSPARK_CALIB_CONTEXT_CHUNKS"] == "1" and chunks["DSPARK_CALIB_CONTEXT_TAIL"] == "0.2"
+    assert "DSPARK_CALIB_CONTEXT_CHUNKS" not in env
+    with pytest.raises(ValueError, match="arm aware only"):
+        sc.arm_env("static", "/t.parquet", "/o", chunks=True, base={})
+    assert sc.arm_label("aware", 4, 0.2, True) == "aware-tail20-chunks"
     src = REPO / "benchmarks" / "results" / "h200"
     shutil.copy(src / "context-stock.json", tmp_path / "context-stock.json")
     tail = json.loads((src / "context-aware.json").read_text())
     tail.update(arm="aware-tail20")
     (tmp_path / "context-aware-tail20.json").write_text(json.dumps(tail))
+    (tmp_path / "context-aware-chunks.json").write_text(json.dumps({**tail, "arm": "aware-chunks"}))
     args = argparse.Namespace(results=[str(tmp_path)], json=str(tmp_path / "r.json"), md=str(tmp_path / "r.md"))
     assert sc.run_report(args) == 0
-    assert sorted(json.loads((tmp_path / "r.json").read_text())["arms"]) == ["aware-tail20", "stock"]
+    assert sorted(json.loads((tmp_path / "r.json").read_text())["arms"]) == ["aware-chunks", "aware-tail20", "stock"]
 
 
 def test_revalidate_adds_the_chunk_pricing_row_when_chunks_are_recorded(sc, tmp_path):

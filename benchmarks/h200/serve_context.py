@@ -475,13 +475,14 @@ def validate_by_context(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 # -- the arms ---------------------------------------------------------------------------------
 def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, tail: float = 0.0,
-            base: dict[str, str] | None = None) -> dict[str, str]:
+            chunks: bool = False, base: dict[str, str] | None = None) -> dict[str, str]:
     """The engine child's environment: base (os.environ) without any DSPARK_CALIB_* or profile
-    context, plus the arm's own (tail: the aware arm's DSPARK_CALIB_CONTEXT_TAIL)."""
+    context, plus the arm's own (tail, chunks: the aware arm's DSPARK_CALIB_CONTEXT_TAIL and
+    DSPARK_CALIB_CONTEXT_CHUNKS)."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {arm!r}")
-    if tail and arm != "aware":
-        raise ValueError(f"a context tail prices context-aware steps: arm aware only, got {arm!r}")
+    if (tail or chunks) and arm != "aware":
+        raise ValueError(f"a context tail or chunk pricing prices context-aware steps: arm aware only, got {arm!r}")
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith("DSPARK_CALIB_") and k != "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN"}
     env.update({"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "8192",
@@ -498,12 +499,15 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
             env["DSPARK_CALIB_CONTEXT_AWARE"] = "1"
             if tail:
                 env["DSPARK_CALIB_CONTEXT_TAIL"] = f"{tail:g}"
+            if chunks:
+                env["DSPARK_CALIB_CONTEXT_CHUNKS"] = "1"
     return env
 
 
-def arm_label(arm: str, observe_every: int, tail: float = 0.0) -> str:
-    """The files' and the report's name: the arm, -tailNN (the tail in hundredths), -noobs."""
-    return arm + (f"-tail{round(tail * 100)}" if tail else "") + ("" if observe_every > 0 else "-noobs")
+def arm_label(arm: str, observe_every: int, tail: float = 0.0, chunks: bool = False) -> str:
+    """The files' and the report's name: the arm, -tailNN (the tail in hundredths), -chunks, -noobs."""
+    return (arm + (f"-tail{round(tail * 100)}" if tail else "") + ("-chunks" if chunks else "")
+            + ("" if observe_every > 0 else "-noobs"))
 
 
 def speculative_config(acceptance_length: float | None = ACCEPTANCE_LENGTH,
@@ -822,14 +826,15 @@ class FakeEngine:
 def run_arm(args: argparse.Namespace) -> int:
     t_start = time.time()
     arm = args.arm
-    if args.context_tail and arm != "aware":
-        print(f"arm {arm}: --context-tail prices context-aware steps (arm aware only)", file=sys.stderr)
+    if (args.context_tail or args.context_chunks) and arm != "aware":
+        print(f"arm {arm}: --context-tail and --context-chunks price context-aware steps (arm aware only)",
+              file=sys.stderr)
         return 2
     if not (0.0 <= args.context_tail <= 1.0 and abs(args.context_tail * 100 - round(args.context_tail * 100)) < 1e-9):
         print(f"arm {arm}: --context-tail {args.context_tail:g} must be a multiple of 0.01 between 0 and 1 "
               f"(the files are named by it)", file=sys.stderr)
         return 2
-    label = arm_label(arm, args.observe_every, args.context_tail)
+    label = arm_label(arm, args.observe_every, args.context_tail, args.context_chunks)
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     work = os.path.abspath(args.work or f"/tmp/serve-context-{label}")
@@ -844,7 +849,7 @@ def run_arm(args: argparse.Namespace) -> int:
     table = os.path.abspath(args.table) if args.table else None
     plan = plan_workloads(only=args.workloads.split(",") if args.workloads else None,
                           waves=args.waves)
-    env = arm_env(arm, table, obs, every=args.observe_every, tail=args.context_tail)
+    env = arm_env(arm, table, obs, every=args.observe_every, tail=args.context_tail, chunks=args.context_chunks)
     deadline = args.deadline_epoch or (t_start + 570)
     child_deadline = deadline - KILL_MARGIN_S
     cmd = [sys.executable, os.path.abspath(__file__), "_engine", "--results", results_path,
@@ -1277,7 +1282,7 @@ def run_report(args: argparse.Namespace) -> int:
     arms = {}
     for d in args.results:
         for name in sorted(os.listdir(d)):
-            m = re.fullmatch(r"context-([a-z]+(?:-tail\d+)?(?:-noobs)?)\.json", name)
+            m = re.fullmatch(r"context-([a-z]+(?:-tail\d+)?(?:-chunks)?(?:-noobs)?)\.json", name)
             if m:
                 with open(os.path.join(d, name)) as fh:
                     arms[m.group(1)] = json.load(fh)
@@ -1342,6 +1347,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--observe-every", type=int, default=4)
     a.add_argument("--context-tail", type=float, default=0.0,
                    help="aware arm: DSPARK_CALIB_CONTEXT_TAIL (files context-aware-tailNN.*)")
+    a.add_argument("--context-chunks", action="store_true",
+                   help="aware arm: DSPARK_CALIB_CONTEXT_CHUNKS=1 (files context-aware[-tailNN]-chunks.*)")
     a.add_argument("--acceptance-length", type=float, default=ACCEPTANCE_LENGTH)
     a.add_argument("--acceptance-rates", help="comma list of K non-increasing unconditional rates (instead)")
     a.add_argument("--dry-run", action="store_true", help="fake engine on CPU: the whole control flow, no vLLM")
