@@ -161,6 +161,8 @@ def check_tables(source: str, engine: dict[str, Any], *, allow_reference: bool =
     if "://" not in source and not os.path.lexists(source):  # a typo is the user's error, not "no table"
         raise CalibError("no such file or directory", path=source)
     decision = decide(source, engine, policy="fallback", allow_reference=allow_reference, context_len=context_len)
+    if decision.source_error:  # a URI typo or an unreachable bucket: the user's error, as a local typo is
+        raise CalibError(f"cannot list tables here: {decision.source_error}", path=source)
     chosen = decision.chosen if decision.load else None  # fallback: only a fitting table is chosen
     reports = []
     for c in decision.candidates:

@@ -33,6 +33,9 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
+        if sys.stdout is None:  # started with stdout closed (`>&-`): say so before any work or file
+            typer.echo(f"{PROG}: error: standard output is closed; nothing could be printed", err=True)
+            sys.exit(EXIT_ERROR)
         # typer >= 0.28 vendors click (typer._click); BadParameter's module is the one in use
         exceptions = sys.modules[typer.BadParameter.__module__]
         try:
@@ -63,6 +66,25 @@ app = typer.Typer(
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
+# Bounds for the sizes a user types into import-vllm and check: far above any engine, low enough
+# that a typo (a pasted 20-digit number) is an error rather than a fingerprint value.
+MAX_TP, MAX_K = 4096, 64
+
+
+def _not_blank(value: Optional[str]) -> Optional[str]:
+    if value is not None and not value.strip():
+        raise typer.BadParameter("must not be empty")
+    return value
+
+
+def _finite(value: Optional[float]) -> Optional[float]:
+    """A threshold option's check: click's range lets nan and inf through, and a nan threshold is
+    never exceeded, so a CI gate would silently pass."""
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def error_line(exc: BaseException) -> str:
@@ -99,12 +121,36 @@ def handled(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+MIN_COLUMNS = 80  # narrower, rich elides the tables' numbers (or prints nothing at COLUMNS=0)
+
+
+def _columns() -> int | None:
+    """The width to render at: COLUMNS when it is a usable number, else 100 when piped (CI logs,
+    README snippets: wider than rich's 80), else the terminal's."""
+    raw = os.environ.get("COLUMNS")
+    if raw is not None and raw.strip().isdigit() and int(raw) > 0:
+        return max(int(raw), MIN_COLUMNS)
+    if not sys.stdout.isatty():
+        return 100
+    if raw is None:
+        return None  # rich asks the terminal
+    import shutil
+
+    return shutil.get_terminal_size().columns  # a bad COLUMNS must not reach rich (0: no output at all)
+
+
 def _console() -> Any:
     from rich.console import Console
 
-    # Piped output (CI logs, README snippets) gets 100 columns rather than rich's 80.
-    wide = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
-    return Console(highlight=False, width=100 if wide else None)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # `dspark-calib inspect t | head`: rich exits 1, which reads as "threshold exceeded" /
+            # "no table"; handled() turns BrokenPipeError into exit 0 instead.
+            self.quiet = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise BrokenPipeError
+
+    return _Console(highlight=False, width=_columns())
 
 
 def _warn(message: str) -> None:
@@ -198,7 +244,7 @@ def diff_cmd(
     old: Annotated[str, typer.Argument(metavar="OLD", help="Baseline table.")],
     new: Annotated[str, typer.Argument(metavar="NEW", help="Table to compare against it.")],
     threshold: Annotated[Optional[float], typer.Option(
-        "--threshold", min=0, metavar="PCT",
+        "--threshold", min=0, metavar="PCT", callback=_finite,
         help="Exit 1 when a statistically significant (p < 0.01) cost change, slower or faster, exceeds PCT "
              "percent. Implies --significance.")] = None,
     significance: Annotated[bool, typer.Option(
@@ -254,16 +300,16 @@ def import_vllm_cmd(
     gpu_name: Annotated[str, typer.Option(
         "--gpu-name", help="GPU the profile was taken on, as torch.cuda.get_device_name() names it ('NVIDIA H200').")],
     vllm_version: Annotated[str, typer.Option("--vllm-version", help="vllm.__version__ of that engine ('0.33.0').")],
-    num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens", min=1, metavar="K")],
+    num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens", min=1, max=MAX_K, metavar="K")],
     out: Annotated[str, typer.Option(
         "--out", metavar="FILE|DIR", help="Table file, or directory for the default file name.")] = ".",
     torch_version: Annotated[str, typer.Option("--torch-version")] = "",
     driver_version: Annotated[str, typer.Option("--driver-version")] = "",
     cuda_version: Annotated[str, typer.Option("--cuda-version")] = "",
     compute_capability: Annotated[str, typer.Option("--compute-capability")] = "",
-    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1)] = 1,
-    dtype: Annotated[str, typer.Option("--dtype")] = "bfloat16",
-    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype")] = "auto",
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1, max=MAX_TP)] = 1,
+    dtype: Annotated[str, typer.Option("--dtype", callback=_not_blank)] = "bfloat16",
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", callback=_not_blank)] = "auto",
 ) -> None:
     """Make a table from vLLM's own start-up profiling samples (saved as JSON)."""
     from dspark_calib.paths import refuse_duplicate_inputs, table_out
@@ -271,13 +317,13 @@ def import_vllm_cmd(
 
     refuse_duplicate_inputs(jsons, "profile")
     target = table_out(out, jsons)
-    for line in identity_warnings(gpu_name, vllm_version):
-        _warn(line)
     t = table_from_startup_json(
         jsons, model=model, draft=draft, gpu_name=gpu_name, vllm_version=vllm_version,
         num_speculative_tokens=num_speculative_tokens, torch_version=torch_version, driver_version=driver_version,
         cuda_version=cuda_version, gpu_compute_capability=compute_capability,
         tensor_parallel_size=tensor_parallel_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    for line in identity_warnings(gpu_name, vllm_version):  # once the inputs read: bad input stays one line
+        _warn(line)
     _written(t, _write_table(t, target))
 
 
@@ -313,10 +359,11 @@ def check_cmd(
     source: Annotated[str, typer.Argument(metavar="TABLE|DIR", help="A table, or a directory of tables, as DSPARK_CALIB_TABLE takes.")],
     model: Annotated[Optional[str], typer.Option("--model", metavar="DIR", help="Target model directory (config.json hashed as the fingerprint does).")] = None,
     draft: Annotated[Optional[str], typer.Option("--draft", metavar="DIR", help="DSpark draft model directory.")] = None,
-    tp: Annotated[Optional[int], typer.Option("--tp", min=1, help="tensor_parallel_size.")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", min=1, max=MAX_TP, help="tensor_parallel_size.")] = None,
     max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", min=1)] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", min=1)] = None,
-    num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", min=1, metavar="K")] = None,
+    num_speculative_tokens: Annotated[Optional[int], typer.Option("--num-speculative-tokens", min=1, max=MAX_K,
+                                                                  metavar="K")] = None,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="As vLLM resolves it: bfloat16, float16, float32.")] = None,
     kv_cache_dtype: Annotated[Optional[str], typer.Option("--kv-cache-dtype")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=1)] = None,
@@ -358,7 +405,7 @@ def validate_cmd(
         "--context", min=1, metavar="L",
         help="Single-context pricing at the profiled context nearest L (default: nearest vLLM's 8192).")] = None,
     max_error: Annotated[Optional[float], typer.Option(
-        "--max-error", min=0, metavar="PCT",
+        "--max-error", min=0, metavar="PCT", callback=_finite,
         help="Exit 1 when the context-aware median error of drafts or decode verifies at any context bucket "
              "exceeds PCT percent (steps carrying a prefill chunk are shown, not judged).")] = None,
     as_json: JsonOpt = False,
@@ -381,6 +428,9 @@ def validate_cmd(
     from dspark_calib.paths import plot_path
 
     files = observed_paths(observed)  # directories expanded: --plot is checked against every input
+    from dspark_calib.paths import refuse_duplicate_inputs
+
+    refuse_duplicate_inputs(files, "observe file")  # a file counted twice doubles its steps' weight
     plot = plot_path(plot, [table, *files])  # before any work
     from dspark_calib.vllm.env import tail_to_milli  # standard library only
 

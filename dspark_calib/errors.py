@@ -5,11 +5,24 @@ in the package prints for errors, so library callers keep control.
 """
 
 
+import os
+
+
+def display_path(path: object) -> str:
+    """A file name fit for one line: undecodable bytes and control characters escaped (idempotent:
+    a name shown once is shown the same again)."""
+    text = os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
 class CalibError(Exception):
     """A problem the user can fix: bad file, bad option, missing dependency."""
 
     def __init__(self, message: str, *, path: object = None):
-        self.path = None if path is None else str(path)
+        # every path shown the same way, inputs and outputs alike (a \xff byte, not a surrogate)
+        self.path = None if path is None else display_path(path)
+        if self.path == "":  # an empty argument (`inspect ""`): still say which input failed
+            self.path = "''"
         super().__init__(f"{self.path}: {message}" if self.path else message)
 
 

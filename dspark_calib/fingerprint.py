@@ -373,14 +373,12 @@ def config_hash(model_dir: str) -> str:
 
     Raises CalibError naming the path when there is no readable config.json.
     """
+    from dspark_calib.safe_open import read_json_file
+
     path = os.path.join(model_dir, "config.json") if os.path.isdir(model_dir) else model_dir
-    try:
-        with open(path, "rb") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise CalibError("no config.json here (a local model directory is needed)", path=model_dir) from None
-    except (OSError, ValueError) as exc:
-        raise CalibError(f"unreadable config.json: {exc}", path=path) from None
+    if not os.path.lexists(path):
+        raise CalibError("no config.json here (a local model directory is needed)", path=model_dir or "''")
+    data = read_json_file(path)  # a FIFO or device named config.json is refused, not waited on
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return "sha256:" + hashlib.sha256(canonical).hexdigest()[:16]
 

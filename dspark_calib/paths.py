@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-from dspark_calib.errors import CalibError
+from dspark_calib.errors import CalibError, display_path
 from dspark_calib.render.plots import FORMATS, plot_format
 
 TABLE_SUFFIX = ".parquet"
@@ -33,16 +33,17 @@ def same_file(a: str, b: str) -> bool:
 def refuse_inputs(path: str, inputs: Sequence[str], option: str) -> None:
     for source in inputs:
         if same_file(path, source):
-            raise CalibError(f"{option} would overwrite the input {source}; choose another path", path=path)
+            raise CalibError(f"{option} would overwrite the input {display_path(source)}; choose another path",
+                             path=path)
 
 
 def _check_parent(path: str, option: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         what = "is not a directory" if os.path.exists(parent) else "does not exist (not created: make it first)"
-        raise CalibError(f"{option}: directory {parent} {what}", path=path)
+        raise CalibError(f"{option}: directory {display_path(parent)} {what}", path=path)
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise CalibError(f"{option}: directory {parent} is not writable", path=path)
+        raise CalibError(f"{option}: directory {display_path(parent)} is not writable", path=path)
 
 
 def _not_empty(path: str, option: str) -> None:
@@ -128,7 +129,7 @@ def refuse_duplicate_inputs(paths: Sequence[str], what: str = "input") -> None:
     for i, path in enumerate(paths):
         for earlier in paths[:i]:
             if same_file(path, earlier):
-                raise CalibError(f"is the same file as {earlier}; give each {what} once", path=path)
+                raise CalibError(f"is the same file as {display_path(earlier)}; give each {what} once", path=path)
 
 
 def refuse_same_tables(paths: Sequence[str], hashes: Sequence[str]) -> None:
@@ -136,6 +137,6 @@ def refuse_same_tables(paths: Sequence[str], hashes: Sequence[str]) -> None:
     seen: dict[str, str] = {}
     for path, digest in zip(paths, hashes):
         if digest in seen:
-            raise CalibError(f"has the same content as {seen[digest]} (hash {digest[:12]}); "
+            raise CalibError(f"has the same content as {display_path(seen[digest])} (hash {digest[:12]}); "
                              "merging a run with itself doubles its samples", path=path)
         seen[digest] = path

@@ -50,6 +50,19 @@ def check_ranges(*, context_len: Sequence[int], max_num_seqs: int, max_num_batch
         raise CalibError(f"--load-format must be dummy or auto, not {load_format!r}")
 
 
+def check_keep_capture(keep: str | None) -> None:
+    """--keep-capture DIR is written after the whole GPU run: refuse now what would fail then."""
+    if keep is None:
+        return
+    if not keep:
+        raise CalibError("--keep-capture is empty")
+    if os.path.exists(keep) and not os.path.isdir(keep):
+        raise CalibError(f"--keep-capture {keep}: exists and is not a directory")
+    parent = os.path.dirname(os.path.abspath(keep))
+    if not os.path.isdir(keep) and not os.path.isdir(parent):
+        raise CalibError(f"--keep-capture {keep}: directory {parent} does not exist (parents are not created)")
+
+
 def check_out(out: str) -> tuple[str, str]:
     """(what to hand write_table, the log file beside it), refusing an unwritable --out now.
 
@@ -88,17 +101,15 @@ def parse_engine_args(pairs: Sequence[str], as_json: str | None) -> dict[str, An
     read as underscores, as vLLM's own CLI does) over --engine-args-json FILE|JSON."""
     out: dict[str, Any] = {}
     if as_json:
-        text = as_json
-        if not as_json.lstrip().startswith(("{", "[")):
+        if not as_json.lstrip().startswith(("{", "[")):  # a file
+            from dspark_calib.safe_open import display_path, read_json_file
+
+            data = read_json_file(as_json, f"--engine-args-json {display_path(as_json)}")
+        else:
             try:
-                with open(as_json, encoding="utf-8") as fh:
-                    text = fh.read()
-            except OSError as exc:
-                raise CalibError(f"--engine-args-json {as_json}: cannot read it ({exc.strerror})") from None
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise CalibError(f"--engine-args-json: not JSON ({exc})") from None
+                data = json.loads(as_json)
+            except ValueError as exc:
+                raise CalibError(f"--engine-args-json: not JSON ({exc})") from None
         if not isinstance(data, dict):
             raise CalibError("--engine-args-json: must be a JSON object of EngineArgs fields")
         out.update({str(k).replace("-", "_"): v for k, v in data.items()})
@@ -148,11 +159,12 @@ def main(*, model: str, draft: str, tp: int, num_speculative_tokens: int | None,
                  load_format=load_format, distributed_executor_backend=distributed_executor_backend,
                  cooldown=cooldown)
     extra = parse_engine_args(engine_arg, engine_args_json)
-    out, log_path = check_out(out)
     from dspark_calib.vllm.profile import ProfileOptions, resolve_model, resolve_options
 
     model_dir, model_id = resolve_model(model, "--model")
     draft_dir, draft_id = resolve_model(draft, "--draft")
+    check_keep_capture(keep_capture)
+    out, log_path = check_out(out)  # last of the checks: it may create the --out directory
     opts = resolve_options(ProfileOptions(
         model=model_dir, draft=draft_dir, tp=tp, num_speculative_tokens=num_speculative_tokens,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -13,13 +13,9 @@ import os
 import stat
 from typing import Any, BinaryIO
 
-from dspark_calib.errors import CalibError, first_line
+from dspark_calib.errors import CalibError, display_path, first_line
 
-
-def display_path(path: str) -> str:
-    """A file name fit for one line: undecodable bytes and control characters escaped."""
-    text = os.fsencode(path).decode("utf-8", "backslashreplace")
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+__all__ = ["display_path", "os_reason", "open_local", "open_fs", "read_json_file"]  # display_path: errors' own
 
 
 def os_reason(exc: OSError) -> str:
@@ -84,3 +80,31 @@ def open_fs(filesystem: Any, path: str, shown: str) -> tuple[Any, int]:
         raise CalibError(os_reason(exc) if exc.errno else f"cannot open ({first_line(exc)})", path=shown) from None
     except Exception as exc:  # noqa: BLE001 - object stores raise their own types
         raise CalibError(f"cannot open ({first_line(exc)})", path=shown) from None
+
+
+MAX_JSON_BYTES = 16 << 20  # a model's config.json or an EngineArgs file: kilobytes; more is not one
+
+
+def read_json_file(path: str, shown: str | None = None, *, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """A small local JSON file (config.json, --engine-args-json), through open_local: a FIFO or a
+    device is refused, never read or waited on; over max_bytes is refused before it is parsed.
+    Every problem is one CalibError naming the file."""
+    shown = display_path(path) if shown is None else shown
+    fh, size = open_local(path, shown)
+    with fh:
+        if size > max_bytes:
+            raise CalibError(f"is {size} bytes, over the {max_bytes >> 20} MiB a JSON input may have", path=shown)
+        try:
+            raw = fh.read(max_bytes + 1)
+        except OSError as exc:
+            raise CalibError(os_reason(exc), path=shown) from None
+    if len(raw) > max_bytes:  # grew after the stat
+        raise CalibError(f"is over the {max_bytes >> 20} MiB a JSON input may have", path=shown)
+    import json
+
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CalibError(f"not UTF-8 text (byte {exc.start}): not a JSON file", path=shown) from None
+    except ValueError as exc:
+        raise CalibError(f"not JSON ({first_line(exc)})", path=shown) from None

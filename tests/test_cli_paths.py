@@ -243,6 +243,12 @@ def test_deeply_nested_json_is_one_line(tmp_path, where):
     (("diff", "--bogus", "a", "b"), ("diff: ", "No such option: --bogus")),
     (("no-such-command",), ("No such command 'no-such-command'",)),
     (("check", ".", "--tp", "x"), ("check: ", "'--tp'", "'x' is not a valid")),
+    (("check", ".", "--tp", "99999999999999999999"), ("check: ", "'--tp'", "1<=x<=4096")),
+    (("import-vllm", "x.json", "--model", "m", "--draft", "d", "--gpu-name", "g", "--vllm-version", "0.33.0",
+      "--num-speculative-tokens", "7", "--tensor-parallel-size", "99999999999999999999"),
+     ("import-vllm: ", "'--tensor-parallel-size'")),
+    (("import-vllm", "x.json", "--model", "m", "--draft", "d", "--gpu-name", "g", "--vllm-version", "0.33.0",
+      "--num-speculative-tokens", "7", "--kv-cache-dtype", " "), ("import-vllm: ", "'--kv-cache-dtype'", "empty")),
 ])
 def test_usage_errors_are_one_line(args, fragments):
     line = one_line_error(invoke(*args), *fragments)
@@ -265,3 +271,92 @@ def test_help_and_no_arguments_still_print_help():
     assert r.exit_code == 0 and "Usage: dspark-calib inspect" in r.stdout and r.stderr == ""
     r = invoke()
     assert r.exit_code == 2 and "Usage: dspark-calib" in r.stdout and "error" not in r.stderr
+
+
+# -- the bad-input audit of 2026-12-01 (each case failed before its fix) ----------------------
+def _sh(command: str, **env: str):
+    import subprocess
+    import sys
+
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PY": sys.executable, **env})
+
+
+SHIPPED_TABLE = "profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
+
+
+def test_a_fifo_or_device_given_as_json_is_refused_not_waited_on(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    os.mkfifo(tmp_path / "args.json")
+    one_line_error(invoke("check", SHIPPED_TABLE, "--model", model), "config.json", "is a FIFO")
+    one_line_error(invoke("check", SHIPPED_TABLE, "--model", "/dev/zero"), "/dev/zero", "is a device")
+    one_line_error(invoke("profile", "--model", "/x", "--draft", "/x", "--engine-args-json", tmp_path / "args.json"),
+                   "--engine-args-json", "is a FIFO")
+    one_line_error(invoke("profile", "--model", "/x", "--draft", "/x", "--engine-args-json", SHIPPED_TABLE),
+                   "--engine-args-json", "not UTF-8")
+
+
+def test_closed_stdout_is_one_line_before_any_work(tmp_path):
+    r = _sh(f'"$PY" -m dspark_calib merge {SHIPPED_TABLE} x.parquet --out {tmp_path}/m.parquet >&-')
+    assert r.returncode == 2 and r.stderr == "dspark-calib: error: standard output is closed; nothing could be printed\n"
+    assert not (tmp_path / "m.parquet").exists()
+
+
+def test_a_reader_that_stops_early_is_not_an_error():
+    r = _sh(f'set -o pipefail; "$PY" -m dspark_calib inspect {SHIPPED_TABLE} --all | head -1')
+    assert r.returncode == 0 and r.stdout.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("columns", ["0", "5", "abc", ""])
+def test_a_bad_or_tiny_columns_still_prints_whole_numbers(columns):
+    r = _sh(f'"$PY" -m dspark_calib inspect {SHIPPED_TABLE}', COLUMNS=columns)
+    assert r.returncode == 0 and "content hash" in r.stdout and "…" not in r.stdout
+
+
+@pytest.mark.parametrize("args", [("diff", SHIPPED_TABLE, SHIPPED_TABLE, "--threshold", "nan"),
+                                  ("diff", SHIPPED_TABLE, SHIPPED_TABLE, "--threshold", "inf"),
+                                  ("validate", SHIPPED_TABLE, "x", "--max-error", "nan")])
+def test_a_threshold_that_can_never_be_exceeded_is_refused(args, tmp_path):
+    line = one_line_error(invoke(*args, "--plot", tmp_path / "p.png"), "is not a finite number")
+    assert args[3] in line and not (tmp_path / "p.png").exists()
+
+
+def test_validate_refuses_the_same_observe_file_twice():
+    obs = "benchmarks/results/h200/context-stock-observed.parquet"
+    one_line_error(invoke("validate", SHIPPED_TABLE, obs, "./" + obs), "is the same file as", "observe file once")
+
+
+def test_profile_checks_keep_capture_and_creates_no_out_dir_for_a_bad_model(tmp_path):
+    out = tmp_path / "new"
+    one_line_error(invoke("profile", "--model", "/nonexistent", "--draft", "/nonexistent", "--out", out), "--model")
+    assert not out.exists()
+    model = Path(__file__).resolve().parents[1] / "profiles" / "configs"
+    model = next(p for p in model.iterdir() if (p / "config.json").exists())
+    (tmp_path / "afile").write_text("x")
+    for keep, fragment in ((tmp_path / "afile", "exists and is not a directory"),
+                           (tmp_path / "no" / "dir", "parents are not created")):
+        one_line_error(invoke("profile", "--model", model, "--draft", model, "--keep-capture", keep, "--out", out),
+                       "--keep-capture", fragment)
+        assert not out.exists()
+
+
+def test_bad_input_to_import_vllm_is_one_line_even_with_an_odd_gpu_name(tmp_path):
+    one_line_error(invoke("import-vllm", SHIPPED_TABLE, "--model", MODEL, "--draft", DRAFT, "--gpu-name", "NVIDIA_H200",
+                          "--vllm-version", "0.33.0", "--num-speculative-tokens", "7", "--out", tmp_path / "o.parquet"))
+    assert not (tmp_path / "o.parquet").exists()
+
+
+def test_an_empty_path_is_named():
+    one_line_error(invoke("inspect", ""), "error: '': ")
+
+
+def test_check_on_a_uri_that_cannot_be_listed_is_an_error_not_no_table():
+    one_line_error(invoke("check", "bogusscheme://x"), "bogusscheme://x: cannot list tables here", "Unrecognized")
+
+
+def test_output_paths_are_escaped_like_input_paths(tmp_path):
+    bad = os.fsdecode(bytes(tmp_path) + b"/miss\xffing/x.png")
+    line = one_line_error(invoke("inspect", SHIPPED_TABLE, "--plot", bad), "miss\\xffing/x.png", "does not exist")
+    assert "\udcff" not in line and line.count("miss\\xffing") == 2  # the path and its directory

@@ -190,7 +190,7 @@ def test_engine_args_parse_json_or_string(tmp_path):
     assert profile_cmd.parse_engine_args([], '{"block_size": 64}') == {"block_size": 64}
     for pairs, js, words in ((["block_size"], None, "KEY=VALUE"), (["=3"], None, "KEY=VALUE"),
                              ([], "[1]", "JSON object"), ([], "{oops", "not JSON"),
-                             ([], str(tmp_path / "missing.json"), "cannot read")):
+                             ([], str(tmp_path / "missing.json"), "missing.json: no such file")):
         with pytest.raises(CalibError, match=words):
             profile_cmd.parse_engine_args(pairs, js)
 

@@ -97,6 +97,7 @@ class Decision:
     # context -> (draft, verify) of every profiled context, for context-aware mode; filled only for
     # tables with 2+ contexts. Decided on rank 0 and broadcast with the rest, so TP ranks agree.
     curves: dict = field(default_factory=dict)
+    source_error: str = ""  # the source itself could not be listed (scheme, bucket, credentials)
 
     @property
     def content_hash(self) -> str:
@@ -205,7 +206,8 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     try:
         fs, listing = list_candidates(source, limits)
     except Exception as exc:  # noqa: BLE001 - no such path, an unknown URI scheme, credentials...
-        return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: {_why(exc)}")
+        return replace(_no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: {_why(exc)}"),
+                       source_error=_why(exc))
     seen = [_Examined(CandidateReport(escape(p, PATH_LIMIT), status="refused", reason=escape(w, 120)), [])
             for p, w in listing.refused]
     # Pass 1: every listed file's metadata (footer-bounded, cheap; the deadline bounds the

@@ -411,7 +411,8 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
 
 
 def _keep(capture: CaptureDir, into: str, ranks: int) -> None:
-    os.makedirs(into, exist_ok=True)
+    if not os.path.isdir(into):
+        os.mkdir(into)  # its parent was checked before the run (profile_cmd.check_keep_capture)
     for path in (capture.plan_path, capture.progress_path, capture.refusal_path,
                  *(capture.samples_path(r) for r in range(ranks))):
         if os.path.exists(path):
@@ -430,7 +431,10 @@ def run_profile(opts: ProfileOptions, *, phase: Callable[[str], None] = lambda s
         phase("fitting")
         table = table_from_capture(opts, capture)
         if keep_capture:
-            _keep(CaptureDir(capture_dir), keep_capture, int(capture.get("tp_size") or opts.tp))
+            try:
+                _keep(CaptureDir(capture_dir), keep_capture, int(capture.get("tp_size") or opts.tp))
+            except OSError as exc:  # a GPU run's table is worth more than its raw capture
+                note(f"--keep-capture {keep_capture}: not kept ({exc.strerror or exc}); the table is written")
         return table
     finally:
         shutil.rmtree(capture_dir, ignore_errors=True)
