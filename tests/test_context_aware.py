@@ -537,34 +537,25 @@ def test_full_occupancy_steps_sum_the_occupied_slots_through_adds_and_removes(gr
     assert state.active is None and "add_request" not in vars(m.req_states)
 
 
-def test_context_tail_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(two_context_load, caplog):
+@pytest.mark.parametrize("name, good, attr, on, line, bad, warning, off", [
+    ("DSPARK_CALIB_CONTEXT_TAIL", "0.25", "tail", 250, "mixed batches priced at mean + 0.25 x (max - mean)",
+     "1.5", "DSPARK_CALIB_CONTEXT_TAIL='1.5' must be between 0 and 1", 0),  # off: at the plain mean
+    ("DSPARK_CALIB_CONTEXT_CHUNKS", "1", "chunks", True, "prefill chunks priced by their query-context pairs",
+     "pairs", "DSPARK_CALIB_CONTEXT_CHUNKS='pairs' is not a boolean", False),  # off: chunks by the KV sum
+])
+def test_context_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(two_context_load, caplog, name, good,
+                                                                                 attr, on, line, bad, warning, off):
     import logging
 
     table, load = two_context_load
+    assert getattr(ca.installed_state(load()), attr) == off  # the default
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
-        m = load(DSPARK_CALIB_CONTEXT_TAIL="0.25")
-    assert ca.installed_state(m).tail == 250
-    assert any("mixed batches priced at mean + 0.25 x (max - mean)" in r.getMessage() for r in caplog.records)
+        m = load(**{name: good})
+    assert getattr(ca.installed_state(m), attr) == on
+    assert any(line in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
-        bad = load(DSPARK_CALIB_CONTEXT_TAIL="1.5")
-    warned = [r for r in caplog.records if "DSPARK_CALIB_CONTEXT_TAIL='1.5' must be between 0 and 1" in r.getMessage()]
+        wrong = load(**{name: bad})
+    warned = [r for r in caplog.records if warning in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "\n" not in warned[0].getMessage()
-    assert ca.installed_state(bad).tail == 0  # context-aware stays on, at the plain mean
-
-
-def test_context_chunks_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(two_context_load, caplog):
-    import logging
-
-    table, load = two_context_load
-    assert not ca.installed_state(load()).chunks  # off by default
-    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
-        m = load(DSPARK_CALIB_CONTEXT_CHUNKS="1")
-    assert ca.installed_state(m).chunks
-    assert any("prefill chunks priced by their query-context pairs" in r.getMessage() for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
-        bad = load(DSPARK_CALIB_CONTEXT_CHUNKS="pairs")
-    warned = [r for r in caplog.records if "DSPARK_CALIB_CONTEXT_CHUNKS='pairs' is not a boolean" in r.getMessage()]
-    assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "\n" not in warned[0].getMessage()
-    assert not ca.installed_state(bad).chunks  # context-aware stays on, chunks by the KV sum
+    assert getattr(ca.installed_state(wrong), attr) == off  # context-aware stays on
