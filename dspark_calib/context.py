@@ -169,14 +169,20 @@ def tail_context_sum(context_sum: Any, context_max: Any, num_reqs: Any, tail_mil
     return context_sum + (tail_milli * (context_max * num_reqs - context_sum)) // MAX_TAIL_MILLI
 
 
-def prefill_context_sum(context_sum: Any, prefill_context_sum: Any, prefill_pairs: Any, num_tokens: Any,
+def prefill_context_sum(context_sum: Any, chunk_context_sum: Any, chunk_pairs: Any, num_tokens: Any,
                         max_num_reqs: int) -> Any:
     """The KV sum a step carrying prefill chunks is priced at (module docstring): the decode
     requests' own KV plus the chunks' query-context pairs P at R(N) / N KV tokens a pair,
-    (S - S_p) + ceil(R(N) P / N). Integers only; scalars or numpy arrays alike; P = 0 returns S."""
+    (S - S_p) + ceil(R(N) P / N). Integers only; scalars or numpy arrays alike; P = 0 returns S.
+    Not always above S: a short chunk at a long context beside a long fresh chunk (N >> R) does
+    few pairs for the KV it reads, and is priced by its pairs like the rest (the profile's dummy
+    batch reads R(N) x L tokens of KV for N x L pairs: at large N, pairs are what it times)."""
+    if isinstance(num_tokens, int):  # the engine's path, once per chunk step: plain integers
+        tokens = max(num_tokens, 1)
+        return context_sum - chunk_context_sum + -(-(min(tokens, max_num_reqs) * chunk_pairs) // tokens)
     tokens = np.maximum(num_tokens, 1)
     reqs = np.minimum(tokens, max_num_reqs)
-    out = context_sum - prefill_context_sum + (-(-(reqs * prefill_pairs) // tokens))
+    out = context_sum - chunk_context_sum + (-(-(reqs * chunk_pairs) // tokens))
     return int(out) if np.ndim(out) == 0 else out
 
 

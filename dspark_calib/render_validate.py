@@ -93,6 +93,15 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
                      f"{_signed(fit.best_verify.median_signed_pct)}), drafts {_pct(fit.best_draft.median_pct)} "
                      f"({CONTEXT_TAIL}={fit.best_tail:g})")
         console.print(line, markup=False)
+    eng = result.engine
+    if eng.compared:
+        if eng.verify_equal == eng.draft_equal == eng.compared:
+            console.print(f"context-aware pricing here = the engines' own predictions on all {eng.compared} steps",
+                          markup=False)
+        else:
+            console.print(f"[yellow]context-aware pricing here differs from the engines' own predictions: verify on "
+                          f"{eng.compared - eng.verify_equal}, drafts on {eng.compared - eng.draft_equal} of "
+                          f"{eng.compared} steps (the files come from another pricing, table or engine sizes)[/]")
     pre = result.prefill
     if pre.steps:
         if pre.recorded:

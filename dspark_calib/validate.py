@@ -147,6 +147,21 @@ class PrefillCheck:
 
 
 @dataclass(frozen=True)
+class EngineAgreement:
+    """Does this pricing reproduce what the context-aware engines predicted for their own steps?
+    (Files record predicted_draft_ms / predicted_verify_ms from the tables the engine installed.)
+    A difference means the files come from another pricing (an older dspark-calib, another
+    table or engine sizes), so the context-aware column below is not what served them."""
+
+    compared: int  # steps (only when every file is a context-aware engine's, priced as recorded)
+    verify_equal: int  # within 1e-9 relative
+    draft_equal: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compared": self.compared, "verify_equal": self.verify_equal, "draft_equal": self.draft_equal}
+
+
+@dataclass(frozen=True)
 class ValidationResult:
     table_hash: str
     files: tuple[str, ...]
@@ -162,6 +177,7 @@ class ValidationResult:
     budget_change: BudgetChange
     tail_fit: TailFit
     prefill: PrefillCheck
+    engine: EngineAgreement
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -173,7 +189,7 @@ class ValidationResult:
             "by_context": [g.to_dict() for g in self.by_context],
             "groups": [g.to_dict() for g in self.groups],
             "budget_change": self.budget_change.to_dict(), "tail_fit": self.tail_fit.to_dict(),
-            "prefill": self.prefill.to_dict(),
+            "prefill": self.prefill.to_dict(), "engine_agreement": self.engine.to_dict(),
         }
 
 
@@ -264,6 +280,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     if not 0 <= tail <= MAX_TAIL_MILLI:
         raise CalibError(f"the tail must be between 0 and 1, got {tail / MAX_TAIL_MILLI:g}")
 
+    as_recorded = tail_milli is None and chunks is None
     chunks = recorded_chunks(observed) if chunks is None else bool(chunks)
     chunked = c["prefill_pairs"] > 0  # recorded (1.1) and carrying a chunk
     non_draft = num_tokens - c["draft_budget"]
@@ -325,7 +342,19 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
         verify_out_of_range_steps=int((steps["verify"] & ((vctx < lo) | (vctx > hi))).sum()), grid=grid.describe(),
         overall=tuple(overall), by_context=tuple(by_context), groups=tuple(groups),
         budget_change=BudgetChange(int(both.sum()), changed), tail_fit=tail_fit, prefill=prefill,
+        engine=_agreement(observed, as_recorded, aware_draft, aware_verify),
     )
+
+
+def _agreement(observed: ObservedSteps, as_recorded: bool, draft: np.ndarray, verify: np.ndarray) -> EngineAgreement:
+    c = observed.columns
+    if not as_recorded or any(m.get("mode") != "context-aware" for m in observed.metadata):
+        return EngineAgreement(0, 0, 0)
+
+    def equal(a: np.ndarray, b: np.ndarray) -> int:
+        return int(np.isclose(a, b, rtol=1e-9, atol=0.0).sum())
+
+    return EngineAgreement(len(observed), equal(verify, c["predicted_verify_ms"]), equal(draft, c["predicted_draft_ms"]))
 
 
 def _check_prefill(priced: Any, tail: int, chunks: bool, steps: np.ndarray, single: np.ndarray,

@@ -559,3 +559,37 @@ def test_context_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(
     warned = [r for r in caplog.records if warning in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "\n" not in warned[0].getMessage()
     assert getattr(ca.installed_state(wrong), attr) == off  # context-aware stays on
+
+
+@SETTINGS
+@given(num_reqs=st.integers(4, 200), seed=st.integers(0, 2**31 - 1))
+def test_chunk_pricing_of_the_engine_is_what_validate_reprices(grid_3ctx, reference_table, tmp_path_factory, num_reqs,
+                                                              seed):
+    """The engine (chunks on) and validate agree step for step, also where a request with drafts
+    schedules extra non-draft tokens and draft_tokens names a request that is not scheduled: both
+    split tokens as vLLM's get_num_tokens does."""
+    from dspark_calib.observe import ObservedWriter, read_observed
+    from dspark_calib.validate import validate
+    from dspark_calib.vllm.observe_step import capture_step, to_observed
+
+    rng = np.random.default_rng(seed)
+    m = make_manager(reference_table.dense_tables(8192), rng=rng)
+    contexts = rng.choice([0, 900, 8000, 16500], num_reqs).astype(np.int32)
+    num_tokens, draft_tokens = schedule(m, contexts, rng.integers(1, STEPS + 1, num_reqs), rng)
+    ids = list(num_tokens)
+    for r in ids[:2]:  # two fresh chunks without drafts (what makes the engine look)
+        num_tokens[r] = int(rng.integers(2, 700))
+        del draft_tokens[r]
+    num_tokens[ids[2]] += 3  # drafts, and 4 non-draft tokens
+    draft_tokens["not-scheduled"] = [1, 2]  # ignored by vLLM's split, and by both of ours
+    state = ca.install(m, grid_3ctx, chunks=True)
+    total = m.get_num_tokens(num_tokens, draft_tokens)
+    cap = capture_step(m, num_tokens, draft_tokens, priced_context=state.last_context)
+    assert cap.prefill_tokens == num_tokens[ids[0]] + num_tokens[ids[1]] + 4
+    d = tmp_path_factory.mktemp("agree")
+    meta = {"mode": "context-aware", "context_chunks": True, "max_num_reqs": MAX_REQS, "max_num_batched_tokens": MAX_TOKENS}
+    with ObservedWriter(d, metadata=meta) as w:
+        w.append(to_observed(cap, step=0, forward_ms=1.0, drafter_ms=0.5, num_target_tokens=total, full_cudagraph=True,
+                             context_aware=True))
+    result = validate(reference_table, read_observed([d]))
+    assert (result.engine.compared, result.engine.verify_equal, result.engine.draft_equal) == (1, 1, 1)

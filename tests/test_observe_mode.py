@@ -455,4 +455,8 @@ def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatc
     assert rows.metadata[0]["context_chunks"] is True and recorded_chunks(rows)
     result = validate(reference_table, rows)
     assert result.tail_fit.tail == 0.25 and result.prefill.by_pairs
+    # validate prices as the engine did, to the bit: the line that says its column is what served
+    assert result.engine.compared == 2 and result.engine.verify_equal == result.engine.draft_equal == 2
+    other = validate(reference_table, rows, tail_milli=0)  # priced otherwise: not compared
+    assert other.engine.compared == 0
     assert list(rows["prefill_tokens"]) == [0, 0]  # decode steps: recorded, no chunk

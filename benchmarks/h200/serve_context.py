@@ -1259,11 +1259,12 @@ def revalidate(table_path: str, observed_path: str, workloads: list[str]) -> lis
         if len(sub) == 0:
             continue
         result = validate(table, sub)
-        rows = [(g.kind, g.errors[SINGLE], g.errors[AWARE]) for g in result.overall]
+        kinds = [(g.kind, g.errors[SINGLE], g.errors[AWARE]) for g in result.overall]
         pre = result.prefill
-        if pre.recorded:  # observe schema >= 1.1: the chunks priced by query-context pairs, as one more row
-            rows.append(("verify_prefill, chunks by pairs", pre.single, pre.pairs))
-        for kind, single, aware in rows:
+        if pre.recorded:  # observe schema >= 1.1: the chunk steps under the pricing not in use, one more row
+            kinds.append(("verify_prefill, chunks by KV sum", pre.single, pre.kv_sum) if pre.by_pairs
+                         else ("verify_prefill, chunks by pairs", pre.single, pre.pairs))
+        for kind, single, aware in kinds:
             d = {"single_context": single.to_dict(), "context_aware": aware.to_dict()}
             out.append({"workload": name, "kind": kind, "steps": aware.n,
                         **{f"{p}_{k}": d[p][k] for p in d for k in ("median_pct", "p90_pct", "median_signed_pct")}})

@@ -91,19 +91,25 @@ def batch_context_sum(req_states: Any, num_tokens_per_req: Mapping[str, int]) ->
 def chunk_verify_sum(context_sum: int, num_tokens_per_req: Mapping[str, int], draft_tokens: Mapping[str, Any],
                      index: Callable[[str], int], computed: np.ndarray, max_num_reqs: int) -> int | None:
     """The verify KV sum of a step with prefill chunks (context.prefill_context_sum), None when it
-    has none. Chunks are sought among the requests without drafts (vLLM schedules drafts only for
-    decoding requests); N is the step's non-draft tokens, the part of it the budget cannot change,
-    so every budget is priced at one context, as on a decode step. Integers only: every rank agrees."""
-    chunk_sum = pairs = 0
-    for r in num_tokens_per_req.keys() - draft_tokens.keys():
-        q = num_tokens_per_req[r]
+    has none. A chunk is a scheduled request with more than one non-draft token, split as vLLM's
+    get_num_tokens splits (q - len(draft_tokens.get(r, ()))), so the engine and observe's columns
+    (and validate) see the same chunks; N is the step's non-draft tokens, the part the budget cannot
+    change, so every budget is priced at one context, as on a decode step. Integers only: every
+    rank agrees. The caller runs it only when some request has no drafts (vLLM 0.33 lists only
+    requests with drafts in draft_tokens, and schedules drafts only for decoding requests)."""
+    chunk_sum = pairs = non_draft = 0
+    drafts_of = draft_tokens.get
+    for r, q in num_tokens_per_req.items():
+        d = drafts_of(r)
+        if d:
+            q -= len(d)
+        non_draft += q
         if q > 1:
             c = computed.item(index(r))
             chunk_sum += c
             pairs += q * (c + q)
     if not pairs:
         return None
-    non_draft = sum(num_tokens_per_req.values()) - sum(map(len, draft_tokens.values()))
     return prefill_context_sum(context_sum, chunk_sum, pairs, non_draft, max_num_reqs)
 
 
