@@ -58,19 +58,22 @@ def _typed(key: Any, raw: str) -> Any:
         return None
     if key.types == (tuple,):
         parts = [p.strip() for p in raw.strip("[]").split(",") if p.strip()]
-        if parts and all(p.lstrip("-").isdigit() for p in parts):
+        if parts and all(p.isdigit() for p in parts):  # sizes: never negative
             return [int(p) for p in parts]
     elif key.types == (int,):
-        if raw.lstrip("-").isdigit():
+        if raw.isdigit():  # sizes and counts: never negative
             return int(raw)
     else:  # a string key: the text, or a JSON string when quoted
+        text = raw
         if len(raw) >= 2 and raw[0] == raw[-1] == '"':
             try:
-                return str(json.loads(raw))
+                text = str(json.loads(raw))
             except ValueError:
                 pass
-        return raw
-    raise CalibError(f"--engine {key.name}={raw[:40]!r}: must be {key.type_name}")
+        if not any(0xD800 <= ord(ch) <= 0xDFFF for ch in text):  # a lone surrogate cannot be printed
+            return text
+    what = "text without lone surrogates" if key.types not in ((tuple,), (int,)) else f"{key.type_name}, not negative"
+    raise CalibError(f"--engine {key.name}={raw[:40]!r}: must be {what}")
 
 
 def describe(*, model: str | None = None, draft: str | None = None, extra: dict[str, Any] | None = None,

@@ -164,3 +164,12 @@ def test_unreadable_tables_are_reported_and_a_missing_source_is_one_line(tmp_pat
     broken = next(t for t in d["tables"] if t["path"].endswith("broken.parquet"))
     assert broken["status"] == "unreadable" and "not a readable parquet file" in broken["reason"]
     one_line_error(invoke("check", tmp_path / "absent"), str(tmp_path / "absent"), "no such file")
+
+
+@pytest.mark.parametrize("pair, fragment", [("tensor_parallel_size=-5", "not negative"),
+                                            ("cudagraph_capture_sizes=1,-2", "not negative"),
+                                            ('gpu_name="\\ud800"', "without lone surrogates")])
+def test_engine_values_that_no_engine_reports_are_one_line(pair, fragment):
+    r = invoke("check", SHIPPED, "--engine", pair)
+    assert r.stdout == ""  # nothing printed before the error
+    one_line_error(r, "--engine", fragment)
