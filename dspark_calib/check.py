@@ -106,18 +106,6 @@ def ignored_keys(engine: dict[str, Any]) -> list[str]:
     return [key for key in engine if key not in blocking]
 
 
-def unrecorded_keys(path: str, engine: dict[str, Any]) -> list[str]:
-    """Blocking keys given that the table at `path` did not record (an older table): never a refusal."""
-    from dspark_calib import fingerprint
-    from dspark_calib.tablefile import read_metadata
-
-    try:
-        fp = read_metadata(path).fingerprint
-    except (CalibError, OSError):  # the decision read it; a display-escaped name may not reopen
-        return []
-    return list(fingerprint.unrecorded_keys(fp, engine))
-
-
 @dataclass(frozen=True)
 class TableReport:
     path: str
@@ -173,6 +161,7 @@ def check_tables(source: str, engine: dict[str, Any], *, allow_reference: bool =
         reason = c.reason or ("fits, but the plugin loads a newer fitting table" if status == FITS else "")
         reports.append(TableReport(c.path, c.content_hash, c.created_at, status, reason))
     reports.sort(key=lambda t: t.created_at, reverse=True)  # newest first, as the plugin prefers
-    unrecorded = unrecorded_keys(chosen.path, engine) if chosen else []
+    # from the decision's own reading (the report's path is escaped and cut for display: not reopened)
+    unrecorded = list(decision.unrecorded) if chosen else []
     return CheckResult(source, dict(engine), tuple(unchecked_keys(engine)), tuple(ignored_keys(engine)),
                        tuple(reports), tuple(decision.lines), tuple(unrecorded))

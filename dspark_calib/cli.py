@@ -235,7 +235,7 @@ def inspect_cmd(
     console = _console()
     render_inspect(insp, console, all_points=all_points)
     if plot:
-        console.print(f"plot written to {plot}", markup=False)
+        console.print(f"plot written to {plot}", markup=False, soft_wrap=True)  # a path, whole
 
 
 @app.command("diff")
@@ -285,7 +285,7 @@ def diff_cmd(
         console = _console()
         render_diff(result, console, verdict=verdict, all_points=all_points)
         if plot:
-            console.print(f"plot written to {plot}", markup=False)
+            console.print(f"plot written to {plot}", markup=False, soft_wrap=True)  # a path, whole
     if verdict is not None and verdict.exceeded:
         raise typer.Exit(1)
 
@@ -455,7 +455,7 @@ def validate_cmd(
         console = _console()
         render_validation(result, console, max_error=max_error, all_groups=all_groups)
         if plot:
-            console.print(f"plot written to {plot}", markup=False)
+            console.print(f"plot written to {plot}", markup=False, soft_wrap=True)  # a path, whole
         if max_error is not None:
             console.print(f"max error {max_error:g}%: " + ("exceeded (context-aware median, some kind and context)"
                                                           if exceeded else "within"), markup=False)

@@ -142,3 +142,12 @@ def fake_clock(monkeypatch) -> FakeClock:
     clock = FakeClock()
     monkeypatch.setattr(cooldown, "CLOCK", cooldown.Clock(sleep=clock.sleep, now=clock.now))
     return clock
+
+
+@pytest.fixture(autouse=True)
+def _plain_terminal(monkeypatch):
+    """Output tests match text: a CI that exports FORCE_COLOR or a narrow COLUMNS must not change
+    what the commands print under test (rich honours both)."""
+    for name in ("FORCE_COLOR", "COLUMNS", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NO_COLOR", "1")

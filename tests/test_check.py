@@ -173,3 +173,17 @@ def test_engine_values_that_no_engine_reports_are_one_line(pair, fragment):
     r = invoke("check", SHIPPED, "--engine", pair)
     assert r.stdout == ""  # nothing printed before the error
     one_line_error(r, "--engine", fragment)
+
+
+def test_unrecorded_keys_are_named_for_a_table_under_a_long_path(tmp_path):
+    """The loader cuts displayed paths at 160 characters; check must not reopen that display name."""
+    deep = tmp_path.joinpath(*["a-rather-long-directory-name"] * 8)
+    deep.mkdir(parents=True)
+    shutil.copyfile(SHIPPED, deep / SHIPPED.name)
+    assert len(str(deep / SHIPPED.name)) > 200
+    key = next(k for k in KEYS if k.load in BLOCKING and not k.recorded(getattr(read_metadata(SHIPPED).fingerprint,
+                                                                                  k.name)))
+    table_value, wrong = _values(key)
+    r = invoke("check", deep / SHIPPED.name, "--engine", f"{key.name}={wrong}", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["not_recorded"] == [key.name]

@@ -98,6 +98,7 @@ class Decision:
     # tables with 2+ contexts. Decided on rank 0 and broadcast with the rest, so TP ranks agree.
     curves: dict = field(default_factory=dict)
     source_error: str = ""  # the source itself could not be listed (scheme, bucket, credentials)
+    unrecorded: tuple[str, ...] = ()  # blocking keys the engine gave that the chosen table did not record
 
     @property
     def content_hash(self) -> str:
@@ -271,7 +272,8 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     risky = best.problems or recorded or unrecorded
     return Decision(True, (line + others,), logging.WARNING if risky else logging.INFO, draft_curve=draft,
                     verify_curve=verify, candidates=reports, chosen=chosen, context_len=ctx,
-                    pair=best.table.curves[ctx], policy=policy, probe=probe, curves=_all_curves(best.table))
+                    pair=best.table.curves[ctx], policy=policy, probe=probe, curves=_all_curves(best.table),
+                    unrecorded=tuple(unrecorded))
 
 
 def _all_curves(table: Any) -> dict:
