@@ -19,8 +19,9 @@ each, contexts spread over 1k..16k so lookups hit different grid rows):
 * ``added_not_all_scheduled``: the same, with one request held but not scheduled (every
   request's slot looked up again: the worst case; not at 1 request);
 * ``added_chunk_step`` (with --chunks): a step in which one request runs a 512-token prefill
-  chunk without drafts: the chunk is looked for among the requests without drafts and the
-  verify priced by its pairs (not at 1 request: vLLM needs a drafted request to call);
+  chunk without drafts: a request without drafts makes the wrapper look for chunks (one pass
+  over the batch) and price the verify by their pairs (not at 1 request: vLLM needs a drafted
+  request to call);
 * ``plain`` / ``wrapped``: vLLM's get_num_tokens alone and behind the wrapper,
   interleaved call by call; ``wrapped - plain`` medians as a cross-check.
 

@@ -34,7 +34,7 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
         if sys.stdout is None:  # started with stdout closed (`>&-`): say so before any work or file
-            typer.echo(f"{PROG}: error: standard output is closed; nothing could be printed", err=True)
+            typer.echo(error_line(CalibError("standard output is closed; nothing could be printed")), err=True)
             sys.exit(EXIT_ERROR)
         # typer >= 0.28 vendors click (typer._click); BadParameter's module is the one in use
         exceptions = sys.modules[typer.BadParameter.__module__]
@@ -46,8 +46,8 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
             ctx = getattr(exc, "ctx", None)
             where = ctx.command_path.removeprefix(PROG).strip() if ctx is not None else ""
             hint = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
-            typer.echo(f"{PROG}: error: " + (f"{where}: " if where else "")
-                       + " ".join(exc.format_message().split()) + hint, err=True)
+            message = (f"{where}: " if where else "") + exc.format_message() + hint
+            typer.echo(error_line(CalibError(message)), err=True)  # the one place errors become a line
             sys.exit(exc.exit_code)
         except typer.Abort:
             typer.echo(f"{PROG}: aborted", err=True)
@@ -425,11 +425,9 @@ def validate_cmd(
     Offline (no GPU, no torch, no vLLM). Exit 1 with --max-error exceeded (for CI and fleet monitoring).
     """
     from dspark_calib.observe import observed_paths
-    from dspark_calib.paths import plot_path
+    from dspark_calib.paths import plot_path, refuse_duplicate_inputs
 
     files = observed_paths(observed)  # directories expanded: --plot is checked against every input
-    from dspark_calib.paths import refuse_duplicate_inputs
-
     refuse_duplicate_inputs(files, "observe file")  # a file counted twice doubles its steps' weight
     plot = plot_path(plot, [table, *files])  # before any work
     from dspark_calib.vllm.env import tail_to_milli  # standard library only

@@ -4,7 +4,6 @@ The CLI turns it into one line on stderr and exit code 2; nothing else
 in the package prints for errors, so library callers keep control.
 """
 
-
 import os
 
 

@@ -102,7 +102,8 @@ def parse_engine_args(pairs: Sequence[str], as_json: str | None) -> dict[str, An
     out: dict[str, Any] = {}
     if as_json:
         if not as_json.lstrip().startswith(("{", "[")):  # a file
-            from dspark_calib.safe_open import display_path, read_json_file
+            from dspark_calib.errors import display_path
+            from dspark_calib.safe_open import read_json_file
 
             data = read_json_file(as_json, f"--engine-args-json {display_path(as_json)}")
         else:

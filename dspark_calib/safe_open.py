@@ -9,13 +9,12 @@ block the open or the first read forever), and the errors a user can act on
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from typing import Any, BinaryIO
 
 from dspark_calib.errors import CalibError, display_path, first_line
-
-__all__ = ["display_path", "os_reason", "open_local", "open_fs", "read_json_file"]  # display_path: errors' own
 
 
 def os_reason(exc: OSError) -> str:
@@ -100,8 +99,6 @@ def read_json_file(path: str, shown: str | None = None, *, max_bytes: int = MAX_
             raise CalibError(os_reason(exc), path=shown) from None
     if len(raw) > max_bytes:  # grew after the stat
         raise CalibError(f"is over the {max_bytes >> 20} MiB a JSON input may have", path=shown)
-    import json
-
     try:
         return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:

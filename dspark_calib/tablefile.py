@@ -49,11 +49,11 @@ import pyarrow.parquet as pq
 
 from dspark_calib import _arrow
 from dspark_calib.atomic import atomic_write
-from dspark_calib.errors import CalibError, first_line
+from dspark_calib.errors import CalibError, display_path, first_line
 from dspark_calib.fingerprint import KEYS
 from dspark_calib.fit import CURVE_COLUMNS, CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair
 from dspark_calib.samples import SAMPLE_COLUMNS, Samples
-from dspark_calib.safe_open import display_path, open_fs, open_local
+from dspark_calib.safe_open import open_fs, open_local
 from dspark_calib.table import SCHEMA_VERSION, CostTable
 from dspark_calib.telemetry import Telemetry
 from dspark_calib.tablemeta import (  # noqa: F401 - re-exported: part of this module's API (contract C1)

@@ -329,7 +329,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     mixed = steps["verify"] & (c["context_max"] * num_reqs >= MIXED_SPREAD * c["context_sum"])
     now = ErrorStats.of(aware_verify[mixed], c["forward_ms"][mixed])  # the pricing above, not priced again
     tail_fit = _fit_tail(priced, tail, now, mixed, mixed & steps["draft"], c)
-    prefill = _check_prefill(priced, tail, chunks, steps["verify_prefill"], single_verify[num_tokens], c)
+    prefill = _check_prefill(priced, tail, chunks, steps["verify_prefill"], single_verify[num_tokens], aware_verify, c)
 
     both = (c["budget_static"] != ABSENT) & (c["budget_context_aware"] != ABSENT)
     changed = int((c["budget_static"][both] != c["budget_context_aware"][both]).sum())
@@ -358,14 +358,17 @@ def _agreement(observed: ObservedSteps, as_recorded: bool, draft: np.ndarray, ve
 
 
 def _check_prefill(priced: Any, tail: int, chunks: bool, steps: np.ndarray, single: np.ndarray,
-                   c: dict) -> PrefillCheck:
+                   aware: np.ndarray, c: dict) -> PrefillCheck:
     """The prefill-carrying steps whose chunks are recorded, priced single-context, by the KV sum
-    and by query-context pairs (context.prefill_context_sum), the tail in use under both."""
+    and by query-context pairs (context.prefill_context_sum), the tail in use under both (aware:
+    the context-aware verify already priced, chunks as in use; only the other pricing is new)."""
     sel = steps & (c["prefill_tokens"] != ABSENT)
     if not sel.any():
         return PrefillCheck(int(steps.sum()), 0, None, None, None, chunks)
     measured = c["forward_ms"][sel]
-    kv_sum, pairs = (ErrorStats.of(priced(tail, by_pairs)[1][sel], measured) for by_pairs in (False, True))
+    in_use = ErrorStats.of(aware[sel], measured)
+    other = ErrorStats.of(priced(tail, not chunks)[1][sel], measured)
+    kv_sum, pairs = (other, in_use) if chunks else (in_use, other)
     return PrefillCheck(int(steps.sum()), int(sel.sum()), ErrorStats.of(single[sel], measured), kv_sum, pairs,
                         chunks)
 

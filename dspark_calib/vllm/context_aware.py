@@ -13,7 +13,7 @@ tail_milli=)``, DSPARK_CALIB_CONTEXT_TAIL) the sum is raised towards the batch's
 longest context first (context.tail_context_sum: mixed batches run slower than their
 mean says); that needs the max as well, one more reduction over the same slots. With
 chunk pricing (``install(..., chunks=True)``, DSPARK_CALIB_CONTEXT_CHUNKS) a step whose
-batch holds a request without drafts looks for prefill chunks among those requests and
+batch holds a request without drafts looks for prefill chunks (chunk_verify_sum) and
 prices its verify by their query-context pairs (context.prefill_context_sum); drafts stay
 at the mean. Decode steps (every request drafted) pay one length comparison.
 
@@ -150,12 +150,11 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
                 if tail:
                     total = tail_context_sum(total, int(values.max()), n, tail)
             state.last_context = -(-total // n)  # ceil(mean): integers only, identical on every rank
+            verify_sum = None  # the KV sum, as drafts
             if state.chunks and len(draft_tokens) < n:  # a request without drafts: maybe a prefill chunk
                 verify_sum = chunk_verify_sum(total, num_tokens_per_req, draft_tokens, index, computed,
                                               grid.costs.profile_num_reqs)
-                manager.cost_tables = grid.step_tables(total, n, state.buffer, verify_sum)
-            else:
-                manager.cost_tables = grid.step_tables(total, n, state.buffer)
+            manager.cost_tables = grid.step_tables(total, n, state.buffer, verify_sum)
         return original(num_tokens_per_req, draft_tokens)
 
     return get_num_tokens

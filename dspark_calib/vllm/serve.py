@@ -191,28 +191,25 @@ def _context_aware(manager: Any, curves: dict) -> None:
     from dspark_calib.vllm.engine_info import tp_rank_and_size
 
     rank0 = tp_rank_and_size()[0] == 0
-    try:
-        on = E.context_aware_enabled()
-    except CalibError as exc:
-        if rank0:
-            log.warning("dspark-calib: %s; context-aware costs off, static tables kept", exc)
+
+    def setting(parse: Any, fallback: Any, taken: str) -> Any:
+        """The env setting, or fallback with one WARNING (rank 0) naming it and what is done instead."""
+        try:
+            return parse()
+        except CalibError as exc:
+            if rank0:
+                log.warning("dspark-calib: %s; %s", exc, taken)
+            return fallback
+
+    on = setting(E.context_aware_enabled, None, "context-aware costs off, static tables kept")
+    if on is None:
         return
     if not on:
         if rank0:
             log.info("dspark-calib: context-aware costs off (%s=0): static tables at one context", E.CONTEXT_AWARE)
         return
-    try:
-        tail = E.context_tail_milli()
-    except CalibError as exc:
-        tail = 0
-        if rank0:
-            log.warning("dspark-calib: %s; mixed batches priced at their mean context", exc)
-    try:
-        chunks = E.context_chunks_enabled()
-    except CalibError as exc:
-        chunks = False
-        if rank0:
-            log.warning("dspark-calib: %s; prefill chunks priced by the KV sum", exc)
+    tail = setting(E.context_tail_milli, 0, "mixed batches priced at their mean context")
+    chunks = setting(E.context_chunks_enabled, False, "prefill chunks priced by the KV sum")
     # never raises; every rank: the same grid
     line = ca.enable(manager, curves, broadcast=False, tail_milli=tail, chunks=chunks)
     if rank0:
