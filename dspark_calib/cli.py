@@ -19,6 +19,7 @@ import typer.core
 
 from dspark_calib import __version__
 from dspark_calib.errors import CalibError
+from dspark_calib.vllm.env import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI  # standard library only
 
 PROG = "dspark-calib"
 EXIT_ERROR = 2  # bad input; 1 is reserved for "diff threshold exceeded"
@@ -414,11 +415,13 @@ def validate_cmd(
     tail: Annotated[Optional[float], typer.Option(
         "--tail", min=0, max=1, metavar="T",
         help="Context-aware pricing with the mixed-context tail T (mean + T x (max - mean)); "
-             "default: the tail the files record (DSPARK_CALIB_CONTEXT_TAIL of the engine), else 0.")] = None,
+             "default: the tail the files record (DSPARK_CALIB_CONTEXT_TAIL of the engine), else the plugin's "
+             f"default ({DEFAULT_CONTEXT_TAIL_MILLI / 1000:g}).")] = None,
     chunks: Annotated[Optional[bool], typer.Option(
         "--chunks/--no-chunks",
         help="Context-aware pricing of prefill chunks by their query-context pairs (--chunks) or by the KV sum; "
-             "default: as the files' engines priced them (DSPARK_CALIB_CONTEXT_CHUNKS), else the KV sum.")] = None,
+             "default: as the files' engines priced them (DSPARK_CALIB_CONTEXT_CHUNKS), else the plugin's default "
+             f"({'pairs' if DEFAULT_CONTEXT_CHUNKS else 'the KV sum'}).")] = None,
 ) -> None:
     """Predicted vs measured step cost on observed serving steps: single-context and context-aware pricing.
 

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dspark_calib.atomic import atomic_write
-from dspark_calib.vllm.env import CONTEXT_CHUNKS, CONTEXT_TAIL  # standard library only
+from dspark_calib.vllm.env import CONTEXT_CHUNKS, CONTEXT_TAIL, DEFAULT_CONTEXT_CHUNKS  # standard library only
 from dspark_calib.validate import (AWARE, KINDS, MIN_TAIL_STEPS, MIXED_SPREAD, PRICINGS, SINGLE, VERDICT_KINDS,
                                    GroupErrors, ValidationResult)
 
@@ -111,7 +111,8 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
                     + ", ".join(f"{label} {_pct(e.median_pct)} (bias {_signed(e.median_signed_pct)})"
                                 for label, e in (("single-context", pre.single),
                                                  (f"context-aware {used[0]} (in use)", used[1]), other))
-                    + f" ({CONTEXT_CHUNKS}=1 serves chunks by pairs)")
+                    + f" (engines: {CONTEXT_CHUNKS}=1 prices chunks by pairs, =0 by the KV sum; default "
+                      f"{int(DEFAULT_CONTEXT_CHUNKS)})")
         else:
             line = (f"prefill-carrying steps: {pre.steps}; their chunks are not recorded (observe files before "
                     f"schema 1.1), so they are priced by the KV sum only")

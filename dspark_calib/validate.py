@@ -29,13 +29,16 @@ MIXED_SPREAD x the mean are re-priced with the mixed-context tail t of
 context.tail_context_sum over 0, 0.05, ..., 1; the t with the smallest median
 verify error is reported, with the steps it rests on, for the operator to set
 (DSPARK_CALIB_CONTEXT_TAIL). Context-aware pricing here uses the tail the files
-record (the engine's), or ``tail_milli``.
+record (the engine's; 0 for a context-aware file from before the tail), the plugin's
+default for files of stock engines (what context-aware mode would have done), or
+``tail_milli``.
 
 Prefill chunks (``PrefillCheck``): where the files record the chunks (observe schema
 1.1), the prefill-carrying steps' verify is priced both by the KV sum and by
 query-context pairs (context.prefill_context_sum), so served steps say which to serve
 with. Context-aware pricing itself prices chunks as the files' context-aware engines did
-(DSPARK_CALIB_CONTEXT_CHUNKS, recorded as context_chunks), or as ``chunks`` says.
+(DSPARK_CALIB_CONTEXT_CHUNKS, recorded as context_chunks; the KV sum for files from before
+it), as the plugin's default for stock engines' files, or as ``chunks`` says.
 
 Analysis only: numpy, no torch, no vllm. The tables are sized to cover every
 observed step (a dense table's entry at a size does not depend on its length),
@@ -54,6 +57,7 @@ from dspark_calib.context import (MAX_TAIL_MILLI, DEFAULT_TOLERANCE, ContextCost
                                   tail_context_sum)
 from dspark_calib.errors import CalibError
 from dspark_calib.observe import ABSENT, ObservedSteps
+from dspark_calib.vllm.env import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI  # standard library only
 
 SINGLE, AWARE = "single_context", "context_aware"
 PRICINGS = (SINGLE, AWARE)
@@ -220,16 +224,17 @@ def _recorded(observed: ObservedSteps, key: str, default: int) -> int:
     return int(default)
 
 
-def _engine_setting(observed: ObservedSteps, key: str, default: Any, valid: Any, want: str, what: str,
-                    option: str, show: Any = str) -> Any:
-    """What the context-aware engines that wrote these files priced with (default when none was
-    context-aware or none recorded it). Engines that disagree are an error: the files must be
-    validated apart, or with the option that sets it."""
+def _engine_setting(observed: ObservedSteps, key: str, unrecorded: Any, default: Any, valid: Any, want: str,
+                    what: str, option: str, show: Any = str) -> Any:
+    """What the context-aware engines that wrote these files priced with: unrecorded for one whose
+    file predates the key (what such engines did), default (this release's engine default) when
+    none was context-aware. Engines that disagree are an error: the files must be validated apart,
+    or with the option that sets it."""
     values = set()
     for m in observed.metadata:
         if m.get("mode") != "context-aware":
             continue  # a stock or one-context engine prices neither tail nor chunks
-        value = m.get(key, default)
+        value = m.get(key, unrecorded)
         if not valid(value):
             raise CalibError(f"an observe file records {key}={value!r} (want {want})")
         values.add(value)
@@ -243,14 +248,15 @@ def _engine_setting(observed: ObservedSteps, key: str, default: Any, valid: Any,
 def recorded_tail(observed: ObservedSteps) -> int:
     """The tail (thousandths) the context-aware engines that wrote these files priced with."""
     return _engine_setting(
-        observed, "context_tail_milli", 0,
+        observed, "context_tail_milli", 0, DEFAULT_CONTEXT_TAIL_MILLI,
         lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TAIL_MILLI,
         f"0..{MAX_TAIL_MILLI}", "tails", "--tail", lambda v: f"{v / MAX_TAIL_MILLI:g}")
 
 
 def recorded_chunks(observed: ObservedSteps) -> bool:
     """Did the context-aware engines that wrote these files price prefill chunks by their pairs?"""
-    return _engine_setting(observed, "context_chunks", False, lambda v: isinstance(v, bool), "true or false",
+    return _engine_setting(observed, "context_chunks", False, DEFAULT_CONTEXT_CHUNKS, lambda v: isinstance(v, bool),
+                           "true or false",
                            "chunk pricing", "--chunks or --no-chunks")
 
 

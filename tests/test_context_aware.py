@@ -537,28 +537,40 @@ def test_full_occupancy_steps_sum_the_occupied_slots_through_adds_and_removes(gr
     assert state.active is None and "add_request" not in vars(m.req_states)
 
 
-@pytest.mark.parametrize("name, good, attr, on, line, bad, warning, off", [
-    ("DSPARK_CALIB_CONTEXT_TAIL", "0.25", "tail", 250, "mixed batches priced at mean + 0.25 x (max - mean)",
-     "1.5", "DSPARK_CALIB_CONTEXT_TAIL='1.5' must be between 0 and 1", 0),  # off: at the plain mean
-    ("DSPARK_CALIB_CONTEXT_CHUNKS", "1", "chunks", True, "prefill chunks priced by their query-context pairs",
-     "pairs", "DSPARK_CALIB_CONTEXT_CHUNKS='pairs' is not a boolean", False),  # off: chunks by the KV sum
+@pytest.mark.parametrize("name, attr, default, default_line, other, value, line, bad, warning", [
+    ("DSPARK_CALIB_CONTEXT_TAIL", "tail", 200, "mixed batches priced at mean + 0.2 x (max - mean)",
+     "0.25", 250, "mixed batches priced at mean + 0.25 x (max - mean)",
+     "1.5", "DSPARK_CALIB_CONTEXT_TAIL='1.5' must be between 0 and 1; the default tail 0.2 taken"),
+    ("DSPARK_CALIB_CONTEXT_TAIL", "tail", 200, "", "0", 0, "mixed batches priced at their mean context", "", ""),
+    ("DSPARK_CALIB_CONTEXT_CHUNKS", "chunks", True, "prefill chunks priced by their query-context pairs",
+     "0", False, "prefill chunks priced by the KV sum",
+     "pairs", "DSPARK_CALIB_CONTEXT_CHUNKS='pairs' is not a boolean (1/0, true/false, yes/no); the default taken"),
 ])
-def test_context_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(two_context_load, caplog, name, good,
-                                                                                 attr, on, line, bad, warning, off):
+def test_context_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(two_context_load, caplog, name, attr,
+                                                                                 default, default_line, other, value,
+                                                                                 line, bad, warning):
     import logging
 
+    from dspark_calib.vllm import env as E
+
     table, load = two_context_load
-    assert getattr(ca.installed_state(load()), attr) == off  # the default
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
-        m = load(**{name: good})
-    assert getattr(ca.installed_state(m), attr) == on
+        assert getattr(ca.installed_state(load()), attr) == default  # unset: the default, and the line says so
+    assert E.DEFAULT_CONTEXT_TAIL_MILLI == 200 and E.DEFAULT_CONTEXT_CHUNKS is True
+    assert any(default_line in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        m = load(**{name: other})
+    assert getattr(ca.installed_state(m), attr) == value
     assert any(line in r.getMessage() for r in caplog.records)
+    if not bad:
+        return
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
         wrong = load(**{name: bad})
     warned = [r for r in caplog.records if warning in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "\n" not in warned[0].getMessage()
-    assert getattr(ca.installed_state(wrong), attr) == off  # context-aware stays on
+    assert getattr(ca.installed_state(wrong), attr) == default  # context-aware stays on, at the default
 
 
 @SETTINGS

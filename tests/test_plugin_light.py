@@ -335,7 +335,9 @@ def test_context_tail_is_read_in_thousandths_and_checked():
     from dspark_calib.errors import CalibError
     from dspark_calib.vllm import env
 
-    assert env.context_tail_milli({}) == 0 and env.context_tail_milli({env.CONTEXT_TAIL: " "}) == 0
+    assert env.context_tail_milli({}) == 200 and env.context_tail_milli({env.CONTEXT_TAIL: " "}) == 200  # default
+    assert env.context_tail_milli({env.CONTEXT_TAIL: "0"}) == 0
+    assert env.context_chunks_enabled({}) is True and env.context_chunks_enabled({env.CONTEXT_CHUNKS: "0"}) is False
     assert env.context_tail_milli({env.CONTEXT_TAIL: "0.25"}) == 250
     assert env.context_tail_milli({env.CONTEXT_TAIL: "1"}) == 1000
     assert env.context_tail_milli({env.CONTEXT_TAIL: "1e-3"}) == 1 and env.context_tail_milli({env.CONTEXT_TAIL: "-0"}) == 0

@@ -409,19 +409,47 @@ def test_report_sets_an_arm_without_observe_beside_stock(sc, tmp_path):
     assert rows[("stock-noobs", "ctx8k")]["vs_stock"] == 1.0  # the same numbers: ratio to stock
 
 
+def test_report_prices_observe_mode_against_its_noobs_arm_with_a_rerun_beside(sc, tmp_path):
+    """The observe-cost section: each observing arm (and its -rerun) over ARM-noobs, per workload."""
+    import argparse
+    import shutil
+
+    src = REPO / "benchmarks" / "results" / "h200" / "context-stock.json"
+    shutil.copy(src, tmp_path / "context-stock.json")
+    on = json.loads(src.read_text())
+    noobs = json.loads(src.read_text())
+    noobs.update(arm="stock-noobs", observe_every=0)
+    for w in noobs["workloads"].values():
+        w["tpot_p50_ms"] = w["tpot_p50_ms"] / 1.25  # observing 25 % slower
+    (tmp_path / "context-stock-noobs.json").write_text(json.dumps(noobs))
+    (tmp_path / "context-stock-rerun.json").write_text(json.dumps(on))
+    (tmp_path / "context-stock-requests.json").write_text("{}")  # not an arm
+    args = argparse.Namespace(results=[str(tmp_path)], json=str(tmp_path / "r.json"), md=str(tmp_path / "r.md"))
+    assert sc.run_report(args) == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["arms"] == ["stock", "stock-noobs", "stock-rerun"]
+    cost = {(c["workload"], c["observed"]): c for c in rep["observe_cost"]}
+    assert set(cost) == {(w, a) for w in on["workloads"] for a in ("stock", "stock-rerun")}
+    assert all(c["baseline"] == "stock-noobs" and c["tpot_p50_ratio"] == 1.25 and c["output_tok_s_ratio"] == 1.0
+               for c in cost.values())
+    assert "Observe mode's own cost" in (tmp_path / "r.md").read_text()
+    assert sc.arm_label("stock", 4, rerun=True) == "stock-rerun" and sc.arm_label("stock", 0) == "stock-noobs"
+
+
 def test_an_aware_arm_with_a_context_tail(sc, tmp_path):
     import argparse
     import shutil
 
     env = sc.arm_env("aware", "/t.parquet", "/o", tail=0.2, base={})
     assert env["DSPARK_CALIB_CONTEXT_TAIL"] == "0.2" and env["DSPARK_CALIB_CONTEXT_AWARE"] == "1"
-    assert "DSPARK_CALIB_CONTEXT_TAIL" not in sc.arm_env("aware", "/t.parquet", "/o", base={})
+    plain = sc.arm_env("aware", "/t.parquet", "/o", base={})  # the plugin's defaults are not the label's
+    assert plain["DSPARK_CALIB_CONTEXT_TAIL"] == "0" and plain["DSPARK_CALIB_CONTEXT_CHUNKS"] == "0"
     with pytest.raises(ValueError, match="arm aware only"):
         sc.arm_env("stock", None, "/o", tail=0.2, base={})
     assert sc.arm_label("aware", 4, 0.2) == "aware-tail20" and sc.arm_label("stock", 0) == "stock-noobs"
     chunks = sc.arm_env("aware", "/t.parquet", "/o", tail=0.2, chunks=True, base={})
     assert chunks["DSPARK_CALIB_CONTEXT_CHUNKS"] == "1" and chunks["DSPARK_CALIB_CONTEXT_TAIL"] == "0.2"
-    assert "DSPARK_CALIB_CONTEXT_CHUNKS" not in env
+    assert env["DSPARK_CALIB_CONTEXT_CHUNKS"] == "0"
     with pytest.raises(ValueError, match="arm aware only"):
         sc.arm_env("static", "/t.parquet", "/o", chunks=True, base={})
     assert sc.arm_label("aware", 4, 0.2, True) == "aware-tail20-chunks"
@@ -448,9 +476,11 @@ def test_revalidate_adds_the_chunk_pricing_row_when_chunks_are_recorded(sc, tmp_
     dst = str(tmp_path / "compact.parquet")
     sc.compact_observed(str(tmp_path / "obs"), dst)
     out = sc.revalidate(str(SHIPPED), dst, ["ctx8k", "ctx16k"])
-    chunk = [r for r in out if r["kind"] == "verify_prefill, chunks by pairs"]
+    # stock-mode files: context-aware pricing as the plugin's default (pairs), the KV sum beside it
+    assert not [r for r in out if r["kind"] == "verify_prefill, chunks by pairs"]
+    chunk = [r for r in out if r["kind"] == "verify_prefill, chunks by KV sum"]
     assert {r["workload"] for r in chunk} == {"all", "ctx8k", "ctx16k"}
     (prefill_all,) = [r for r in out if r["kind"] == "verify_prefill" and r["workload"] == "all"]
     assert chunk[0]["steps"] == prefill_all["steps"] > 0
-    # a chunk's pairs price the step higher than its KV sum does (measured 1.0 ms here: both far off)
-    assert chunk[0]["context_aware_median_signed_pct"] > prefill_all["context_aware_median_signed_pct"]
+    # a chunk's KV sum prices the step lower than its pairs do (measured 1.0 ms here: both far off)
+    assert chunk[0]["context_aware_median_signed_pct"] < prefill_all["context_aware_median_signed_pct"]

@@ -15,7 +15,9 @@ from dspark_calib.context import ContextCosts, ContextGrid, verify_context
 from dspark_calib.errors import CalibError
 from dspark_calib.observe import ObservedStep, ObservedWriter, read_observed
 from dspark_calib.render_validate import plot_validation, render_validation
-from dspark_calib.validate import AWARE, SINGLE, max_error_exceeded, pow2_bucket, validate
+from dspark_calib.validate import (AWARE, SINGLE, max_error_exceeded, pow2_bucket, recorded_chunks, recorded_tail,
+                                   validate)
+from dspark_calib.vllm.env import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI
 
 NOISE = 0.002  # 0.2 % multiplicative noise: the repeat spread of an H200 profile
 
@@ -178,7 +180,9 @@ def test_steps_measured_exactly_as_the_grid_predicts_have_zero_error(reference_t
                                   scheduled_drafts=7 * reqs, draft_budget=min(7 * reqs, tokens - reqs),
                                   priced_context=0, predicted_draft_ms=1.0,
                                   predicted_verify_ms=1.0))
-    res = validate(reference_table, read_observed([tmp_path]))
+    # priced at the plain mean (tail 0) as written; files without a context-aware engine would
+    # otherwise get the plugin's default tail (test_stock_files_are_priced_with_the_plugins_defaults)
+    res = validate(reference_table, read_observed([tmp_path]), tail_milli=0, chunks=False)
     assert res.budget_change.compared == 0 and res.budget_change.share is None
     assert {g.kind for g in res.overall} == {"draft", "verify", "verify_prefill"}
     for g in res.groups + res.by_context + res.overall:
@@ -243,12 +247,31 @@ def mixed_steps(table, tail_milli, n, *, seed=5):
     return out
 
 
+def test_stock_files_are_priced_with_the_plugins_defaults_and_old_aware_files_as_they_were(reference_table, tmp_path):
+    """Context-aware pricing of a stock engine's steps is what this release's context-aware mode
+    would do (its defaults); a context-aware engine's file without the keys predates them, and
+    such engines priced at tail 0 and chunks by the KV sum."""
+    def write(name, **meta):
+        with ObservedWriter(tmp_path / name, metadata=meta) as w:
+            for s in mixed_steps(reference_table, 40, 20):
+                w.append(s)
+        return read_observed([tmp_path / name])
+
+    for files in (write("stock", mode="stock"), write("none")):
+        assert (recorded_tail(files), recorded_chunks(files)) == (DEFAULT_CONTEXT_TAIL_MILLI, DEFAULT_CONTEXT_CHUNKS)
+        assert validate(reference_table, files).tail_fit.tail == DEFAULT_CONTEXT_TAIL_MILLI / 1000
+    old = write("old", mode="context-aware")
+    assert (recorded_tail(old), recorded_chunks(old)) == (0, False)
+    assert validate(reference_table, old).tail_fit.tail == 0
+    assert (DEFAULT_CONTEXT_TAIL_MILLI, DEFAULT_CONTEXT_CHUNKS) == (200, True)
+
+
 def test_tail_fit_recovers_the_tail_of_mixed_batches(reference_table, tmp_path):
     with ObservedWriter(tmp_path) as w:
         for s in mixed_steps(reference_table, 300, 60):
             w.append(s)
     observed = read_observed([tmp_path])
-    plain = validate(reference_table, observed)
+    plain = validate(reference_table, observed, tail_milli=0)
     fit = plain.tail_fit
     assert fit.steps == 60 and fit.tail == 0 and fit.verify.median_pct > 3 and fit.verify.median_signed_pct < 0
     assert fit.best_tail == 0.3 and fit.best_verify.median_pct == 0.0 and fit.best_draft.median_pct == 0.0
@@ -336,7 +359,7 @@ def test_prefill_chunks_priced_by_query_context_pairs(reference_table, tmp_path)
     with ObservedWriter(tmp_path / "new") as w:
         for s in rows:
             w.append(s)
-    pre = validate(reference_table, read_observed([tmp_path / "new"])).prefill
+    pre = validate(reference_table, read_observed([tmp_path / "new"]), tail_milli=0).prefill  # written at tail 0
     assert (pre.steps, pre.recorded) == (40, 40)
     assert pre.pairs.median_pct == 0.0 and pre.pairs.p90_pct == 0.0
     assert pre.kv_sum.median_pct > 10 and pre.kv_sum.median_signed_pct < 0  # the KV sum prices chunks nearly free
@@ -373,8 +396,9 @@ def test_chunk_pricing_follows_the_engines_and_the_option(reference_table, tmp_p
     kv = write("kv", mode="context-aware")  # an engine without chunk pricing (context_chunks absent: off)
     assert not validate(reference_table, kv).prefill.by_pairs
     assert aware_prefill(validate(reference_table, kv, chunks=True)).median_pct == 0.0
-    stock = write("stock", mode="stock", context_chunks=True)  # only context-aware engines price chunks
-    assert not validate(reference_table, stock).prefill.by_pairs
+    # only context-aware engines price chunks: a stock engine's files get the plugin's default, whatever they say
+    stock = write("stock", mode="stock", context_chunks=False)
+    assert validate(reference_table, stock).prefill.by_pairs is DEFAULT_CONTEXT_CHUNKS is True
     with pytest.raises(CalibError, match="different chunk pricing .*--chunks or --no-chunks"):
         validate(reference_table, read_observed([tmp_path / "pairs", tmp_path / "kv"]))
     with pytest.raises(CalibError, match="context_chunks='yes'"):

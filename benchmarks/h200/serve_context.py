@@ -478,7 +478,7 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
             chunks: bool = False, base: dict[str, str] | None = None) -> dict[str, str]:
     """The engine child's environment: base (os.environ) without any DSPARK_CALIB_* or profile
     context, plus the arm's own (tail, chunks: the aware arm's DSPARK_CALIB_CONTEXT_TAIL and
-    DSPARK_CALIB_CONTEXT_CHUNKS)."""
+    DSPARK_CALIB_CONTEXT_CHUNKS, set either way)."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {arm!r}")
     if (tail or chunks) and arm != "aware":
@@ -496,18 +496,18 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
         if arm == "static":
             env.update({"DSPARK_CALIB_CONTEXT_AWARE": "0", "DSPARK_CALIB_CONTEXT_LEN": "8192"})
         else:
-            env["DSPARK_CALIB_CONTEXT_AWARE"] = "1"
-            if tail:
-                env["DSPARK_CALIB_CONTEXT_TAIL"] = f"{tail:g}"
-            if chunks:
-                env["DSPARK_CALIB_CONTEXT_CHUNKS"] = "1"
+            # both always set: the label names them (aware = tail 0, chunks by the KV sum), whatever
+            # the plugin's defaults are (tail 0.2 and chunks on since 2026-12-01)
+            env.update({"DSPARK_CALIB_CONTEXT_AWARE": "1", "DSPARK_CALIB_CONTEXT_TAIL": f"{tail:g}",
+                        "DSPARK_CALIB_CONTEXT_CHUNKS": "1" if chunks else "0"})
     return env
 
 
-def arm_label(arm: str, observe_every: int, tail: float = 0.0, chunks: bool = False) -> str:
-    """The files' and the report's name: the arm, -tailNN (the tail in hundredths), -chunks, -noobs."""
+def arm_label(arm: str, observe_every: int, tail: float = 0.0, chunks: bool = False, rerun: bool = False) -> str:
+    """The files' and the report's name: the arm, -tailNN (the tail in hundredths), -chunks, -noobs, -rerun
+    (the same arm again on the same host: the run-to-run spread the other differences are judged by)."""
     return (arm + (f"-tail{round(tail * 100)}" if tail else "") + ("-chunks" if chunks else "")
-            + ("" if observe_every > 0 else "-noobs"))
+            + ("" if observe_every > 0 else "-noobs") + ("-rerun" if rerun else ""))
 
 
 def speculative_config(acceptance_length: float | None = ACCEPTANCE_LENGTH,
@@ -834,7 +834,7 @@ def run_arm(args: argparse.Namespace) -> int:
         print(f"arm {arm}: --context-tail {args.context_tail:g} must be a multiple of 0.01 between 0 and 1 "
               f"(the files are named by it)", file=sys.stderr)
         return 2
-    label = arm_label(arm, args.observe_every, args.context_tail, args.context_chunks)
+    label = arm_label(arm, args.observe_every, args.context_tail, args.context_chunks, args.rerun)
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     work = os.path.abspath(args.work or f"/tmp/serve-context-{label}")
@@ -1184,8 +1184,30 @@ def build_report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         base = stock.get(r["workload"])
         r["vs_stock"] = _r(r["output_tok_s"] / base, 4) if base and r["output_tok_s"] else None
-    return {"arms": sorted(arms), "rows": rows, "errors": errors,
+    return {"arms": sorted(arms), "rows": rows, "errors": errors, "observe_cost": observe_cost(rows),
             "tables": {a: arms[a].get("table") for a in arms}, "dry_run": any(arms[a].get("dry_run") for a in arms)}
+
+
+def observe_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Observe mode's own cost (issue 9 item 4): per workload, each observing arm against the same
+    pricing with observe off (ARM-noobs), as ratios (> 1: observing is slower); a -rerun arm of the
+    same pricing gives the run-to-run spread to read them against."""
+    by = {(r["arm"], r["workload"]): r for r in rows}
+    out = []
+    for (off_arm, workload), off in by.items():
+        if not off_arm.endswith("-noobs"):
+            continue
+        base = off_arm[: -len("-noobs")]
+        for on_arm in (base, base + "-rerun"):
+            on = by.get((on_arm, workload))
+            if on is None:
+                continue
+            ratio = {k: _r(on[k] / off[k], 4) if on[k] and off[k] else None
+                     for k in ("tpot_p50_ms", "tpot_p90_ms", "output_tok_s")}
+            out.append({"workload": workload, "observed": on_arm, "baseline": off_arm,
+                        "tpot_p50_ratio": ratio["tpot_p50_ms"], "tpot_p90_ratio": ratio["tpot_p90_ms"],
+                        "output_tok_s_ratio": ratio["output_tok_s"]})
+    return out
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -1210,6 +1232,14 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {r['arm']} | {r['workload']} | {g['readings']} | {_f(g['sm_mhz_p50'], 0)} / "
                          f"{_f(g['sm_mhz_min'], 0)} | {_f(g['power_w_p50'], 0)} / {_f(g['power_w_max'], 0)} | "
                          f"{_f(g['throttled_share'], 2)} | {', '.join(g['reasons']) or '-'} |")
+    if report.get("observe_cost"):
+        lines += ["", "Observe mode's own cost: each observing arm over the same pricing with observe off, per "
+                      "workload (> 1: slower with observe on; TPOT is the steady decode, tok/s includes the "
+                      "prefill waves and the tail):", "",
+                  "| workload | observed arm | vs | TPOT p50 | TPOT p90 | tok/s |", "|---|---|---|---:|---:|---:|"]
+        for c in report["observe_cost"]:
+            lines.append(f"| {c['workload']} | {c['observed']} | {c['baseline']} | {_f(c['tpot_p50_ratio'], 3)} | "
+                         f"{_f(c['tpot_p90_ratio'], 3)} | {_f(c['output_tok_s_ratio'], 3)} |")
     val = [e for e in report["errors"] if e["source"] == "validate"]
     if val:
         lines += ["", "`dspark-calib validate` on each arm's observed steps, as run on the host (the arm's own "
@@ -1283,7 +1313,7 @@ def run_report(args: argparse.Namespace) -> int:
     arms = {}
     for d in args.results:
         for name in sorted(os.listdir(d)):
-            m = re.fullmatch(r"context-([a-z]+(?:-tail\d+)?(?:-chunks)?(?:-noobs)?)\.json", name)
+            m = re.fullmatch(r"context-([a-z]+(?:-tail\d+)?(?:-chunks)?(?:-noobs)?(?:-rerun)?)\.json", name)
             if m:
                 with open(os.path.join(d, name)) as fh:
                     arms[m.group(1)] = json.load(fh)
@@ -1350,6 +1380,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="aware arm: DSPARK_CALIB_CONTEXT_TAIL (files context-aware-tailNN.*)")
     a.add_argument("--context-chunks", action="store_true",
                    help="aware arm: DSPARK_CALIB_CONTEXT_CHUNKS=1 (files context-aware[-tailNN]-chunks.*)")
+    a.add_argument("--rerun", action="store_true",
+                   help="the same arm a second time on this host (files context-ARM...-rerun.*): the spread")
     a.add_argument("--acceptance-length", type=float, default=ACCEPTANCE_LENGTH)
     a.add_argument("--acceptance-rates", help="comma list of K non-increasing unconditional rates (instead)")
     a.add_argument("--dry-run", action="store_true", help="fake engine on CPU: the whole control flow, no vLLM")

@@ -301,6 +301,6 @@ def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False, 
     return (f"dspark-calib: context-aware costs on: contexts {lo}..{hi} ({len(grid.contexts)} profiled), grid "
             f"{len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, within {100 * grid.max_rel_error:.2f}% of the "
             f"interpolation; verify priced by the KV a step reads; below {lo} costs are extrapolated linearly, "
-            f"above {hi} they are {hi}'s" + (f"; mixed batches priced at mean + {tail_milli / MAX_TAIL_MILLI:g} x "
-                                             f"(max - mean)" if tail_milli else "")
-            + ("; prefill chunks priced by their query-context pairs" if chunks else ""))
+            f"above {hi} they are {hi}'s; mixed batches priced at "
+            + (f"mean + {tail_milli / MAX_TAIL_MILLI:g} x (max - mean)" if tail_milli else "their mean context")
+            + "; prefill chunks priced by " + ("their query-context pairs" if chunks else "the KV sum"))

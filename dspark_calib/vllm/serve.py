@@ -208,8 +208,10 @@ def _context_aware(manager: Any, curves: dict) -> None:
         if rank0:
             log.info("dspark-calib: context-aware costs off (%s=0): static tables at one context", E.CONTEXT_AWARE)
         return
-    tail = setting(E.context_tail_milli, 0, "mixed batches priced at their mean context")
-    chunks = setting(E.context_chunks_enabled, False, "prefill chunks priced by the KV sum")
+    tail = setting(E.context_tail_milli, E.DEFAULT_CONTEXT_TAIL_MILLI,
+                   f"the default tail {E.DEFAULT_CONTEXT_TAIL_MILLI / 1000:g} taken")
+    chunks = setting(E.context_chunks_enabled, E.DEFAULT_CONTEXT_CHUNKS,
+                     f"the default taken (chunk pricing {'on' if E.DEFAULT_CONTEXT_CHUNKS else 'off'})")
     # never raises; every rank: the same grid
     line = ca.enable(manager, curves, broadcast=False, tail_milli=tail, chunks=chunks)
     if rank0:
