@@ -541,7 +541,8 @@ def test_full_occupancy_steps_sum_the_occupied_slots_through_adds_and_removes(gr
     ("DSPARK_CALIB_CONTEXT_TAIL", "tail", 200, "mixed batches priced at mean + 0.2 x (max - mean)",
      "0.25", 250, "mixed batches priced at mean + 0.25 x (max - mean)",
      "1.5", "DSPARK_CALIB_CONTEXT_TAIL='1.5' must be between 0 and 1; the default tail 0.2 taken"),
-    ("DSPARK_CALIB_CONTEXT_TAIL", "tail", 200, "", "0", 0, "mixed batches priced at their mean context", "", ""),
+    ("DSPARK_CALIB_CONTEXT_TAIL", "tail", 200, "prefill chunks priced by their query-context pairs", "0", 0,
+     "mixed batches priced at their mean context", "", ""),
     ("DSPARK_CALIB_CONTEXT_CHUNKS", "chunks", True, "prefill chunks priced by their query-context pairs",
      "0", False, "prefill chunks priced by the KV sum",
      "pairs", "DSPARK_CALIB_CONTEXT_CHUNKS='pairs' is not a boolean (1/0, true/false, yes/no); the default taken"),
@@ -568,8 +569,9 @@ def test_context_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
         wrong = load(**{name: bad})
-    warned = [r for r in caplog.records if warning in r.getMessage()]
-    assert len(warned) == 1 and warned[0].levelno == logging.WARNING and "\n" not in warned[0].getMessage()
+    warned = [r for r in caplog.records if name in r.getMessage()]  # every line naming the variable: one
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING and warning in warned[0].getMessage()
+    assert "\n" not in warned[0].getMessage()
     assert getattr(ca.installed_state(wrong), attr) == default  # context-aware stays on, at the default
 
 

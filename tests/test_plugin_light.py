@@ -338,6 +338,10 @@ def test_context_tail_is_read_in_thousandths_and_checked():
     assert env.context_tail_milli({}) == 200 and env.context_tail_milli({env.CONTEXT_TAIL: " "}) == 200  # default
     assert env.context_tail_milli({env.CONTEXT_TAIL: "0"}) == 0
     assert env.context_chunks_enabled({}) is True and env.context_chunks_enabled({env.CONTEXT_CHUNKS: "0"}) is False
+    for blank in ("", "  "):  # blank is unset, for every flag: a default-on one is not turned off by it
+        assert env.context_chunks_enabled({env.CONTEXT_CHUNKS: blank}) is True
+        assert env.probe_enabled({env.PROBE: blank}) is True and env.context_aware_enabled({env.CONTEXT_AWARE: blank})
+        assert env.allow_reference({env.ALLOW_REFERENCE: blank}) is False
     assert env.context_tail_milli({env.CONTEXT_TAIL: "0.25"}) == 250
     assert env.context_tail_milli({env.CONTEXT_TAIL: "1"}) == 1000
     assert env.context_tail_milli({env.CONTEXT_TAIL: "1e-3"}) == 1 and env.context_tail_milli({env.CONTEXT_TAIL: "-0"}) == 0

@@ -484,3 +484,15 @@ def test_revalidate_adds_the_chunk_pricing_row_when_chunks_are_recorded(sc, tmp_
     assert chunk[0]["steps"] == prefill_all["steps"] > 0
     # a chunk's KV sum prices the step lower than its pairs do (measured 1.0 ms here: both far off)
     assert chunk[0]["context_aware_median_signed_pct"] < prefill_all["context_aware_median_signed_pct"]
+
+
+def test_a_dry_run_aware_arm_records_the_tail_and_chunks_it_ran_with(sc, tmp_path):
+    """The summary's env is the child's as run, not one rebuilt without the arm's options."""
+    args = ["arm", "aware", "--table", str(SHIPPED), "--out", str(tmp_path), "--work", str(tmp_path / "w"),
+            "--dry-run", "--workloads", "ctx8k", "--context-tail", "0.2", "--context-chunks"]
+    assert sc.main(args) == 0
+    env = json.loads((tmp_path / "context-aware-tail20-chunks.json").read_text())["env"]
+    assert env["DSPARK_CALIB_CONTEXT_TAIL"] == "0.2" and env["DSPARK_CALIB_CONTEXT_CHUNKS"] == "1"
+    assert sc.main(args[:-3] + ["--rerun"]) == 0
+    env = json.loads((tmp_path / "context-aware-rerun.json").read_text())["env"]
+    assert env["DSPARK_CALIB_CONTEXT_TAIL"] == "0" and env["DSPARK_CALIB_CONTEXT_CHUNKS"] == "0"

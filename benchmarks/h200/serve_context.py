@@ -14,7 +14,9 @@ max_num_batched_tokens 8192, max_model_len 32768, gpu_memory_utilization 0.85 (t
 engine the tables are profiled for). Arms:
   stock   no table: vLLM's own start-up profile at VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN=8192
   static  the multi-context table, DSPARK_CALIB_CONTEXT_AWARE=0, DSPARK_CALIB_CONTEXT_LEN=8192
-  aware   the multi-context table, context-aware pricing per step (the default)
+  aware   the multi-context table, context-aware pricing per step, at tail 0 and chunks by the KV sum
+          unless --context-tail / --context-chunks (the plugin's defaults since 2026-12-01: tail
+          0.2, chunks by pairs; the harness always sets both, so the label says what ran)
 Every arm: DSPARK_CALIB_POLICY=warn (the table loads even if a detail differs: the
 benchmark must not silently turn into stock; the plugin's lines are kept in the summary),
 DSPARK_CALIB_OBSERVE=<fresh dir>, DSPARK_CALIB_OBSERVE_EVERY=4 (observe's default: a sampled
@@ -879,7 +881,8 @@ def run_arm(args: argparse.Namespace) -> int:
     events = _read_jsonl(results_path)
     log_text = _tail(log_path, LOG_CAP)
     summary = post_process(arm, events, obs, table, out_dir, log_text=_grep(log_path, LOG_PATTERN), rc=rc,
-                           killed=killed, dry_run=args.dry_run, label=label, observe_every=args.observe_every)
+                           killed=killed, dry_run=args.dry_run, label=label, observe_every=args.observe_every,
+                           env=env)
     summary["gpu"] = gpu_by_workload(sampler.samples, events, sampler.source, sampler.note)
     summary["host"] = _host()
     try:
@@ -1046,16 +1049,17 @@ DSPARK_LINE = re.compile(r"dspark[-_]calib")
 
 def post_process(arm: str, events: list[dict[str, Any]], obs: str, table: str | None, out_dir: str, *,
                  log_text: str = "", rc: int | None = 0, killed: bool = False, dry_run: bool = False,
-                 label: str | None = None, observe_every: int = 4) -> dict[str, Any]:
+                 label: str | None = None, observe_every: int = 4, env: dict[str, str] | None = None) -> dict[str, Any]:
     """The arm's summary from the child's events and the observe files; writes the compacted
-    observe file and the per-request file under out_dir (named by label: arm_label)."""
+    observe file and the per-request file under out_dir (named by label: arm_label). env: the
+    engine child's environment as run (recorded: its DSPARK_* and VLLM_* settings)."""
     label = label or arm
     engine = next((e for e in events if e.get("event") == "engine"), {})
     done = [e for e in events if e.get("event") == "workload"]
     summary: dict[str, Any] = {
         "arm": label, "pricing": arm, "observe_every": observe_every, "dry_run": dry_run, "child_rc": rc,
         "child_killed": killed,
-        "env": {k: v for k, v in arm_env(arm, table, obs, every=observe_every, base={}).items()
+        "env": {k: v for k, v in (arm_env(arm, table, obs, every=observe_every, base={}) if env is None else env).items()
                 if k.startswith(("DSPARK", "VLLM"))},
         "table": _table_info(table) if table else None,
         "engine": {k: engine.get(k) for k in ("import_s", "start_s", "kv_tokens", "kv_blocks", "block_size",
@@ -1302,9 +1306,10 @@ def revalidate(table_path: str, observed_path: str, workloads: list[str]) -> lis
 
 
 def _git_rev() -> str | None:
+    """HEAD, marked -dirty when the tree has changes (the report's pricing is the tree's, not HEAD's)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                              timeout=10).stdout.strip() or None
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                              text=True, cwd=ROOT, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -1377,9 +1382,11 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--waves", type=int, default=2)
     a.add_argument("--observe-every", type=int, default=4)
     a.add_argument("--context-tail", type=float, default=0.0,
-                   help="aware arm: DSPARK_CALIB_CONTEXT_TAIL (files context-aware-tailNN.*)")
+                   help="aware arm: DSPARK_CALIB_CONTEXT_TAIL (files context-aware-tailNN.*); default 0, not the "
+                        "plugin's 0.2")
     a.add_argument("--context-chunks", action="store_true",
-                   help="aware arm: DSPARK_CALIB_CONTEXT_CHUNKS=1 (files context-aware[-tailNN]-chunks.*)")
+                   help="aware arm: DSPARK_CALIB_CONTEXT_CHUNKS=1 (files context-aware[-tailNN]-chunks.*); without "
+                        "it 0 (the KV sum), not the plugin's default")
     a.add_argument("--rerun", action="store_true",
                    help="the same arm a second time on this host (files context-ARM...-rerun.*): the spread")
     a.add_argument("--acceptance-length", type=float, default=ACCEPTANCE_LENGTH)

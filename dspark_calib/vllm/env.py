@@ -49,7 +49,7 @@ DEFAULT_CONTEXT_TAIL_MILLI = 200
 DEFAULT_CONTEXT_CHUNKS = True
 MAX_OBSERVE_EVERY = 1_000_000
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def shown(value: str, limit: int = 40) -> str:
@@ -111,8 +111,10 @@ def context_len(env: Mapping[str, str] | None = None) -> int | None:
 
 
 def _flag(env: Mapping[str, str] | None, name: str, default: bool) -> bool:
+    """Unset or blank: the default (as for every other variable here; a blank must not turn a
+    default-on setting off without a word)."""
     raw = _get(env, name)
-    if raw is None:
+    if raw is None or not raw.strip():
         return default
     value = raw.strip().lower()
     if value in _TRUE:
