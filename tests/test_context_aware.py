@@ -454,10 +454,11 @@ def test_slot_cache_is_reused_for_the_same_batch_and_dropped_when_a_slot_changes
     base = m.req_states
     m.req_states = CountedStates(**vars(base), free=list(range(MAX_REQS)))
     rng = np.random.default_rng(7)
-    ids = [f"r{i}" for i in range(200)]  # above the small-batch path
+    ids = [f"r{i}" for i in range(150)]  # above the small-batch path
     for r in ids:
         m.req_states.add_request(r, int(rng.integers(1000, 16000)))
-    m.req_states.add_request("idle", 5)  # held but not scheduled: the full-occupancy path is off
+    for i in range(50):  # held but not scheduled, too many for the held-slot path (_held_slots): ids looked up
+        m.req_states.add_request(f"idle{i}", 5)
     m.req_states.prefill_len.np[:] = 1
     state = ca.install(m, grid_3ctx, tail_milli=tail)
     num_tokens = {r: 4 for r in ids}
@@ -470,6 +471,7 @@ def test_slot_cache_is_reused_for_the_same_batch_and_dropped_when_a_slot_changes
 
     m.get_num_tokens(num_tokens, drafts)
     first = state.slots
+    assert first is not None
     m.req_states.num_computed_tokens_np[first] += 7  # the step advanced every request
     m.get_num_tokens(num_tokens, drafts)
     assert state.slots is first and state.last_context == expected_ctx()  # reused, and the new contexts read
@@ -607,3 +609,106 @@ def test_chunk_pricing_of_the_engine_is_what_validate_reprices(grid_3ctx, refere
                              context_aware=True))
     result = validate(reference_table, read_observed([d]))
     assert (result.engine.compared, result.engine.verify_equal, result.engine.draft_equal) == (1, 1, 1)
+
+
+class VllmSlots(SimpleNamespace):
+    """vLLM 0.33's RequestState as far as slots go: add_request pops a free slot (the last one freed
+    first, so slots are reused at once; re-adding a held id leaks its old slot, as vLLM does),
+    remove_request frees it and returns it (None for an id it does not hold)."""
+
+    def add_request(self, req_id, num_computed_tokens):
+        slot = self.free_indices.pop()
+        self.req_id_to_index[req_id] = slot
+        self.num_computed_tokens_np[slot] = num_computed_tokens
+
+    def remove_request(self, req_id):
+        slot = self.req_id_to_index.pop(req_id, None)
+        if slot is not None:
+            self.free_indices.append(slot)
+        return slot
+
+
+@SETTINGS
+@given(data=st.data(), tail=st.sampled_from([0, 200, 1000]), chunks=st.booleans(),
+       start=st.integers(0, 200))
+def test_held_slot_path_equals_looking_every_id_up(grid_3ctx, data, tail, chunks, start):
+    """The held-slot path (_held_slots: every held request's slot but the unscheduled ones', kept
+    between steps) against the same wrapper with the slot watch off (every id looked up, the code
+    it replaces) and a from-scratch sum, on random steps: requests arriving, finishing, re-added
+    under another slot, slots reused at once, some held but not scheduled (the same ones for a
+    while, or others), prefill chunks, drafts or none. Tables, context and vLLM's budget must be
+    identical at every step."""
+    states = VllmSlots(req_id_to_index={}, num_computed_tokens_np=np.zeros(MAX_REQS, np.int32),
+                       prefill_len=SimpleNamespace(np=np.ones(MAX_REQS, np.int32)), max_num_reqs=MAX_REQS,
+                       max_num_batched_tokens=MAX_TOKENS, num_speculative_steps=STEPS,
+                       free_indices=list(range(MAX_REQS)))
+    fast, slow = make_manager(), make_manager()  # the same confidences (the same seed)
+    fast.req_states = states
+    slow.req_states = SimpleNamespace(**{k: v for k, v in vars(states).items() if k != "free_indices"})  # unwatched
+    next_id = 0
+
+    def admit(count):
+        nonlocal next_id
+        for _ in range(count):
+            if states.free_indices:
+                states.add_request(f"r{next_id}", data.draw(st.integers(0, 40000)))
+                next_id += 1
+
+    admit(start)  # some before install
+    fast_state = ca.install(fast, grid_3ctx, tail_milli=tail, chunks=chunks)
+    slow_state = ca.install(slow, grid_3ctx, tail_milli=tail, chunks=chunks)
+    assert fast_state.watched and not slow_state.watched
+    sits_out: list = []
+    for _ in range(data.draw(st.integers(1, 12))):
+        held = list(states.req_id_to_index)
+        churn = data.draw(st.booleans())  # or a step with the same requests held (the caches' case)
+        for r in data.draw(st.lists(st.sampled_from(held), max_size=6, unique=True)) if held and churn else ():
+            if data.draw(st.booleans()):
+                states.remove_request(r)  # finished
+            elif states.free_indices:  # resumed: the same id under another slot
+                states.add_request(r, data.draw(st.integers(0, 40000)))
+        admit(data.draw(st.integers(0, 20)) if churn else 0)
+        held = list(states.req_id_to_index)
+        if not held:
+            continue
+        slots = list(states.req_id_to_index.values())
+        states.num_computed_tokens_np[slots] += data.draw(st.integers(0, 9))
+        kind = data.draw(st.sampled_from(["all", "same", "same", "swap", "few", "any"]))
+        if kind == "all":
+            sits_out = []
+        elif kind == "swap" and sits_out:  # one that sat out finishes, another sits out: as many as before
+            states.remove_request(sits_out[0])
+            held = list(states.req_id_to_index)
+            others = [r for r in held if r not in sits_out]
+            sits_out = sits_out[1:] + ([data.draw(st.sampled_from(others))] if others else [])
+        elif kind == "few" or not sits_out:
+            sits_out = data.draw(st.lists(st.sampled_from(held), max_size=max(1, len(held) // 4), unique=True))
+        elif kind == "any":
+            sits_out = data.draw(st.lists(st.sampled_from(held), max_size=len(held) - 1, unique=True))
+        sched = [r for r in held if r not in sits_out]
+        if not sched:
+            continue
+        sched = data.draw(st.permutations(sched))
+        drafts = {r: list(range(d)) for r in sched if (d := data.draw(st.integers(0, STEPS)))}
+        if not drafts:
+            drafts = {sched[0]: [0]}  # vLLM's rule needs one drafted request
+        budget = MAX_TOKENS // 2
+        num_tokens = {}
+        for r in sched:
+            extra = data.draw(st.sampled_from([1, 1, 1, 2, 64, 300])) if chunks else 1
+            extra = max(1, min(extra, budget // len(sched)))
+            num_tokens[r] = len(drafts.get(r, ())) + extra
+        got = fast.get_num_tokens(num_tokens, drafts)
+        got_tables = [np.array(t) for t in fast.cost_tables]
+        assert got == slow.get_num_tokens(num_tokens, drafts) and fast._batch_budget == slow._batch_budget
+        assert all(np.array_equal(a, b) for a, b in zip(got_tables, slow.cost_tables))
+        values = [int(states.num_computed_tokens_np[states.req_id_to_index[r]]) for r in sched]
+        total = tail_context_sum(sum(values), max(values), len(sched), tail)
+        assert fast_state.last_context == slow_state.last_context == ceil_mean(total, len(sched))
+        verify_sum = None
+        if chunks and len(drafts) < len(sched):
+            verify_sum = ca.chunk_verify_sum(total, num_tokens, drafts, states.req_id_to_index.__getitem__,
+                                             states.num_computed_tokens_np, MAX_REQS)
+        want = grid_3ctx.step_tables(total, len(sched), None, verify_sum)
+        assert all(np.array_equal(a, b) for a, b in zip(got_tables, want))
+    assert fast_state.active.sum() == len(states.req_id_to_index)  # the mask still follows

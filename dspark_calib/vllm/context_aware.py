@@ -41,16 +41,20 @@ _STATE = "_dspark_calib_context_aware"
 # Below this many requests a Python sum beats numpy's fixed costs (measured on CPU,
 # see benchmarks/bench_context_aware.py); above it the array path wins.
 _SMALL_BATCH = 48
-# From this many requests the occupied-slot sum (one masked reduction, ~1.6 us) beats looking
-# the ids up, when every held request is scheduled.
+# From this many requests the held-slot path (the slots of every held request but a few unscheduled
+# ones, kept between steps: _held_slots) beats looking the ids up.
 _TINY_BATCH = 8
+# Up to this many requests the held-slot path reduces in Python (tolist, sum, max: ~1.5 us at 32);
+# above it with two numpy reductions (~1 us each, whatever the size).
+_LIST_BATCH = 64
 
 
 class ContextAwareState:
     """What install() keeps on the manager: enough to run the step and to undo it."""
 
     __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context", "stacked",
-                 "generation", "keys", "slots", "slots_generation", "watched", "buffer", "active", "tail", "chunks")
+                 "generation", "keys", "slots", "slots_generation", "watched", "buffer", "active", "tail", "chunks",
+                 "active_slots", "active_generation", "missing", "missing_slots", "missing_generation", "scratch")
 
     def __init__(self, grid: ContextGrid | None, base_tables: Any, original: Callable, wrapper: Callable | None = None,
                  stacked: bool = False, tail_milli: int = 0, chunks: bool = False):
@@ -73,8 +77,17 @@ class ContextAwareState:
         self.watched: tuple = ()  # the req_states methods we wrapped (for uninstall)
         # Which slots hold a request (kept by the same wrappers): when a step schedules every
         # request req_states holds (decode at full occupancy, the common case), its context sum
-        # is one masked reduction, even if the batch changed since the last step.
+        # is a reduction over those slots, even if the batch changed since the last step.
         self.active: Any = None
+        # The occupied slots (np.flatnonzero(active)) as of generation active_generation.
+        self.active_slots: Any = None
+        self.active_generation = -1
+        # The held requests the last step with a few unscheduled ones left out (ids, any order), and
+        # the slots of the others as of generation missing_generation (_held_slots).
+        self.missing: tuple = ()
+        self.missing_slots: Any = None
+        self.missing_generation = -1
+        self.scratch: Any = None  # a mask like active, to build missing_slots in
 
 
 def batch_context_sum(req_states: Any, num_tokens_per_req: Mapping[str, int]) -> int:
@@ -115,7 +128,7 @@ def chunk_verify_sum(context_sum: int, num_tokens_per_req: Mapping[str, int], dr
 
 def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dict], int]:
     original = state.original
-    small, tiny = _SMALL_BATCH, _TINY_BATCH
+    small, tiny, listed, max_tail = _SMALL_BATCH, _TINY_BATCH, _LIST_BATCH, MAX_TAIL_MILLI
     intp, int64, add_reduce, max_reduce = np.intp, np.int64, np.add.reduce, np.maximum.reduce
 
     def get_num_tokens(num_tokens_per_req: dict[str, int], draft_tokens: dict[str, list[int]]) -> int:
@@ -124,31 +137,59 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
         if n and grid is not None:
             # batch_context_sum, inlined: this runs every step.
             req_states = manager.req_states
-            index = req_states.req_id_to_index.__getitem__
+            held = req_states.req_id_to_index
+            index = held.__getitem__
             computed = req_states.num_computed_tokens_np
             tail = state.tail
-            if n >= tiny and n == len(req_states.req_id_to_index) and state.watched \
-                    and state.watched[0][0] is req_states:  # every request it holds (watched: active kept)
-                total = int(add_reduce(computed, where=state.active, dtype=int64))
-                if tail:
-                    total = tail_context_sum(total, int(max_reduce(computed, where=state.active, initial=0)), n, tail)
-            elif n <= small:
-                if tail:
-                    values = list(map(computed.item, map(index, num_tokens_per_req)))
-                    total = tail_context_sum(sum(values), max(values), n, tail)
+            slots = None
+            if n >= tiny and 4 * (unscheduled := len(held) - n) <= n and state.watched \
+                    and state.watched[0][0] is req_states:
+                # watched: the occupied-slot mask is kept
+                if n > listed and not tail:  # a sum only: one masked reduction, over the held slots
+                    if not unscheduled:
+                        slots = state.active
+                    elif _held_slots(state, held, num_tokens_per_req, unscheduled) is not None:
+                        slots = state.scratch  # the held slots less the unscheduled ones' (as a mask)
+                    if slots is not None:
+                        total = int(add_reduce(computed, where=slots, dtype=int64))
                 else:
-                    total = sum(map(computed.item, map(index, num_tokens_per_req)))
-            else:
-                keys = tuple(num_tokens_per_req)
-                if keys == state.keys and state.slots_generation == state.generation and state.watched:
-                    slots = state.slots
+                    slots = _held_slots(state, held, num_tokens_per_req, unscheduled)
+                    if slots is not None:
+                        # The same sum and max as looking every id up (integers: any order), over the
+                        # slots of the held requests less the unscheduled ones'; every held one
+                        # scheduled: the max is clamped at 0, as the masked reduction this replaces
+                        # did (contexts are >= 0, so it never bites).
+                        if n <= listed:
+                            values = computed[slots].tolist()
+                            total = sum(values)
+                            if tail:
+                                top = max(values)
+                        else:
+                            values = computed[slots]
+                            total = int(add_reduce(values, dtype=int64))
+                            top = int(max_reduce(values))  # tail on (a sum only took the mask above)
+                        if tail:
+                            if not unscheduled and top < 0:
+                                top = 0
+                            total += (tail * (top * n - total)) // max_tail  # tail_context_sum, inlined
+            if slots is None:  # look the ids up
+                if n <= small:
+                    if tail:
+                        values = list(map(computed.item, map(index, num_tokens_per_req)))
+                        total = tail_context_sum(sum(values), max(values), n, tail)
+                    else:
+                        total = sum(map(computed.item, map(index, num_tokens_per_req)))
                 else:
-                    slots = np.fromiter(map(index, keys), dtype=intp, count=n)
-                    state.keys, state.slots, state.slots_generation = keys, slots, state.generation
-                values = computed[slots]
-                total = int(values.sum())
-                if tail:
-                    total = tail_context_sum(total, int(values.max()), n, tail)
+                    keys = tuple(num_tokens_per_req)
+                    if keys == state.keys and state.slots_generation == state.generation and state.watched:
+                        slots = state.slots
+                    else:
+                        slots = np.fromiter(map(index, keys), dtype=intp, count=n)
+                        state.keys, state.slots, state.slots_generation = keys, slots, state.generation
+                    values = computed[slots]
+                    total = int(values.sum())
+                    if tail:
+                        total = tail_context_sum(total, int(values.max()), n, tail)
             state.last_context = -(-total // n)  # ceil(mean): integers only, identical on every rank
             verify_sum = None  # the KV sum, as drafts
             if state.chunks and len(draft_tokens) < n:  # a request without drafts: maybe a prefill chunk
@@ -158,6 +199,47 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
         return original(num_tokens_per_req, draft_tokens)
 
     return get_num_tokens
+
+
+def _held_slots(state: ContextAwareState, held: Mapping[str, int], scheduled: Mapping[str, int],
+                unscheduled: int) -> Any:
+    """The slots of the scheduled requests, sorted, when they are every held request but
+    ``unscheduled`` of them (a count of held less scheduled); None when that cannot be shown (the
+    caller looks the ids up). Kept between steps: the occupied slots (state.active, kept by the
+    add/remove_request wrappers) per generation, and the unscheduled ids with the slots of the
+    rest. Reused only when exact: the unscheduled ids are all still held and none is scheduled, and
+    there are as many as held less scheduled, so the scheduled ids (held, or vLLM's own lookup
+    raises KeyError) are the rest of the held ones, whatever their order. While the slots returned
+    for unscheduled > 0 are current, state.scratch holds them as a mask."""
+    generation = state.generation
+    if not unscheduled:
+        if state.active_generation != generation:
+            state.active_slots = np.flatnonzero(state.active)
+            state.active_generation = generation
+        return state.active_slots
+    missing = state.missing
+    same = len(missing) == unscheduled
+    if same:
+        for r in missing:
+            if r in scheduled or r not in held:
+                same = False
+                break
+    if same:
+        if state.missing_generation == generation:
+            return state.missing_slots
+    else:  # other ids sit out this step: find them (one pass in C)
+        missing = tuple(held.keys() - scheduled.keys())
+        if len(missing) != unscheduled:  # a scheduled id that is not held: the lookup path
+            return None
+        state.missing = missing
+    mask = state.scratch
+    if mask is None or len(mask) != len(state.active):
+        mask = state.scratch = np.empty_like(state.active)
+    np.copyto(mask, state.active)
+    mask[[held[r] for r in missing]] = False
+    state.missing_slots = np.flatnonzero(mask)
+    state.missing_generation = generation
+    return state.missing_slots
 
 
 def install(manager: Any, grid: ContextGrid, *, tail_milli: int = 0, chunks: bool = False) -> ContextAwareState:
