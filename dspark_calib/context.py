@@ -48,8 +48,8 @@ requests: on the H200 run (2026-11-30) 32 requests at 16k verifying ~150
 tokens were predicted 45 % too slow at the mean, 4 % at S / R(N), and the
 context-aware arm picked budgets 5 % smaller and lost 9 % throughput.
 
-Mixed contexts: the tail term (``tail_context_sum``, off by default)
--------------------------------------------------------------------
+Mixed contexts: the tail term (``tail_context_sum``; the plugin's default t = 0.2)
+---------------------------------------------------------------------------------
 The profile's dummy batches give every request the same context. A serving batch
 that mixes short and long requests reads the same S but runs slower: the long
 requests' KV splits finish last. On the H200 (2026-11-30, two runs, two hosts, six
@@ -57,8 +57,9 @@ arms) a 1k/8k/16k mix ran 8-12 % slower than priced at its S (drafts up to 9 %);
 pricing it at S' = S + t (n max - S), i.e. at mean + t (max - mean), with t = 0.25
 left +0.4 ... +3.8 %, and moved uniform batches (max ~ mean) by under 1 %. t is the
 kernel's, not the table's: it is read from served steps (``validate`` fits it) and
-set by the operator (DSPARK_CALIB_CONTEXT_TAIL), in thousandths so that every rank
-computes the same integer S'.
+set by the operator (DSPARK_CALIB_CONTEXT_TAIL; 0.2 by default since it was served on the
+H200, 2026-12-01: mixed decode steps 10.0 % -> 1.4 % median error), in thousandths so
+that every rank computes the same integer S'.
 
 Prefill chunks: priced by query-context pairs (``prefill_context_sum``)
 ----------------------------------------------------------------------
