@@ -42,7 +42,7 @@ MAX_LOAD_TIMEOUT_S = 600.0  # an engine start waits on it; longer is a typo, not
 DEFAULT_OBSERVE_EVERY = 4
 # On since 2026-12-01, when served steps confirmed them (H200, one host, the same workloads with and
 # without; benchmarks/results/h200/serve_context.md): with a tail of 0.2 the mixed-context decode
-# steps' verify median error went from 10.0 % to 1.4 % (validate's fit: best 0.25, flat around it),
+# steps' verify median error went from 10.0 % to 1.4 % (validate's fit: 0.25 here, 0.15-0.25 before),
 # with chunk pricing the prefill-carrying steps' from 20.5 % to 3.6 %. Uniform batches are priced as
 # before (their max is their mean); decode-only steps never look for chunks.
 DEFAULT_CONTEXT_TAIL_MILLI = 200
