@@ -350,3 +350,29 @@ def test_context_tail_is_read_in_thousandths_and_checked():
         with pytest.raises(CalibError, match=why) as exc:
             env.context_tail_milli({env.CONTEXT_TAIL: bad})
         assert str(exc.value).startswith(env.CONTEXT_TAIL) and "\n" not in str(exc.value)
+
+
+def test_readme_env_table_lists_every_variable_with_the_default_the_parser_returns():
+    """The manual's table and env.py cannot drift: every variable has a row, and each stated
+    default is what its parser returns with the variable unset."""
+    import pathlib
+    import re
+
+    from dspark_calib.vllm import env
+
+    readme = (pathlib.Path(env.__file__).parents[2] / "README.md").read_text()
+    section = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `(DSPARK_CALIB_[A-Z0-9_]+)` \| (.+?) \|", section, re.M))
+    assert set(rows) == set(env.ALL)
+    parsed = {env.POLICY: env.policy({}), env.PROBE: env.probe_enabled({}),
+              env.CONTEXT_AWARE: env.context_aware_enabled({}), env.CONTEXT_TAIL: env.context_tail_milli({}) / 1000,
+              env.CONTEXT_CHUNKS: env.context_chunks_enabled({}), env.LOAD_TIMEOUT: env.load_timeout({}),
+              env.ALLOW_REFERENCE: env.allow_reference({}), env.OBSERVE_EVERY: env.observe_every({})}
+    for name, value in parsed.items():
+        stated = re.fullmatch(r"`([^`]+)`", rows[name].strip())
+        assert stated, (name, rows[name])
+        text = stated.group(1)
+        want = (text == "1") if isinstance(value, bool) else type(value)(text)
+        assert want == value, (name, text, value)
+    for name in set(env.ALL) - set(parsed):  # no default value: the row says unset
+        assert rows[name].strip().startswith("unset"), (name, rows[name])
