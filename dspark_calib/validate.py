@@ -142,7 +142,7 @@ class PrefillCheck:
     single: ErrorStats | None  # on the recorded ones (None: none recorded)
     kv_sum: ErrorStats | None  # context-aware, chunks priced by the KV sum (as decode requests)
     pairs: ErrorStats | None  # context-aware, chunks priced by query-context pairs
-    by_pairs: bool = False  # context-aware pricing here (the engines', or --chunks) is the pairs'
+    by_pairs: bool = False  # context-aware pricing here (the engines', or --chunks) priced recorded chunks by pairs
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "recorded": self.recorded, "by_pairs": self.by_pairs,
@@ -369,8 +369,8 @@ def _check_prefill(priced: Any, tail: int, chunks: bool, steps: np.ndarray, sing
     and by query-context pairs (context.prefill_context_sum), the tail in use under both (aware:
     the context-aware verify already priced, chunks as in use; only the other pricing is new)."""
     sel = steps & (c["prefill_tokens"] != ABSENT)
-    if not sel.any():
-        return PrefillCheck(int(steps.sum()), 0, None, None, None, chunks)
+    if not sel.any():  # no chunk recorded: whatever the setting, the KV sum is what priced them
+        return PrefillCheck(int(steps.sum()), 0, None, None, None, False)
     measured = c["forward_ms"][sel]
     in_use = ErrorStats.of(aware[sel], measured)
     other = ErrorStats.of(priced(tail, not chunks)[1][sel], measured)

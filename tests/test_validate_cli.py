@@ -104,5 +104,6 @@ def test_tail_option_and_its_bounds(shipped_observed):
 def test_chunks_option(shipped_observed):
     docs = {flag: json.loads(invoke("validate", SHIPPED, shipped_observed, "--json", *flag).stdout)["prefill"]
             for flag in ((), ("--chunks",), ("--no-chunks",))}
-    assert [d["by_pairs"] for d in docs.values()] == [True, True, False]  # no context-aware engine: the default
+    # rows without their chunks recorded: nothing can be priced by pairs, whatever the setting
+    assert [d["by_pairs"] for d in docs.values()] == [False, False, False]
     assert all(d["recorded"] == 0 and d["pairs"] is None for d in docs.values())  # rows without their chunks recorded
