@@ -454,7 +454,7 @@ def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatc
     assert rows.metadata[0]["context_tail_milli"] == 250 and recorded_tail(rows) == 250
     assert rows.metadata[0]["context_chunks"] is True and recorded_chunks(rows)
     result = validate(reference_table, rows)
-    assert result.tail_fit.tail == 0.25 and result.prefill.by_pairs
+    assert result.tail_fit.tail == 0.25 and result.prefill.steps == 0  # decode steps only: no chunk to price
     # validate prices as the engine did, to the bit: the line that says its column is what served
     assert result.engine.compared == 2 and result.engine.verify_equal == result.engine.draft_equal == 2
     other = validate(reference_table, rows, tail_milli=0)  # priced otherwise: not compared
