@@ -24,6 +24,7 @@ from dspark_calib.vllm.env import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_M
 PROG = "dspark-calib"
 EXIT_ERROR = 2  # bad input; 1 is reserved for "diff threshold exceeded"
 
+
 class _OneLineUsageErrors(typer.core.TyperGroup):
     """Usage errors (unknown option, missing argument, value out of range) as one stderr line, exit 2.
 

@@ -377,7 +377,7 @@ def config_hash(model_dir: str) -> str:
 
     path = os.path.join(model_dir, "config.json") if os.path.isdir(model_dir) else model_dir
     if not os.path.lexists(path):
-        raise CalibError("no config.json here (a local model directory is needed)", path=model_dir or "''")
+        raise CalibError("no config.json here (a local model directory is needed)", path=model_dir)
     data = read_json_file(path)  # a FIFO or device named config.json is refused, not waited on
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return "sha256:" + hashlib.sha256(canonical).hexdigest()[:16]

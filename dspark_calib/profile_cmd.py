@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any, Iterator, Sequence
 
-from dspark_calib.errors import CalibError
+from dspark_calib.errors import CalibError, display_path
 
 
 def check_ranges(*, context_len: Sequence[int], max_num_seqs: int, max_num_batched_tokens: int,
@@ -102,7 +102,6 @@ def parse_engine_args(pairs: Sequence[str], as_json: str | None) -> dict[str, An
     out: dict[str, Any] = {}
     if as_json:
         if not as_json.lstrip().startswith(("{", "[")):  # a file
-            from dspark_calib.errors import display_path
             from dspark_calib.safe_open import read_json_file
 
             data = read_json_file(as_json, f"--engine-args-json {display_path(as_json)}")

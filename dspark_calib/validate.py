@@ -256,8 +256,7 @@ def recorded_tail(observed: ObservedSteps) -> int:
 def recorded_chunks(observed: ObservedSteps) -> bool:
     """Did the context-aware engines that wrote these files price prefill chunks by their pairs?"""
     return _engine_setting(observed, "context_chunks", False, DEFAULT_CONTEXT_CHUNKS, lambda v: isinstance(v, bool),
-                           "true or false",
-                           "chunk pricing", "--chunks or --no-chunks")
+                           "true or false", "chunk pricing", "--chunks or --no-chunks")
 
 
 def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None, tail_milli: int | None = None,

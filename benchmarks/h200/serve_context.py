@@ -1052,15 +1052,15 @@ def post_process(arm: str, events: list[dict[str, Any]], obs: str, table: str | 
                  label: str | None = None, observe_every: int = 4, env: dict[str, str] | None = None) -> dict[str, Any]:
     """The arm's summary from the child's events and the observe files; writes the compacted
     observe file and the per-request file under out_dir (named by label: arm_label). env: the
-    engine child's environment as run (recorded: its DSPARK_* and VLLM_* settings)."""
+    engine child's environment as run (recorded: its DSPARK_* and VLLM_* settings; never rebuilt
+    here, which lost the arm's tail and chunks once)."""
     label = label or arm
     engine = next((e for e in events if e.get("event") == "engine"), {})
     done = [e for e in events if e.get("event") == "workload"]
     summary: dict[str, Any] = {
         "arm": label, "pricing": arm, "observe_every": observe_every, "dry_run": dry_run, "child_rc": rc,
         "child_killed": killed,
-        "env": {k: v for k, v in (arm_env(arm, table, obs, every=observe_every, base={}) if env is None else env).items()
-                if k.startswith(("DSPARK", "VLLM"))},
+        "env": {k: v for k, v in (env or {}).items() if k.startswith(("DSPARK", "VLLM"))},
         "table": _table_info(table) if table else None,
         "engine": {k: engine.get(k) for k in ("import_s", "start_s", "kv_tokens", "kv_blocks", "block_size",
                                               "speculative_config")},

@@ -128,7 +128,7 @@ def chunk_verify_sum(context_sum: int, num_tokens_per_req: Mapping[str, int], dr
 
 def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dict], int]:
     original = state.original
-    small, tiny, listed, max_tail = _SMALL_BATCH, _TINY_BATCH, _LIST_BATCH, MAX_TAIL_MILLI
+    small, tiny, listed = _SMALL_BATCH, _TINY_BATCH, _LIST_BATCH
     intp, int64, add_reduce, max_reduce = np.intp, np.int64, np.add.reduce, np.maximum.reduce
 
     def get_num_tokens(num_tokens_per_req: dict[str, int], draft_tokens: dict[str, list[int]]) -> int:
@@ -171,7 +171,7 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
                         if tail:
                             if not unscheduled and top < 0:
                                 top = 0
-                            total += (tail * (top * n - total)) // max_tail  # tail_context_sum, inlined
+                            total = tail_context_sum(total, top, n, tail)
             if slots is None:  # look the ids up
                 if n <= small:
                     if tail:
