@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HASH := $(shell sha256sum pyproject.toml | cut -c1-12)
 FULL := $(VENV)/.installed-full-$(HASH)
 CORE := $(VENV)/.installed-core-$(HASH)
-SHIPPED := profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet
+SHIPPED := profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet
 RESULTS := benchmarks/results/h200
 DEMO_OUT ?= out/demo
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from conftest import assert_command_is_light, DRAFT, MODEL, REPO, SHIPPED, build_reference_table, fixture_json, one_line_error
+from conftest import assert_command_is_light, DRAFT, MODEL, REPO, SCHEMA10, build_reference_table, fixture_json, one_line_error
 from dspark_calib.check import LOADS, MISMATCH, check_tables, describe, parse_engine_pairs
 from dspark_calib.cli import app
 from dspark_calib.fingerprint import BLOCKING, EQUAL, KEYS, LOAD_RULES, RECORDED, unchecked_keys
@@ -32,7 +32,7 @@ def invoke(*args):
 def shelf(tmp_path_factory):
     """A directory as DSPARK_CALIB_TABLE takes it: the shipped table and an H100 reference one."""
     d = tmp_path_factory.mktemp("shelf")
-    shutil.copyfile(SHIPPED, d / SHIPPED.name)
+    shutil.copyfile(SCHEMA10, d / SCHEMA10.name)
     from dspark_calib.table import write_table
 
     write_table(build_reference_table([fixture_json(8192)], gpu_name="NVIDIA H100"), d / "h100.parquet")
@@ -40,9 +40,9 @@ def shelf(tmp_path_factory):
 
 
 def test_the_shipped_table_loads_for_its_engine(shelf):
-    r = invoke("check", shelf / SHIPPED.name, *ENGINE)
+    r = invoke("check", shelf / SCHEMA10.name, *ENGINE)
     assert r.exit_code == 0, r.output
-    assert f"would load: {shelf / SHIPPED.name} (hash ad4ef3d97317)" in r.stdout
+    assert f"would load: {shelf / SCHEMA10.name} (hash ad4ef3d97317)" in r.stdout
     given = {"gpu_name", "tensor_parallel_size", "max_num_seqs", "dtype"}
     unchecked = r.stdout.split("not checked (not given): ")[1].split("\n\n")[0].replace("\n", " ")
     listed = {k.strip() for k in unchecked.split(",")}
@@ -54,7 +54,7 @@ def test_directory_reports_every_other_table_by_its_first_misfit(shelf):
     r = invoke("check", shelf, *ENGINE, "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
-    assert d["loads"] and d["chosen"]["path"].endswith(SHIPPED.name)
+    assert d["loads"] and d["chosen"]["path"].endswith(SCHEMA10.name)
     other = next(t for t in d["tables"] if t["path"].endswith("h100.parquet"))
     assert other["status"] == MISMATCH and other["reason"].startswith("backend: table 'reference'")
     # As DSPARK_CALIB_ALLOW_REFERENCE=1: the backend passes, and the GPU is what does not fit.
@@ -73,7 +73,7 @@ def test_no_fitting_table_exits_1_naming_the_key(shelf):
 
 
 def test_keys_not_given_are_not_checked_and_never_fail(shelf):
-    r = invoke("check", shelf / SHIPPED.name, "--json")
+    r = invoke("check", shelf / SCHEMA10.name, "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["engine"] == {} and d["unchecked"] == unchecked_keys({}) == [k.name for k in KEYS if k.load in LOAD_RULES]
@@ -97,14 +97,14 @@ def test_every_blocking_key_can_be_given_and_fails_when_wrong(shelf, tmp_path, k
     table_value, wrong = _values(key)
     if key.name == "quantization":
         wrong = "fp8"
-    shipped_value = getattr(read_metadata(SHIPPED).fingerprint, key.name)
+    shipped_value = getattr(read_metadata(SCHEMA10).fingerprint, key.name)
     if key.recorded(shipped_value):
-        path = shelf / SHIPPED.name
+        path = shelf / SCHEMA10.name
     else:
-        r = invoke("check", shelf / SHIPPED.name, "--engine", f"{key.name}={wrong}", "--json")
+        r = invoke("check", shelf / SCHEMA10.name, "--engine", f"{key.name}={wrong}", "--json")
         assert r.exit_code == 0, (key.name, r.output)
         assert json.loads(r.stdout)["not_recorded"] == [key.name]
-        table = read_table(SHIPPED)
+        table = read_table(SCHEMA10)
         path = write_table(dataclasses.replace(table, fingerprint=table.fingerprint.replace(**{key.name: table_value})),
                            tmp_path / "recorded.parquet")
         ok = ",".join(map(str, table_value)) if isinstance(table_value, list) else str(table_value)
@@ -117,7 +117,7 @@ def test_every_blocking_key_can_be_given_and_fails_when_wrong(shelf, tmp_path, k
 
 def test_a_recorded_only_key_that_differs_loads_and_is_named(shelf):
     key = next(k for k in KEYS if k.load == RECORDED and k.types == (str,))
-    r = invoke("check", shelf / SHIPPED.name, "--engine", f"{key.name}=nope", "--json")
+    r = invoke("check", shelf / SCHEMA10.name, "--engine", f"{key.name}=nope", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["not_load_checks"] == [key.name] and key.name not in d["unchecked"]
@@ -144,19 +144,19 @@ def test_engine_pairs():
                                             ("kv_block_size=big", "--engine kv_block_size='big': must be an integer"),
                                             ("cudagraph_capture_sizes=1,x", "must be a list of integers")])
 def test_bad_engine_pairs_are_one_line_errors(pair, fragment):
-    one_line_error(invoke("check", SHIPPED, "--engine", pair), fragment)
+    one_line_error(invoke("check", SCHEMA10, "--engine", pair), fragment)
 
 
 def test_missing_model_dir_is_one_line_error(tmp_path):
-    one_line_error(invoke("check", SHIPPED, "--model", tmp_path / "nope"), "config.json")
+    one_line_error(invoke("check", SCHEMA10, "--model", tmp_path / "nope"), "config.json")
 
 
 def test_check_imports_no_torch_or_vllm():
-    assert_command_is_light('check', str(SHIPPED), '--model', MODEL, '--gpu-name', 'NVIDIA H200')
+    assert_command_is_light('check', str(SCHEMA10), '--model', MODEL, '--gpu-name', 'NVIDIA H200')
 
 
 def test_unreadable_tables_are_reported_and_a_missing_source_is_one_line(tmp_path):
-    shutil.copyfile(SHIPPED, tmp_path / SHIPPED.name)
+    shutil.copyfile(SCHEMA10, tmp_path / SCHEMA10.name)
     (tmp_path / "broken.parquet").write_bytes(b"not parquet\n" * 20)
     r = invoke("check", tmp_path, "--gpu-name", "NVIDIA H200", "--json")
     assert r.exit_code == 0, r.output
@@ -170,7 +170,7 @@ def test_unreadable_tables_are_reported_and_a_missing_source_is_one_line(tmp_pat
                                             ("cudagraph_capture_sizes=1,-2", "not negative"),
                                             ('gpu_name="\\ud800"', "without lone surrogates")])
 def test_engine_values_that_no_engine_reports_are_one_line(pair, fragment):
-    r = invoke("check", SHIPPED, "--engine", pair)
+    r = invoke("check", SCHEMA10, "--engine", pair)
     assert r.stdout == ""  # nothing printed before the error
     one_line_error(r, "--engine", fragment)
 
@@ -179,11 +179,30 @@ def test_unrecorded_keys_are_named_for_a_table_under_a_long_path(tmp_path):
     """The loader cuts displayed paths at 160 characters; check must not reopen that display name."""
     deep = tmp_path.joinpath(*["a-rather-long-directory-name"] * 8)
     deep.mkdir(parents=True)
-    shutil.copyfile(SHIPPED, deep / SHIPPED.name)
-    assert len(str(deep / SHIPPED.name)) > 200
-    key = next(k for k in KEYS if k.load in BLOCKING and not k.recorded(getattr(read_metadata(SHIPPED).fingerprint,
+    shutil.copyfile(SCHEMA10, deep / SCHEMA10.name)
+    assert len(str(deep / SCHEMA10.name)) > 200
+    key = next(k for k in KEYS if k.load in BLOCKING and not k.recorded(getattr(read_metadata(SCHEMA10).fingerprint,
                                                                                   k.name)))
     table_value, wrong = _values(key)
-    r = invoke("check", deep / SHIPPED.name, "--engine", f"{key.name}={wrong}", "--json")
+    r = invoke("check", deep / SCHEMA10.name, "--engine", f"{key.name}={wrong}", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["not_recorded"] == [key.name]
+
+
+def test_the_shipped_directory_picks_the_table_of_the_engines_tp_with_every_key_checked():
+    """profiles/h200/ as an operator points DSPARK_CALIB_TABLE at it: a tp 1 engine gets the tp 1
+    table (schema 1.2 since 2026-12-01: no key 'not recorded', so none is waved through), a tp 2
+    engine the tp 2 one, and each names the other's tensor_parallel_size as its misfit."""
+    from conftest import SHIPPED
+
+    shelf = REPO / "profiles" / "h200"
+    for tp, want in (("1", SHIPPED.name), ("2", "__tp2__")):
+        args = list(ENGINE)
+        args[args.index("--tp") + 1] = tp
+        r = invoke("check", shelf, *args, "--json")
+        assert r.exit_code == 0, r.output
+        d = json.loads(r.stdout)
+        assert d["loads"] and want in d["chosen"]["path"] and d["not_recorded"] == []
+        other = next(t for t in d["tables"] if t["path"] != d["chosen"]["path"])
+        assert other["status"] == MISMATCH and other["reason"].startswith("tensor_parallel_size: table ")
+    assert read_metadata(SHIPPED).schema_version != "1.0"

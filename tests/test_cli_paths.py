@@ -282,7 +282,7 @@ def _sh(command: str, **env: str):
                           cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PY": sys.executable, **env})
 
 
-SHIPPED_TABLE = "profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
+SHIPPED_TABLE = "profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet"
 
 
 def test_a_fifo_or_device_given_as_json_is_refused_not_waited_on(tmp_path):
@@ -312,7 +312,9 @@ def test_a_reader_that_stops_early_is_not_an_error():
 @pytest.mark.parametrize("columns", ["0", "5", "abc", ""])
 def test_a_bad_or_tiny_columns_still_prints_whole_numbers(columns):
     r = _sh(f'"$PY" -m dspark_calib inspect {SHIPPED_TABLE}', COLUMNS=columns)
-    assert r.returncode == 0 and "content hash" in r.stdout and "…" not in r.stdout
+    assert r.returncode == 0 and "content hash" in r.stdout
+    # "… and N more like it" is inspect's own grouping of warnings, not a cut cell
+    assert all(line.lstrip().startswith("… and ") for line in r.stdout.splitlines() if "…" in line)
 
 
 @pytest.mark.parametrize("args", [("diff", SHIPPED_TABLE, SHIPPED_TABLE, "--threshold", "nan"),

@@ -27,7 +27,7 @@ from dspark_calib.fit import profile_context_len
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
 DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
-SHIPPED = os.path.join(ROOT, "profiles", "h200", "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
+SCHEMA10 = os.path.join(ROOT, "benchmarks", "results", "h200", "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
 README = os.path.join(ROOT, "README.md")
 HARDWARE = {"gpu_name": "NVIDIA H200", "gpu_compute_capability": "9.0", "gpu_memory_mib": 143771,
             "driver_version": "580.159.04", "cuda_version": "13.0", "torch_version": "2.14.0+cu130"}
@@ -241,7 +241,7 @@ def test_profile_context_len_is_vllms_clamp(ctx, max_model_len, query_len):
 def _shipped_fingerprint() -> dict:
     from dspark_calib.table import read_metadata
 
-    return dict(read_metadata(SHIPPED)["fingerprint"])
+    return dict(read_metadata(SCHEMA10)["fingerprint"])
 
 
 def test_shipped_table_keeps_loading_and_names_what_it_did_not_record(config):

@@ -172,7 +172,7 @@ def test_cost_against_context_for_tables_with_several_contexts(real):
     vLLM would build, in text and JSON; a one-context table has no such view."""
     from typer.testing import CliRunner
 
-    from conftest import SHIPPED
+    from conftest import SCHEMA10
     from dspark_calib.cli import app
     from dspark_calib.inspection import cost_by_context
 
@@ -183,9 +183,9 @@ def test_cost_against_context_for_tables_with_several_contexts(real):
     assert view.verify_ms[3][1] > 3 * view.verify_ms[3][0]  # 256 tokens: context matters
     single = build_reference_table([fixture_json(8192)])
     assert cost_by_context(single) is None and inspect_table(single).to_dict()["cost_by_context"] is None
-    r = CliRunner().invoke(app, ["inspect", str(SHIPPED)])
+    r = CliRunner().invoke(app, ["inspect", str(SCHEMA10)])
     assert "verify cost (ms) against context" in r.stdout
     row = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["256"] and "x" in line)
     assert row.split() == ["256", "16.807", "74.867", "142.393", "8.47x"]
-    d = json.loads(CliRunner().invoke(app, ["inspect", str(SHIPPED), "--json"]).stdout)
+    d = json.loads(CliRunner().invoke(app, ["inspect", str(SCHEMA10), "--json"]).stdout)
     assert d["cost_by_context"]["contexts"] == [1024, 8192, 16384] and len(d["cost_by_context"]["verify_ms"]) == 7

@@ -216,7 +216,7 @@ def test_diff_without_significance_says_so_and_needs_no_scipy(files):
 
 
 def test_inspect_ends_with_a_summary_of_the_shipped_table():
-    r = invoke("inspect", REPO / "profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
+    r = invoke("inspect", REPO / "profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet")
     assert r.exit_code == 0, r.output
     last = r.stdout.rstrip().splitlines()[-1]
     assert last.startswith("summary: ") and "warning" in last and "note" in last

@@ -20,7 +20,7 @@ import pytest
 from dspark_calib.observe import ObservedStep, ObservedWriter, read_observed
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = REPO / "profiles" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
+SCHEMA10 = REPO / "benchmarks" / "results" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +228,7 @@ def test_compaction_round_trips_through_validate(sc, tmp_path, monkeypatch):
     assert info["rows"] == len(rows) and info["files"] == -(-len(rows) // 9) and info["metadata_variants"] == 1
     back = read_observed([dst])
     assert back.metadata[0]["mode"] == "context_aware" and sorted(back["step"]) == list(range(len(rows)))
-    out = sc.run_validate(str(SHIPPED), str(dst))
+    out = sc.run_validate(str(SCHEMA10), str(dst))
     assert out["rc"] == 0 and out["doc"]["num_steps"] == len(rows)
     flat = sc.validate_by_context(out["doc"])
     assert {r["kind"] for r in flat} == {"draft", "verify"}
@@ -285,7 +285,7 @@ def test_vllm_accepts_the_engine_config(sc):
 # -- the drive loop on the fake engine, and the report ------------------------------------------------
 def test_drive_skips_what_cannot_finish_and_segments(sc, tmp_path):
     obs = tmp_path / "obs"
-    eng = sc.FakeEngine(str(obs), 1, str(SHIPPED), "aware")
+    eng = sc.FakeEngine(str(obs), 1, str(SCHEMA10), "aware")
     plan = [sc.Workload("a", (512,), 8, 16, 32), sc.Workload("big", (16384,), 32, 64),
             sc.Workload("b", (2048, 4096), 4, 8, 24)]
     events = []
@@ -475,7 +475,7 @@ def test_revalidate_adds_the_chunk_pricing_row_when_chunks_are_recorded(sc, tmp_
     _write(tmp_path / "obs", rows, per_file=1000)
     dst = str(tmp_path / "compact.parquet")
     sc.compact_observed(str(tmp_path / "obs"), dst)
-    out = sc.revalidate(str(SHIPPED), dst, ["ctx8k", "ctx16k"])
+    out = sc.revalidate(str(SCHEMA10), dst, ["ctx8k", "ctx16k"])
     # stock-mode files: context-aware pricing as the plugin's default (pairs), the KV sum beside it
     assert not [r for r in out if r["kind"] == "verify_prefill, chunks by pairs"]
     chunk = [r for r in out if r["kind"] == "verify_prefill, chunks by KV sum"]
@@ -488,7 +488,7 @@ def test_revalidate_adds_the_chunk_pricing_row_when_chunks_are_recorded(sc, tmp_
 
 def test_a_dry_run_aware_arm_records_the_tail_and_chunks_it_ran_with(sc, tmp_path):
     """The summary's env is the child's as run, not one rebuilt without the arm's options."""
-    args = ["arm", "aware", "--table", str(SHIPPED), "--out", str(tmp_path), "--work", str(tmp_path / "w"),
+    args = ["arm", "aware", "--table", str(SCHEMA10), "--out", str(tmp_path), "--work", str(tmp_path / "w"),
             "--dry-run", "--workloads", "ctx8k", "--context-tail", "0.2", "--context-chunks"]
     assert sc.main(args) == 0
     env = json.loads((tmp_path / "context-aware-tail20-chunks.json").read_text())["env"]

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from packaging.requirements import Requirement
 
-from conftest import DATA_DIR, REPO, SHIPPED, build_reference_table
+from conftest import DATA_DIR, REPO, SCHEMA10, build_reference_table
 from dspark_calib.compare import choose_contexts
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import CURVE_KINDS, Curve, CurvePair
@@ -42,7 +42,7 @@ from dspark_calib.tablefile import (
 
 RESULTS = REPO / "benchmarks" / "results" / "h200"
 BENCH_RESULTS = sorted(RESULTS.glob("h200-tp1-ctx8192-*.parquet"))  # the morning's tables (schema 1.0)
-SHIPPED_NEWER = sorted(p for p in (REPO / "profiles" / "h200").glob("*.parquet") if p != SHIPPED)
+SHIPPED_NEWER = sorted(p for p in (REPO / "profiles" / "h200").glob("*.parquet") if p != SCHEMA10)
 
 
 def forge(path, table: CostTable, **meta_changes) -> Path:
@@ -176,12 +176,12 @@ def test_metadata_is_typed(path8192, t8192):
 
 
 # -- schema 1.0 and migrations ---------------------------------------------------------------------
-@pytest.mark.parametrize("path", [SHIPPED, *BENCH_RESULTS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [SCHEMA10, *BENCH_RESULTS], ids=lambda p: p.name)
 def test_shipped_1_0_tables_read_and_verify_under_their_own_rule(path, tmp_path):
     assert read_metadata(path).schema_version == "1.0"
     full, curves = read_table(path), read_table(path, samples=False)
     assert full.content_hash == curves.content_hash == read_metadata(path).content_hash
-    if path == SHIPPED:
+    if path == SCHEMA10:
         assert full.short_hash in path.name
     again = read_table(write_table(full, tmp_path / "new.parquet"))  # rewritten as 1.1, new hash rule
     assert again.schema_version == SCHEMA_VERSION and again.samples_digest == full.samples_digest
@@ -206,12 +206,12 @@ def test_1_0_hash_leaves_out_only_optional_keys_not_recorded():
     do not count, so adding registry keys never breaks a shipped table; a value set does count."""
     from dspark_calib.fingerprint import KEYS
 
-    full = read_table(SHIPPED, samples=False)
-    stored = read_metadata(SHIPPED).raw["fingerprint"]
+    full = read_table(SCHEMA10, samples=False)
+    stored = read_metadata(SCHEMA10).raw["fingerprint"]
     absent = [k for k in KEYS if k.optional and k.name not in stored]
     assert len(absent) >= 10 and all(getattr(full.fingerprint, k.name) is None for k in absent)
     assert full.fingerprint.max_model_len == stored["max_model_len"] == 32768  # recorded by 1.0: hashed
-    assert full.content_hash == read_metadata(SHIPPED).content_hash
+    assert full.content_hash == read_metadata(SCHEMA10).content_hash
     changed = dataclasses.replace(full, fingerprint=full.fingerprint.replace(kv_block_size=16))
     assert changed.schema_version == "1.0" and changed.content_hash != full.content_hash
     moved = dataclasses.replace(full, fingerprint=full.fingerprint.replace(tensor_parallel_size=2))
@@ -399,7 +399,7 @@ def test_default_context_is_8192_when_profiled(reference_table):
 
 
 def test_to_arrow_of_a_migrated_table_is_a_valid_current_file(tmp_path):
-    old = read_table(SHIPPED)
+    old = read_table(SCHEMA10)
     back = read_table(forge(tmp_path / "f.parquet", old))
     assert back.schema_version == SCHEMA_VERSION and back.curves[8192].as_vllm() == old.curves[8192].as_vllm()
 

@@ -241,10 +241,10 @@ def test_a_1_1_file_reads_with_no_telemetry_and_its_own_hash(tmp_path, reference
 
 
 def test_a_1_0_file_reads_with_no_telemetry():
-    from test_tablefile import SHIPPED
+    from test_tablefile import SCHEMA10
 
-    t = read_table(SHIPPED)
-    assert read_metadata(SHIPPED).schema_version == "1.0" and t.telemetry is None
+    t = read_table(SCHEMA10)
+    assert read_metadata(SCHEMA10).schema_version == "1.0" and t.telemetry is None
 
 
 @pytest.mark.parametrize("bad", [[], {"blocks": "x"}, {"blocks": [{"context_len": "8192", "block": 0}]},

@@ -9,7 +9,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from conftest import assert_command_is_light, REPO, SHIPPED, one_line_error
+from conftest import assert_command_is_light, REPO, SCHEMA10, one_line_error
 from dspark_calib.cli import app
 from dspark_calib.observe import ObservedWriter
 from dspark_calib.table import read_table
@@ -28,21 +28,21 @@ def shipped_observed(tmp_path_factory):
     shipped table's own curves: 3 rolling files of 100 rows."""
     d = tmp_path_factory.mktemp("observed")
     with ObservedWriter(d, rows_per_file=100, metadata={"mode": "context_aware"}) as w:
-        for s in synthetic_steps(read_table(SHIPPED, samples=False), (1024, 4096, 16384), per_context=100):
+        for s in synthetic_steps(read_table(SCHEMA10, samples=False), (1024, 4096, 16384), per_context=100):
             w.append(s)
     assert len(os.listdir(d)) == 3
     return d
 
 
 def test_report_on_the_shipped_table(shipped_observed):
-    r = invoke("validate", SHIPPED, shipped_observed)
+    r = invoke("validate", SCHEMA10, shipped_observed)
     assert r.exit_code == 0, r.output
     assert "validate table ad4ef3d97317: 300 observed steps from 3 file(s)" in r.stdout
     assert "single-context pricing at 8192" in r.stdout and "budget would change in 100 of 300 steps" in r.stdout
 
 
 def test_json_and_context(shipped_observed):
-    d = json.loads(invoke("validate", SHIPPED, shipped_observed, "--json", "--context", "1000").stdout)
+    d = json.loads(invoke("validate", SCHEMA10, shipped_observed, "--json", "--context", "1000").stdout)
     assert d["table_hash"].startswith("ad4ef3d97317") and d["num_steps"] == 300 and d["single_context"] == 1024
     assert d["max_error"] is None and d["plot"] is None and len(d["files"]) == 3
     verify = next(g for g in d["overall"] if g["kind"] == "verify")
@@ -51,26 +51,26 @@ def test_json_and_context(shipped_observed):
 
 
 def test_max_error_sets_the_exit_code(shipped_observed):
-    r = invoke("validate", SHIPPED, shipped_observed, "--max-error", "5")
+    r = invoke("validate", SCHEMA10, shipped_observed, "--max-error", "5")
     assert r.exit_code == 0 and "max error 5%: within" in r.stdout
-    r = invoke("validate", SHIPPED, shipped_observed, "--max-error", "0.0001")
+    r = invoke("validate", SCHEMA10, shipped_observed, "--max-error", "0.0001")
     assert r.exit_code == 1 and "exceeded" in r.stdout
-    d = json.loads(invoke("validate", SHIPPED, shipped_observed, "--max-error", "0.0001", "--json").stdout)
+    d = json.loads(invoke("validate", SCHEMA10, shipped_observed, "--max-error", "0.0001", "--json").stdout)
     assert d["max_error"] == {"pct": 0.0001, "exceeded": True}
 
 
 def test_plot_follows_the_suffix_and_never_overwrites_an_input(shipped_observed, tmp_path):
     out = tmp_path / "v.svg"
-    r = invoke("validate", SHIPPED, shipped_observed, "--plot", out)
+    r = invoke("validate", SCHEMA10, shipped_observed, "--plot", out)
     assert r.exit_code == 0, r.output
     assert out.read_bytes().startswith(b"<?xml") and f"plot written to {out}" in r.stdout
-    table = tmp_path / SHIPPED.name
-    shutil.copyfile(SHIPPED, table)
+    table = tmp_path / SCHEMA10.name
+    shutil.copyfile(SCHEMA10, table)
     one_line_error(invoke("validate", table, shipped_observed, "--plot", table), "would overwrite the input")
-    assert table.read_bytes() == SHIPPED.read_bytes()
+    assert table.read_bytes() == SCHEMA10.read_bytes()
     inside = sorted(shipped_observed.iterdir())[0]  # a file the directory stands for is an input too
     before = inside.read_bytes()
-    one_line_error(invoke("validate", SHIPPED, shipped_observed, "--plot", inside), "would overwrite the input")
+    one_line_error(invoke("validate", SCHEMA10, shipped_observed, "--plot", inside), "would overwrite the input")
     assert inside.read_bytes() == before
 
 
@@ -80,29 +80,29 @@ def test_bad_inputs_are_one_line(shipped_observed, tmp_path):
     # --plot is checked before any input is read: its problem is the one reported.
     one_line_error(invoke("validate", broken, shipped_observed, "--plot", tmp_path / "x.bmp"), "unknown plot format")
     one_line_error(invoke("validate", broken, shipped_observed), str(broken))
-    one_line_error(invoke("validate", SHIPPED, tmp_path / "absent.parquet"), "absent.parquet", "no such file")
+    one_line_error(invoke("validate", SCHEMA10, tmp_path / "absent.parquet"), "absent.parquet", "no such file")
     empty = tmp_path / "empty"
     empty.mkdir()
-    one_line_error(invoke("validate", SHIPPED, empty), "no observed-*.parquet files")
-    one_line_error(invoke("validate", SHIPPED, SHIPPED), "not an observe file")
-    assert invoke("validate", SHIPPED).exit_code == 2  # OBSERVED is required
+    one_line_error(invoke("validate", SCHEMA10, empty), "no observed-*.parquet files")
+    one_line_error(invoke("validate", SCHEMA10, SCHEMA10), "not an observe file")
+    assert invoke("validate", SCHEMA10).exit_code == 2  # OBSERVED is required
 
 
 def test_validate_command_imports_no_torch_or_vllm(shipped_observed):
-    assert_command_is_light('validate', str(SHIPPED), str(shipped_observed), '--json')
-    assert_command_is_light('validate', str(SHIPPED), str(shipped_observed), '--tail', '0.2')  # the rendering too
+    assert_command_is_light('validate', str(SCHEMA10), str(shipped_observed), '--json')
+    assert_command_is_light('validate', str(SCHEMA10), str(shipped_observed), '--tail', '0.2')  # the rendering too
 
 
 def test_tail_option_and_its_bounds(shipped_observed):
-    d = json.loads(invoke("validate", SHIPPED, shipped_observed, "--json", "--tail", "0.2").stdout)
+    d = json.loads(invoke("validate", SCHEMA10, shipped_observed, "--json", "--tail", "0.2").stdout)
     assert d["tail_fit"]["tail"] == 0.2 and d["tail_fit"]["spread"] == 1.25
-    one_line_error(invoke("validate", SHIPPED, shipped_observed, "--tail", "1.5"), "validate: ", "'--tail'")
-    one_line_error(invoke("validate", SHIPPED, shipped_observed, "--tail", "nan"), "--tail nan", "between 0 and 1")
-    one_line_error(invoke("validate", SHIPPED, shipped_observed, "--tail", "0.0004"), "--tail 0.0004", "resolution")
+    one_line_error(invoke("validate", SCHEMA10, shipped_observed, "--tail", "1.5"), "validate: ", "'--tail'")
+    one_line_error(invoke("validate", SCHEMA10, shipped_observed, "--tail", "nan"), "--tail nan", "between 0 and 1")
+    one_line_error(invoke("validate", SCHEMA10, shipped_observed, "--tail", "0.0004"), "--tail 0.0004", "resolution")
 
 
 def test_chunks_option(shipped_observed):
-    docs = {flag: json.loads(invoke("validate", SHIPPED, shipped_observed, "--json", *flag).stdout)["prefill"]
+    docs = {flag: json.loads(invoke("validate", SCHEMA10, shipped_observed, "--json", *flag).stdout)["prefill"]
             for flag in ((), ("--chunks",), ("--no-chunks",))}
     # rows without their chunks recorded: nothing can be priced by pairs, whatever the setting
     assert [d["by_pairs"] for d in docs.values()] == [False, False, False]

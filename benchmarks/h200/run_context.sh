@@ -15,7 +15,7 @@
 set -euo pipefail
 T0=$(date +%s)
 NAME=h200-tp1-ctx3-serve
-SHIPPED=profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet
+SHIPPED=profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet
 HARNESS=benchmarks/h200/serve_context.py
 BUDGET_S=${CALL_BUDGET_S:-570}  # the device tool stops a command at 600 s
 PY=${PYTHON:-python3}  # report / dry-run off the host: a Python with dspark_calib's deps (e.g. .venv/bin/python)

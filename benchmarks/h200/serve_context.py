@@ -130,7 +130,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 TARGET = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
 DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
 SHIPPED_TABLE = os.path.join(ROOT, "profiles", "h200",
-                             "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
+                             "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet")
 
 K = 7
 MAX_NUM_SEQS = 256

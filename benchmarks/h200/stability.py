@@ -15,8 +15,8 @@ from dspark_calib.table import read_table
 
 here = os.path.dirname(os.path.abspath(__file__))
 res_dir = os.path.join(here, "..", "results", "h200")
-shipped = os.path.join(here, "..", "..", "profiles", "h200",
-                       "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
+# the schema-1.0 table, shipped in profiles/ until 2026-12-01
+shipped = os.path.join(res_dir, "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
 
 
 def curves_from_table(path, ctx=8192):
