@@ -67,14 +67,23 @@ S / R(N) holds for decode requests (a few queries each, memory-bound: the step r
 their KV once). A prefill chunk of q tokens at context c does q x (c + q) query-context
 pairs of attention on only c + q tokens of KV, compute-bound, and S / R(N) prices it as
 nearly free: on the H200 steps carrying an 8k chunk ran 18-31 % slower than that pricing
-said (vLLM's one 8192 curve, whose dummy batches do N x 8192 pairs, was closer). The
-dummy batch of N tokens at context L does N x L pairs, so a chunk is worth P x R(N) / N
-KV tokens: ``prefill_context_sum`` = (S - S_p) + ceil(R(N) P / N), P the chunks' pairs,
-S_p their computed tokens. A decode-only step (P = 0) is priced exactly as before. The
-engine takes N = the step's non-draft tokens (one context for every budget). Reconstructed
-from the H200 files' sums (the per-chunk columns exist from observe schema 1.1), the
-chunk steps' median error is 2.9-4.5 % at 8k, 3.7-5.0 % at 16k and in the mix, 6.8-8.9 %
-at 1k, where S / R(N) was 22-23 %, 28-34 % and 11-13 % low (three arms, two hosts).
+said. The profile's largest dummy step (N_max = max_num_batched_tokens tokens, R =
+R(N_max) requests, at context L) does N_max x L pairs while reading R x L tokens of KV,
+and a chunk's pair is priced as a pair costs there: R / N_max KV tokens (1/32 on the
+H200 engine: 256 requests, 8192 tokens), so ``prefill_context_sum`` = (S - S_p) +
+ceil(R P / N_max), P the chunks' pairs, S_p their computed tokens. A decode-only step
+(P = 0) is priced exactly as before.
+
+The first rule (CHUNK_RULE_PER_STEP, served until 2026-12-01) took the ratio at the step's
+own N, R(N) / N; it equals this one at N_max, where the 8k-chunk steps are, but a short
+chunk beside a few decodes (N ~ 700) was worth half a KV token a pair and priced up to 3.7x
+its cost (the dummy step of that size reads 256 requests' KV; the chunk reads one). On the
+H200 files of 2026-12-01 (seven arms, two hosts, 727 chunk steps, both rules re-priced
+offline) this rule gives median 2.6-4.0 % per arm against 2.7-4.4 %, p90 6.6 / 7.0 %
+against 7.4 / 7.3 % per run, and the short-chunk steps -4 to -8 % against +114 to +267 %;
+on the seven steps of 1-4k tokens it prices 10-16 % low (the first rule: -10 to +38 %).
+Files record which rule priced them (observe metadata ``context_chunk_rule``; absent: the
+first), so ``validate`` reproduces any engine.
 
 Only numpy here: ``validate`` prices observed steps with this, and it must
 not pull in torch or vllm.
@@ -170,21 +179,33 @@ def tail_context_sum(context_sum: Any, context_max: Any, num_reqs: Any, tail_mil
     return context_sum + (tail_milli * (context_max * num_reqs - context_sum)) // MAX_TAIL_MILLI
 
 
-def prefill_context_sum(context_sum: Any, chunk_context_sum: Any, chunk_pairs: Any, num_tokens: Any,
-                        max_num_reqs: int) -> Any:
+CHUNK_RULE = "largest-step"  # a pair at R(N_max) / N_max KV tokens (the module docstring)
+CHUNK_RULE_PER_STEP = "per-step"  # the first rule: R(N) / N at the step's own N (files before 2026-12-01)
+CHUNK_RULES = (CHUNK_RULE, CHUNK_RULE_PER_STEP)
+
+
+def prefill_context_sum(context_sum: Any, chunk_context_sum: Any, chunk_pairs: Any, kv_reqs: Any,
+                        kv_tokens: Any) -> Any:
     """The KV sum a step carrying prefill chunks is priced at (module docstring): the decode
-    requests' own KV plus the chunks' query-context pairs P at R(N) / N KV tokens a pair,
-    (S - S_p) + ceil(R(N) P / N). Integers only; scalars or numpy arrays alike; P = 0 returns S.
-    Not always above S: a short chunk at a long context beside a long fresh chunk (N >> R) does
-    few pairs for the KV it reads, and is priced by its pairs like the rest (the profile's dummy
-    batch reads R(N) x L tokens of KV for N x L pairs: at large N, pairs are what it times)."""
-    if isinstance(num_tokens, int):  # the engine's path, once per chunk step: plain integers
-        tokens = max(num_tokens, 1)
-        return context_sum - chunk_context_sum + -(-(min(tokens, max_num_reqs) * chunk_pairs) // tokens)
-    tokens = np.maximum(num_tokens, 1)
-    reqs = np.minimum(tokens, max_num_reqs)
-    out = context_sum - chunk_context_sum + (-(-(reqs * chunk_pairs) // tokens))
+    requests' own KV plus the chunks' query-context pairs P at kv_reqs / kv_tokens KV tokens a
+    pair, (S - S_p) + ceil(kv_reqs P / kv_tokens); chunk_kv_ratio gives the two for a rule.
+    Integers only; scalars or numpy arrays alike; P = 0 returns S."""
+    if isinstance(kv_tokens, int):  # the engine's path, once per chunk step: plain integers
+        return context_sum - chunk_context_sum + -(-(kv_reqs * chunk_pairs) // kv_tokens)
+    out = context_sum - chunk_context_sum + (-(-(kv_reqs * chunk_pairs) // kv_tokens))
     return int(out) if np.ndim(out) == 0 else out
+
+
+def chunk_kv_ratio(rule: str, profile_num_reqs: int, profile_num_tokens: int, num_tokens: Any = None) -> tuple[Any, Any]:
+    """(kv_reqs, kv_tokens) of prefill_context_sum under a chunk rule: the profile's largest step
+    (CHUNK_RULE; constants), or the step's own N (CHUNK_RULE_PER_STEP; num_tokens: the steps'
+    non-draft tokens, as the engines of that rule took them)."""
+    if rule == CHUNK_RULE:
+        return min(int(profile_num_tokens), int(profile_num_reqs)), int(profile_num_tokens)
+    if rule == CHUNK_RULE_PER_STEP:
+        tokens = np.maximum(np.asarray(num_tokens, dtype=np.int64), 1)
+        return np.minimum(tokens, int(profile_num_reqs)), tokens
+    raise CalibError(f"unknown chunk pricing rule {rule!r} (known: {', '.join(CHUNK_RULES)})")
 
 
 def blend(lower: np.ndarray, upper: np.ndarray, weight: float | np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dspark_calib.atomic import atomic_write
+from dspark_calib.context import CHUNK_RULE
 from dspark_calib.vllm.env import CONTEXT_CHUNKS, CONTEXT_TAIL, DEFAULT_CONTEXT_CHUNKS  # standard library only
 from dspark_calib.validate import (AWARE, KINDS, MIN_TAIL_STEPS, MIXED_SPREAD, PRICINGS, SINGLE, VERDICT_KINDS,
                                    GroupErrors, ValidationResult)
@@ -105,7 +106,9 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
     pre = result.prefill
     if pre.steps:
         if pre.recorded:
-            kv, pairs = ("chunks by the KV sum", pre.kv_sum), ("chunks by query-context pairs", pre.pairs)
+            by = "chunks by query-context pairs" + ("" if pre.pair_rule == CHUNK_RULE else
+                                                    f" (the {pre.pair_rule} rule of files before 2026-12-01)")
+            kv, pairs = ("chunks by the KV sum", pre.kv_sum), (by, pre.pairs)
             used, other = (pairs, kv) if pre.by_pairs else (kv, pairs)
             line = (f"prefill-carrying steps: {pre.steps} ({pre.recorded} with their chunks recorded); verify median "
                     + ", ".join(f"{label} {_pct(e.median_pct)} (bias {_signed(e.median_signed_pct)})"

@@ -53,8 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark_calib.context import (MAX_TAIL_MILLI, DEFAULT_TOLERANCE, ContextCosts, ContextGrid, prefill_context_sum,
-                                  tail_context_sum)
+from dspark_calib.context import (CHUNK_RULE, CHUNK_RULE_PER_STEP, CHUNK_RULES, MAX_TAIL_MILLI, DEFAULT_TOLERANCE,
+                                  ContextCosts, ContextGrid, chunk_kv_ratio, prefill_context_sum, tail_context_sum)
 from dspark_calib.errors import CalibError
 from dspark_calib.observe import ABSENT, ObservedSteps
 from dspark_calib.vllm.env import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI  # standard library only
@@ -143,9 +143,10 @@ class PrefillCheck:
     kv_sum: ErrorStats | None  # context-aware, chunks priced by the KV sum (as decode requests)
     pairs: ErrorStats | None  # context-aware, chunks priced by query-context pairs
     by_pairs: bool = False  # context-aware pricing here (the engines', or --chunks) priced recorded chunks by pairs
+    pair_rule: str = CHUNK_RULE  # the pair price of `pairs` (context.CHUNK_RULES)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "recorded": self.recorded, "by_pairs": self.by_pairs,
+        return {"steps": self.steps, "recorded": self.recorded, "by_pairs": self.by_pairs, "pair_rule": self.pair_rule,
                 **{k: (v.to_dict() if v is not None else None)
                    for k, v in (("single_context", self.single), ("kv_sum", self.kv_sum), ("pairs", self.pairs))}}
 
@@ -259,6 +260,24 @@ def recorded_chunks(observed: ObservedSteps) -> bool:
                            "true or false", "chunk pricing", "--chunks or --no-chunks")
 
 
+def recorded_chunk_rule(observed: ObservedSteps) -> str:
+    """The pair price (context.CHUNK_RULES) of the context-aware engines that priced chunks by
+    pairs in these files: absent from a file, the first rule (files before 2026-12-01);
+    this release's when none did."""
+    rules = set()
+    for m in observed.metadata:
+        if m.get("mode") == "context-aware" and m.get("context_chunks") is True:
+            rule = m.get("context_chunk_rule", CHUNK_RULE_PER_STEP)
+            if rule not in CHUNK_RULES:
+                raise CalibError(f"an observe file records context_chunk_rule={rule!r} (want one of "
+                                 f"{', '.join(CHUNK_RULES)})")
+            rules.add(rule)
+    if len(rules) > 1:
+        raise CalibError(f"the observe files come from engines with different chunk pricing rules "
+                         f"({', '.join(sorted(rules))}): validate them apart, or price them all with --chunks")
+    return rules.pop() if rules else CHUNK_RULE
+
+
 def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None, tail_milli: int | None = None,
              chunks: bool | None = None, grid_tolerance: float = DEFAULT_TOLERANCE, context_floor: int = 1024) -> ValidationResult:
     """Compare the table's predictions with observed steps (see the module docstring)."""
@@ -286,18 +305,22 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
         raise CalibError(f"the tail must be between 0 and 1, got {tail / MAX_TAIL_MILLI:g}")
 
     as_recorded = tail_milli is None and chunks is None
+    # explicit --chunks / --no-chunks: this release's pair price; else the files' engines'
+    rule = recorded_chunk_rule(observed) if chunks is None else CHUNK_RULE
     chunks = recorded_chunks(observed) if chunks is None else bool(chunks)
     chunked = c["prefill_pairs"] > 0  # recorded (1.1) and carrying a chunk
     non_draft = num_tokens - c["draft_budget"]
 
     def priced(t: int, by_pairs: bool = chunks) -> tuple[np.ndarray, np.ndarray]:
         """As the engine prices: drafts and verify at the KV sum raised by tail t, and with by_pairs
-        a chunk step's verify at prefill_context_sum of it (N: the non-draft tokens, as served)."""
+        a chunk step's verify at prefill_context_sum of it, at the pair price in use (rule) or,
+        as the other pricing, this release's (N: the non-draft tokens, as the first rule took)."""
         s = tail_context_sum(c["context_sum"], c["context_max"], num_reqs, t)
         v = None
         if by_pairs and chunked.any():
-            v = np.where(chunked, prefill_context_sum(s, c["prefill_context_sum"], c["prefill_pairs"], non_draft,
-                                                      costs.profile_num_reqs), s)
+            ratio = chunk_kv_ratio(rule if chunks else CHUNK_RULE, costs.profile_num_reqs,
+                                   costs.max_num_batched_tokens, non_draft)
+            v = np.where(chunked, prefill_context_sum(s, c["prefill_context_sum"], c["prefill_pairs"], *ratio), s)
         return grid.price(s, num_reqs, num_tokens, verify_sum=v)
 
     aware_draft, aware_verify = priced(tail)
@@ -334,7 +357,8 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     mixed = steps["verify"] & (c["context_max"] * num_reqs >= MIXED_SPREAD * c["context_sum"])
     now = ErrorStats.of(aware_verify[mixed], c["forward_ms"][mixed])  # the pricing above, not priced again
     tail_fit = _fit_tail(priced, tail, now, mixed, mixed & steps["draft"], c)
-    prefill = _check_prefill(priced, tail, chunks, steps["verify_prefill"], single_verify[num_tokens], aware_verify, c)
+    prefill = _check_prefill(priced, tail, chunks, steps["verify_prefill"], single_verify[num_tokens], aware_verify, c,
+                             rule if chunks else CHUNK_RULE)
 
     both = (c["budget_static"] != ABSENT) & (c["budget_context_aware"] != ABSENT)
     changed = int((c["budget_static"][both] != c["budget_context_aware"][both]).sum())
@@ -363,7 +387,7 @@ def _agreement(observed: ObservedSteps, as_recorded: bool, draft: np.ndarray, ve
 
 
 def _check_prefill(priced: Any, tail: int, chunks: bool, steps: np.ndarray, single: np.ndarray,
-                   aware: np.ndarray, c: dict) -> PrefillCheck:
+                   aware: np.ndarray, c: dict, pair_rule: str) -> PrefillCheck:
     """The prefill-carrying steps whose chunks are recorded, priced single-context, by the KV sum
     and by query-context pairs (context.prefill_context_sum), the tail in use under both (aware:
     the context-aware verify already priced, chunks as in use; only the other pricing is new)."""
@@ -375,7 +399,7 @@ def _check_prefill(priced: Any, tail: int, chunks: bool, steps: np.ndarray, sing
     other = ErrorStats.of(priced(tail, not chunks)[1][sel], measured)
     kv_sum, pairs = (other, in_use) if chunks else (in_use, other)
     return PrefillCheck(int(steps.sum()), int(sel.sum()), ErrorStats.of(single[sel], measured), kv_sum, pairs,
-                        chunks)
+                        chunks, pair_rule)
 
 
 def _fit_tail(priced: Any, tail: int, now: ErrorStats, mixed: np.ndarray, mixed_drafts: np.ndarray,

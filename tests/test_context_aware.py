@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
 
-from dspark_calib.context import ContextCosts, ContextGrid, ceil_mean, tail_context_sum, verify_context
+from dspark_calib.context import CHUNK_RULE, ContextCosts, ContextGrid, ceil_mean, tail_context_sum, verify_context
 from dspark_calib.fit import choose_draft_budget
 from dspark_calib.vllm import context_aware as ca
 
@@ -154,8 +154,9 @@ def test_tail_prices_mixed_batches_at_the_raised_sum_and_keeps_vllms_rule(grid_3
 def test_chunk_pricing_prices_verify_by_pairs_and_keeps_vllms_rule(grid_3ctx, reference_table, num_reqs, chunks,
                                                                     tail, seed):
     """With chunk pricing, a step whose requests without drafts run prefill chunks has its verify
-    priced at S_tail - S_chunks + ceil(R(M) P / M) (M: non-draft tokens, P: the chunks' q (c + q)),
-    written out here; drafts stay at the (tailed) mean; the choice is vLLM's rule on those tables."""
+    priced at S_tail - S_chunks + ceil(R P / N_max) (P: the chunks' q (c + q); R / N_max: a pair as
+    the profile's largest step prices it, context.CHUNK_RULE), written out here; drafts stay at the
+    (tailed) mean; the choice is vLLM's rule on those tables."""
     rng = np.random.default_rng(seed)
     m = make_manager(reference_table.dense_tables(8192), rng=rng)
     contexts = rng.choice([0, 900, 4000, 8000, 16500], num_reqs).astype(np.int32)
@@ -174,8 +175,9 @@ def test_chunk_pricing_prices_verify_by_pairs_and_keeps_vllms_rule(grid_3ctx, re
     c = {r: int(m.req_states.num_computed_tokens_np[slot[r]]) for r in real}
     pairs = sum(num_tokens[r] * (c[r] + num_tokens[r]) for r in real)
     non_draft = sum(num_tokens.values()) - sum(len(d) for d in draft_tokens.values())
-    r_m = min(non_draft, grid_3ctx.costs.profile_num_reqs)
-    verify_sum = s_tail - sum(c.values()) + -(-(r_m * pairs) // non_draft) if pairs else s_tail
+    n_max = grid_3ctx.costs.max_num_batched_tokens
+    r_max = min(n_max, grid_3ctx.costs.profile_num_reqs)
+    verify_sum = s_tail - sum(c.values()) + -(-(r_max * pairs) // n_max) if pairs else s_tail
     tables = tuple(np.array(a) for a in m.cost_tables)
     sizes = np.arange(non_draft, MAX_TOKENS + 1)
     draft, verify = grid_3ctx.price(np.full(len(sizes), s_tail), np.full(len(sizes), num_reqs), sizes,
@@ -603,7 +605,8 @@ def test_chunk_pricing_of_the_engine_is_what_validate_reprices(grid_3ctx, refere
     cap = capture_step(m, num_tokens, draft_tokens, priced_context=state.last_context)
     assert cap.prefill_tokens == num_tokens[ids[0]] + num_tokens[ids[1]] + 4
     d = tmp_path_factory.mktemp("agree")
-    meta = {"mode": "context-aware", "context_chunks": True, "max_num_reqs": MAX_REQS, "max_num_batched_tokens": MAX_TOKENS}
+    meta = {"mode": "context-aware", "context_chunks": True, "context_chunk_rule": CHUNK_RULE, "max_num_reqs": MAX_REQS,
+            "max_num_batched_tokens": MAX_TOKENS}
     with ObservedWriter(d, metadata=meta) as w:
         w.append(to_observed(cap, step=0, forward_ms=1.0, drafter_ms=0.5, num_target_tokens=total, full_cudagraph=True,
                              context_aware=True))
@@ -708,7 +711,7 @@ def test_held_slot_path_equals_looking_every_id_up(grid_3ctx, data, tail, chunks
         verify_sum = None
         if chunks and len(drafts) < len(sched):
             verify_sum = ca.chunk_verify_sum(total, num_tokens, drafts, states.req_id_to_index.__getitem__,
-                                             states.num_computed_tokens_np, MAX_REQS)
+                                             states.num_computed_tokens_np, min(MAX_REQS, MAX_TOKENS), MAX_TOKENS)
         want = grid_3ctx.step_tables(total, len(sched), None, verify_sum)
         assert all(np.array_equal(a, b) for a, b in zip(got_tables, want))
     assert fast_state.active.sum() == len(states.req_id_to_index)  # the mask still follows

@@ -436,7 +436,8 @@ def test_exit_flushes_buffered_rows_and_a_late_exit_hook_is_harmless(engine):
 
 def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatch, tmp_path, reference_table,
                                                                       grid_3ctx):
-    from dspark_calib.validate import recorded_chunks, recorded_tail, validate
+    from dspark_calib.context import CHUNK_RULE
+    from dspark_calib.validate import recorded_chunk_rule, recorded_chunks, recorded_tail, validate
 
     monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
     monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "1")
@@ -453,6 +454,7 @@ def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatc
     rows = read_observed([obs.directory])
     assert rows.metadata[0]["context_tail_milli"] == 250 and recorded_tail(rows) == 250
     assert rows.metadata[0]["context_chunks"] is True and recorded_chunks(rows)
+    assert rows.metadata[0]["context_chunk_rule"] == CHUNK_RULE == recorded_chunk_rule(rows)  # this engine's pair price
     result = validate(reference_table, rows)
     assert result.tail_fit.tail == 0.25 and result.prefill.steps == 0  # decode steps only: no chunk to price
     # validate prices as the engine did, to the bit: the line that says its column is what served

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from dspark_calib.context import ContextCosts, ContextGrid, verify_context
 from dspark_calib.errors import CalibError
-from dspark_calib.observe import ObservedStep, ObservedWriter, read_observed
+from dspark_calib.observe import ObservedStep, ObservedSteps, ObservedWriter, read_observed
 from dspark_calib.render_validate import plot_validation, render_validation
 from dspark_calib.validate import (AWARE, SINGLE, max_error_exceeded, pow2_bucket, recorded_chunks, recorded_tail,
                                    validate)
@@ -325,13 +325,14 @@ def test_tail_context_sum_by_hand():
     assert tail_context_sum(big * 200, big, 256, 1000)[0] == (2**31 - 1) * 256
 
 
-def chunk_steps(table, n, *, seed=7):
-    """Steps of decode requests at 8k plus one prefill chunk of q tokens at context c, measured as a
-    profile batch doing as many query-context pairs would cost: at KV sum
-    S_decode + ceil(R(M) q (c + q) / M), M the step's non-draft tokens (the engine prices every
-    budget at one context), written out here, not through context.prefill_context_sum."""
+def chunk_steps(table, n, *, seed=7, per_step=False):
+    """Steps of decode requests at 8k plus one prefill chunk of q tokens at context c, measured as
+    the profile's largest step would cost for as many query-context pairs: at KV sum
+    S_decode + ceil(R q (c + q) / N_max) (context.CHUNK_RULE); per_step: as the first rule priced,
+    ceil(R(M) q (c + q) / M), M the step's non-draft tokens. Written out here, not through
+    context.prefill_context_sum."""
     grid = ContextGrid.from_table(table)
-    reqs_profiled = grid.costs.profile_num_reqs
+    reqs_profiled, n_max = grid.costs.profile_num_reqs, grid.costs.max_num_batched_tokens
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -341,8 +342,8 @@ def chunk_steps(table, n, *, seed=7):
         ctxs = np.full(decode, 8192)
         s_decode = int(ctxs.sum())
         non_draft = decode + q  # 3 drafts verified per decode request
-        r = min(non_draft, reqs_profiled)
-        kv = s_decode + -(-(r * q * (c + q)) // non_draft)
+        r, per = (min(non_draft, reqs_profiled), non_draft) if per_step else (min(n_max, reqs_profiled), n_max)
+        kv = s_decode + -(-(r * q * (c + q)) // per)
         (_,), (v,) = grid.price([kv], [decode + 1], [tokens])
         total = s_decode + c
         out.append(ObservedStep(step=i, forward_ms=float(v), drafter_ms=1.0, num_target_tokens=tokens,
@@ -377,6 +378,8 @@ def test_prefill_chunks_priced_by_query_context_pairs(reference_table, tmp_path)
 
 
 def test_chunk_pricing_follows_the_engines_and_the_option(reference_table, tmp_path):
+    from dspark_calib.context import CHUNK_RULE
+
     rows = chunk_steps(reference_table, 30)
 
     def write(name, **meta):
@@ -389,7 +392,7 @@ def test_chunk_pricing_follows_the_engines_and_the_option(reference_table, tmp_p
         (g,) = [g for g in result.overall if g.kind == "verify_prefill"]
         return g.errors[AWARE]
 
-    by_pairs = write("pairs", mode="context-aware", context_chunks=True)
+    by_pairs = write("pairs", mode="context-aware", context_chunks=True, context_chunk_rule=CHUNK_RULE)
     r = validate(reference_table, by_pairs)
     assert r.prefill.by_pairs and aware_prefill(r).median_pct == 0.0  # priced as that engine priced
     assert aware_prefill(validate(reference_table, by_pairs, chunks=False)).median_pct > 10
@@ -409,15 +412,60 @@ def test_chunk_pricing_follows_the_engines_and_the_option(reference_table, tmp_p
     assert "context-aware chunks by query-context pairs (in use) 0.00%" in line
 
 
-def test_prefill_context_sum_by_hand():
-    from dspark_calib.context import prefill_context_sum
+def test_chunk_pair_price_follows_the_rule_the_files_record(reference_table, tmp_path):
+    """Files from before 2026-12-01 (context_chunks true, no context_chunk_rule) were priced by the
+    first rule, R(N) / N a pair: validate reproduces them as recorded, prices them by this
+    release's rule under --chunks, and refuses to pool the two rules."""
+    from dspark_calib.context import CHUNK_RULE, CHUNK_RULE_PER_STEP
 
+    def write(name, rows, **meta):
+        with ObservedWriter(tmp_path / name, metadata=meta) as w:
+            for s in rows:
+                w.append(s)
+        return read_observed([tmp_path / name])
+
+    def aware_prefill(result):
+        (g,) = [g for g in result.overall if g.kind == "verify_prefill"]
+        return g.errors[AWARE]
+
+    old = write("old", chunk_steps(reference_table, 30, per_step=True), mode="context-aware", context_chunks=True)
+    r = validate(reference_table, old)
+    assert r.prefill.pair_rule == CHUNK_RULE_PER_STEP and aware_prefill(r).median_pct == 0.0
+    now = validate(reference_table, old, chunks=True)
+    assert now.prefill.pair_rule == CHUNK_RULE and aware_prefill(now).median_pct > 1  # the rules differ
+    new = write("new", chunk_steps(reference_table, 30), mode="context-aware", context_chunks=True,
+                context_chunk_rule=CHUNK_RULE)
+    assert aware_prefill(validate(reference_table, new)).median_pct == 0.0
+    assert json.loads(json.dumps(validate(reference_table, new).to_dict()))["prefill"]["pair_rule"] == CHUNK_RULE
+    with pytest.raises(CalibError, match="different chunk pricing rules .*--chunks"):
+        validate(reference_table, read_observed([tmp_path / "old", tmp_path / "new"]))
+    assert aware_prefill(validate(reference_table, new, chunks=True)).median_pct == 0.0
+    bad = ObservedSteps(old.columns, old.files, ({**old.metadata[0], "context_chunk_rule": "nope"},))
+    with pytest.raises(CalibError, match="context_chunk_rule='nope'"):
+        validate(reference_table, bad)
+    console = Console(record=True, width=400)
+    render_validation(r, console)
+    assert "(the per-step rule of files before 2026-12-01)" in console.export_text()
+
+
+def test_prefill_context_sum_by_hand():
+    from dspark_calib.context import CHUNK_RULE, CHUNK_RULE_PER_STEP, chunk_kv_ratio, prefill_context_sum
+
+    # this release's rule: a pair at R / N_max KV tokens, whatever the step's size (256 / 8192 here)
+    assert chunk_kv_ratio(CHUNK_RULE, 256, 8192) == (256, 8192)
+    assert chunk_kv_ratio(CHUNK_RULE, 512, 256) == (256, 256)  # R(N_max) = min(N_max, max_num_seqs)
     # decode-only (no chunk): the KV sum unchanged
-    assert prefill_context_sum(5000, 0, 0, 300, 256) == 5000
-    # a 4000-token chunk at context 1000 beside 3 decode requests (S 3 x 8000 + 1000), N 4012, R 256
-    assert prefill_context_sum(25000, 1000, 4000 * 5000, 4012, 256) == 24000 + -(-256 * 20_000_000 // 4012)
-    # below R requests: R(N) = N, so the chunk's pairs count whole
-    assert prefill_context_sum(100, 0, 64 * 64, 70, 256) == 100 + 64 * 64
+    assert prefill_context_sum(5000, 0, 0, 256, 8192) == 5000
+    # a 4000-token chunk at context 1000 beside 3 decode requests (S 3 x 8000 + 1000)
+    assert prefill_context_sum(25000, 1000, 4000 * 5000, 256, 8192) == 24000 + -(-256 * 20_000_000 // 8192)
+    # a 496-token last chunk at 15888 beside 30 decodes, N 526 (the H200 step the first rule priced 3.3x)
+    first = prefill_context_sum(511608, 15888, 8_126_464, *chunk_kv_ratio(CHUNK_RULE_PER_STEP, 256, 8192, 526))
+    assert first == 495720 + -(-256 * 8_126_464 // 526) and prefill_context_sum(
+        511608, 15888, 8_126_464, 256, 8192) == 495720 + 253_952
+    # the first rule below R requests: R(N) = N, so the chunk's pairs count whole
+    assert prefill_context_sum(100, 0, 64 * 64, *chunk_kv_ratio(CHUNK_RULE_PER_STEP, 256, 8192, 70)) == 100 + 64 * 64
     got = prefill_context_sum(np.array([5000, 25000]), np.array([0, 1000]), np.array([0, 20_000_000]),
-                              np.array([300, 4012]), 256)
+                              *chunk_kv_ratio(CHUNK_RULE_PER_STEP, 256, 8192, np.array([300, 4012])))
     assert got.tolist() == [5000, 24000 + -(-256 * 20_000_000 // 4012)]
+    with pytest.raises(CalibError, match="unknown chunk pricing rule 'x'"):
+        chunk_kv_ratio("x", 256, 8192)

@@ -34,8 +34,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from dspark_calib.context import (DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, MAX_TAIL_MILLI, ContextCosts, ContextGrid,
-                                  StepBuffer, prefill_context_sum, tail_context_sum)
+from dspark_calib.context import (CHUNK_RULE, DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, MAX_TAIL_MILLI, ContextCosts,
+                                  ContextGrid, StepBuffer, chunk_kv_ratio, prefill_context_sum, tail_context_sum)
 
 _STATE = "_dspark_calib_context_aware"
 # Below this many requests a Python sum beats numpy's fixed costs (measured on CPU,
@@ -54,13 +54,15 @@ class ContextAwareState:
 
     __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context", "stacked",
                  "generation", "keys", "slots", "slots_generation", "watched", "buffer", "active", "tail", "chunks",
-                 "active_slots", "active_generation", "missing", "missing_slots", "missing_generation", "scratch")
+                 "chunk_ratio", "active_slots", "active_generation", "missing", "missing_slots", "missing_generation", "scratch")
 
     def __init__(self, grid: ContextGrid | None, base_tables: Any, original: Callable, wrapper: Callable | None = None,
                  stacked: bool = False, tail_milli: int = 0, chunks: bool = False):
         self.grid = grid  # None after an uninstall that could not unwrap (another wrapper on top)
         self.tail = int(tail_milli)  # the mixed-context tail in thousandths (0: the mean, the issue's pricing)
         self.chunks = bool(chunks)  # price prefill chunks by their query-context pairs
+        # a pair's KV tokens (context.CHUNK_RULE: the profile's largest step), constants per grid
+        self.chunk_ratio = _chunk_ratio(grid)
         self.base_tables = base_tables
         self.original = original
         self.wrapper = wrapper
@@ -102,28 +104,26 @@ def batch_context_sum(req_states: Any, num_tokens_per_req: Mapping[str, int]) ->
 
 
 def chunk_verify_sum(context_sum: int, num_tokens_per_req: Mapping[str, int], draft_tokens: Mapping[str, Any],
-                     index: Callable[[str], int], computed: np.ndarray, max_num_reqs: int) -> int | None:
-    """The verify KV sum of a step with prefill chunks (context.prefill_context_sum), None when it
-    has none. A chunk is a scheduled request with more than one non-draft token, split as vLLM's
-    get_num_tokens splits (q - len(draft_tokens.get(r, ()))), so the engine and observe's columns
-    (and validate) see the same chunks; N is the step's non-draft tokens, the part the budget cannot
-    change, so every budget is priced at one context, as on a decode step. Integers only: every
+                     index: Callable[[str], int], computed: np.ndarray, kv_reqs: int, kv_tokens: int) -> int | None:
+    """The verify KV sum of a step with prefill chunks (context.prefill_context_sum at the rule's
+    kv_reqs / kv_tokens), None when it has none. A chunk is a scheduled request with more than one
+    non-draft token, split as vLLM's get_num_tokens splits (q - len(draft_tokens.get(r, ()))), so
+    the engine and observe's columns (and validate) see the same chunks. Integers only: every
     rank agrees. The caller runs it only when some request has no drafts (vLLM 0.33 lists only
     requests with drafts in draft_tokens, and schedules drafts only for decoding requests)."""
-    chunk_sum = pairs = non_draft = 0
+    chunk_sum = pairs = 0
     drafts_of = draft_tokens.get
     for r, q in num_tokens_per_req.items():
         d = drafts_of(r)
         if d:
             q -= len(d)
-        non_draft += q
         if q > 1:
             c = computed.item(index(r))
             chunk_sum += c
             pairs += q * (c + q)
     if not pairs:
         return None
-    return prefill_context_sum(context_sum, chunk_sum, pairs, non_draft, max_num_reqs)
+    return prefill_context_sum(context_sum, chunk_sum, pairs, kv_reqs, kv_tokens)
 
 
 def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dict], int]:
@@ -194,7 +194,7 @@ def _make_wrapper(manager: Any, state: ContextAwareState) -> Callable[[dict, dic
             verify_sum = None  # the KV sum, as drafts
             if state.chunks and len(draft_tokens) < n:  # a request without drafts: maybe a prefill chunk
                 verify_sum = chunk_verify_sum(total, num_tokens_per_req, draft_tokens, index, computed,
-                                              grid.costs.profile_num_reqs)
+                                              *state.chunk_ratio)
             manager.cost_tables = grid.step_tables(total, n, state.buffer, verify_sum)
         return original(num_tokens_per_req, draft_tokens)
 
@@ -242,6 +242,12 @@ def _held_slots(state: ContextAwareState, held: Mapping[str, int], scheduled: Ma
     return state.missing_slots
 
 
+def _chunk_ratio(grid: ContextGrid | None) -> tuple[int, int]:
+    if grid is None:
+        return 1, 1
+    return chunk_kv_ratio(CHUNK_RULE, grid.costs.profile_num_reqs, grid.costs.max_num_batched_tokens)
+
+
 def install(manager: Any, grid: ContextGrid, *, tail_milli: int = 0, chunks: bool = False) -> ContextAwareState:
     """Make this manager's get_num_tokens price each step for its batch (drafts at the mean
     context, verify by the KV the step reads: ContextGrid.step_tables).
@@ -258,6 +264,7 @@ def install(manager: Any, grid: ContextGrid, *, tail_milli: int = 0, chunks: boo
     state = getattr(manager, _STATE, None)
     if state is not None:
         state.grid, state.buffer, state.tail, state.chunks = grid, StepBuffer(grid), int(tail_milli), bool(chunks)
+        state.chunk_ratio = _chunk_ratio(grid)
         return state
     own = manager.__dict__.get("get_num_tokens")
     original = own if own is not None else type(manager).get_num_tokens.__get__(manager)

@@ -166,6 +166,7 @@ class Observer:
         return len(done)
 
     def _open_writer(self) -> Any:
+        from dspark_calib.context import CHUNK_RULE
         from dspark_calib.observe import ObservedWriter
 
         p = self.pricing
@@ -173,6 +174,8 @@ class Observer:
         if p is not None:
             meta.update(mode=p.mode, static_context=p.static_context, table_hash=p.table_hash,
                         context_tail_milli=p.tail_milli, context_chunks=p.chunks)
+            if p.chunks:  # which pair price (validate reproduces the engine; absent: the first rule)
+                meta["context_chunk_rule"] = CHUNK_RULE
         self.writer = ObservedWriter(self.directory, metadata=meta, name=self.name, **self.writer_kwargs)
         return self.writer
 
