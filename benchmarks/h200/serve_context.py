@@ -1280,6 +1280,7 @@ def revalidate(table_path: str, observed_path: str, workloads: list[str]) -> lis
     code at hand, not of the commit the arm ran (the on-host numbers stay in context-ARM.json)."""
     from dspark_calib.observe import ObservedSteps, read_observed
     from dspark_calib.table import read_table
+    from dspark_calib.context import CHUNK_RULE
     from dspark_calib.validate import AWARE, SINGLE, validate
 
     obs = read_observed([observed_path])
@@ -1298,6 +1299,9 @@ def revalidate(table_path: str, observed_path: str, workloads: list[str]) -> lis
         if pre.recorded:  # observe schema >= 1.1: the chunk steps under the pricing not in use, one more row
             kinds.append(("verify_prefill, chunks by KV sum", pre.single, pre.kv_sum) if pre.by_pairs
                          else ("verify_prefill, chunks by pairs", pre.single, pre.pairs))
+            if pre.by_pairs and pre.pair_rule != CHUNK_RULE:  # served at the first pair price: this one's too
+                now = validate(table, sub, chunks=True).prefill
+                kinds.append(("verify_prefill, chunks by pairs (largest-step rule)", now.single, now.pairs))
         for kind, single, aware in kinds:
             d = {"single_context": single.to_dict(), "context_aware": aware.to_dict()}
             out.append({"workload": name, "kind": kind, "steps": aware.n,
