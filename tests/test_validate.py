@@ -377,20 +377,26 @@ def test_prefill_chunks_priced_by_query_context_pairs(reference_table, tmp_path)
     assert "their chunks are not recorded" in console.export_text()
 
 
+def write_steps(directory, rows, **meta):
+    """Observe files of these steps with this metadata, read back."""
+    with ObservedWriter(directory, metadata=meta) as w:
+        for s in rows:
+            w.append(s)
+    return read_observed([directory])
+
+
+def aware_prefill(result):
+    (g,) = [g for g in result.overall if g.kind == "verify_prefill"]
+    return g.errors[AWARE]
+
+
 def test_chunk_pricing_follows_the_engines_and_the_option(reference_table, tmp_path):
     from dspark_calib.context import CHUNK_RULE
 
     rows = chunk_steps(reference_table, 30)
 
     def write(name, **meta):
-        with ObservedWriter(tmp_path / name, metadata=meta) as w:
-            for s in rows:
-                w.append(s)
-        return read_observed([tmp_path / name])
-
-    def aware_prefill(result):
-        (g,) = [g for g in result.overall if g.kind == "verify_prefill"]
-        return g.errors[AWARE]
+        return write_steps(tmp_path / name, rows, **meta)
 
     by_pairs = write("pairs", mode="context-aware", context_chunks=True, context_chunk_rule=CHUNK_RULE)
     r = validate(reference_table, by_pairs)
@@ -419,14 +425,7 @@ def test_chunk_pair_price_follows_the_rule_the_files_record(reference_table, tmp
     from dspark_calib.context import CHUNK_RULE, CHUNK_RULE_PER_STEP
 
     def write(name, rows, **meta):
-        with ObservedWriter(tmp_path / name, metadata=meta) as w:
-            for s in rows:
-                w.append(s)
-        return read_observed([tmp_path / name])
-
-    def aware_prefill(result):
-        (g,) = [g for g in result.overall if g.kind == "verify_prefill"]
-        return g.errors[AWARE]
+        return write_steps(tmp_path / name, rows, **meta)
 
     old = write("old", chunk_steps(reference_table, 30, per_step=True), mode="context-aware", context_chunks=True)
     r = validate(reference_table, old)
