@@ -67,8 +67,9 @@ S / R(N) holds for decode requests (a few queries each, memory-bound: the step r
 their KV once). A prefill chunk of q tokens at context c does q x (c + q) query-context
 pairs of attention on only c + q tokens of KV, compute-bound, and S / R(N) prices it as
 nearly free: on the H200 steps carrying an 8k chunk ran 18-31 % slower than that pricing
-said. The profile's largest dummy step (N_max = max_num_batched_tokens tokens, R =
-R(N_max) requests, at context L) does N_max x L pairs while reading R x L tokens of KV,
+said. The profile's largest dummy step (N_max tokens: the largest verify size profiled, the
+profiling engine's max_num_batched_tokens, whatever the serving engine's; R = R(N_max)
+requests, at context L) does N_max x L pairs while reading R x L tokens of KV,
 and a chunk's pair is priced as a pair costs there: R / N_max KV tokens (1/32 on the
 H200 engine: 256 requests, 8192 tokens), so ``prefill_context_sum`` = (S - S_p) +
 ceil(R P / N_max), P the chunks' pairs, S_p their computed tokens. A decode-only step
@@ -76,12 +77,12 @@ ceil(R P / N_max), P the chunks' pairs, S_p their computed tokens. A decode-only
 
 The first rule (CHUNK_RULE_PER_STEP, served until 2026-12-01) took the ratio at the step's
 own N, R(N) / N; it equals this one at N_max, where the 8k-chunk steps are, but a short
-chunk beside a few decodes (N ~ 700) was worth half a KV token a pair and priced up to 3.7x
+chunk beside a few decodes (N ~ 500) was worth half a KV token a pair and priced up to 3.7x
 its cost (the dummy step of that size reads 256 requests' KV; the chunk reads one). On the
 H200 files of 2026-12-01 (seven arms, two hosts, 727 chunk steps, both rules re-priced
-offline) this rule gives median 2.6-4.0 % per arm against 2.7-4.4 %, p90 6.6 / 7.0 %
-against 7.4 / 7.3 % per run, and the short-chunk steps -4 to -8 % against +114 to +267 %;
-on the seven steps of 1-4k tokens it prices 10-16 % low (the first rule: -10 to +38 %).
+offline, each arm at its own tail) this rule gives median 2.6-3.9 % per arm against
+2.7-4.4 %, p90 5.8-7.2 % against 6.8-7.5 %, the steps of 512-1023 tokens -2 to -11 % against
++112 to +267 %, and prices the steps of 1-4k tokens 9-16 % low (the first rule: -10 to +55 %).
 Files record which rule priced them (observe metadata ``context_chunk_rule``; absent: the
 first), so ``validate`` reproduces any engine.
 
@@ -252,8 +253,13 @@ class ContextCosts:
                              f"{self.max_num_batched_tokens}")
         by_ctx = {int(c): p for c, p in curves.items()}
         self.tables: dict[int, Tables] = {}
+        # N_max of the chunk pair price: the largest verify size profiled (the profile's largest
+        # dummy step), never the serving engine's max_num_batched_tokens, which may be smaller
+        self.profile_num_tokens = 0
         for ctx in self.contexts:
-            draft, verify = build_cost_tables(*_vllm_curves(by_ctx[ctx]), self.max_num_reqs,
+            draft_curve, verify_curve = _vllm_curves(by_ctx[ctx])
+            self.profile_num_tokens = max(self.profile_num_tokens, *(int(n) for n, _ in verify_curve))
+            draft, verify = build_cost_tables(draft_curve, verify_curve, self.max_num_reqs,
                                               self.max_num_batched_tokens, self.cudagraph_limit)
             self.tables[ctx] = (_readonly(draft), _readonly(verify))
         # The interpolation's knots: the profiled contexts and, below the shortest, context 0 with
@@ -285,6 +291,10 @@ class ContextCosts:
         return cls(table.curves, max_num_reqs or fp.max_num_seqs, max_num_batched_tokens or fp.max_num_batched_tokens,
                    fp.cudagraph_limit if cudagraph_limit is None else cudagraph_limit,
                    profile_num_reqs=min(fp.max_num_seqs, max_num_batched_tokens or fp.max_num_batched_tokens))
+
+    def chunk_ratio(self, rule: str = CHUNK_RULE, num_tokens: Any = None) -> tuple[Any, Any]:
+        """(kv_reqs, kv_tokens) of prefill_context_sum under rule, for these curves (chunk_kv_ratio)."""
+        return chunk_kv_ratio(rule, self.profile_num_reqs, self.profile_num_tokens, num_tokens)
 
     def bracket(self, context_len: int) -> tuple[int, int, float]:
         """(lower, upper, weight) for context_len: between two knots; above the range, the longest."""

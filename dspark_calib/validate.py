@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from dspark_calib.context import (CHUNK_RULE, CHUNK_RULE_PER_STEP, CHUNK_RULES, MAX_TAIL_MILLI, DEFAULT_TOLERANCE,
-                                  ContextCosts, ContextGrid, chunk_kv_ratio, prefill_context_sum, tail_context_sum)
+                                  ContextCosts, ContextGrid, prefill_context_sum, tail_context_sum)
 from dspark_calib.errors import CalibError
 from dspark_calib.observe import ABSENT, ObservedSteps
 from dspark_calib.vllm.env import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI  # standard library only
@@ -318,8 +318,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
         s = tail_context_sum(c["context_sum"], c["context_max"], num_reqs, t)
         v = None
         if by_pairs and chunked.any():
-            ratio = chunk_kv_ratio(rule if chunks else CHUNK_RULE, costs.profile_num_reqs,
-                                   costs.max_num_batched_tokens, non_draft)
+            ratio = costs.chunk_ratio(rule if chunks else CHUNK_RULE, non_draft)
             v = np.where(chunked, prefill_context_sum(s, c["prefill_context_sum"], c["prefill_pairs"], *ratio), s)
         return grid.price(s, num_reqs, num_tokens, verify_sum=v)
 

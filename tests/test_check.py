@@ -39,7 +39,7 @@ def shelf(tmp_path_factory):
     return d
 
 
-def test_the_shipped_table_loads_for_its_engine(shelf):
+def test_the_schema_1_0_table_loads_for_its_engine(shelf):
     r = invoke("check", shelf / SCHEMA10.name, *ENGINE)
     assert r.exit_code == 0, r.output
     assert f"would load: {shelf / SCHEMA10.name} (hash ad4ef3d97317)" in r.stdout
@@ -205,4 +205,4 @@ def test_the_shipped_directory_picks_the_table_of_the_engines_tp_with_every_key_
         assert d["loads"] and want in d["chosen"]["path"] and d["not_recorded"] == []
         other = next(t for t in d["tables"] if t["path"] != d["chosen"]["path"])
         assert other["status"] == MISMATCH and other["reason"].startswith("tensor_parallel_size: table ")
-    assert read_metadata(SHIPPED).schema_version != "1.0"
+    assert read_metadata(SHIPPED).schema_version == "1.2"

@@ -334,6 +334,21 @@ def test_grid_without_broadcast_makes_no_collective(reference_table, single_rank
     assert single_rank.calls == 0 and grid.contexts == (1024, 8192, 16384)
 
 
+def test_chunk_pair_price_is_the_profiles_largest_step_not_the_serving_engines(reference_table):
+    """An engine may serve with a smaller max_num_batched_tokens than the table was profiled at
+    (the loader allows it): a pair is still priced as the profile's largest step prices it
+    (R / N_max of the curves, 256 / 8192 here), and the log line says which price is in effect."""
+    m = make_manager(reference_table.dense_tables(8192))
+    m.req_states.max_num_batched_tokens = 4096
+    line = ca.enable(m, reference_table.curves)
+    state = ca.installed_state(m)
+    assert state.grid.costs.max_num_batched_tokens == 4096  # the engine's sizes, for its tables
+    biggest = max(n for pair in reference_table.curves.values() for n, _ in pair.as_vllm()[1])
+    assert biggest == 8192 and state.chunk_ratio == (256, 8192) == state.grid.costs.chunk_ratio()
+    assert line.endswith("prefill chunks priced by the KV sum")  # enable's own default: chunks off
+    assert "a pair = 256/8192 KV tokens" in ca.enable(m, reference_table.curves, chunks=True)
+
+
 def test_enable_installs_for_several_contexts_only(reference_table, reference_table_8192):
     base = reference_table.dense_tables(8192)
     m = make_manager(base)

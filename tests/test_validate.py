@@ -332,7 +332,7 @@ def chunk_steps(table, n, *, seed=7, per_step=False):
     ceil(R(M) q (c + q) / M), M the step's non-draft tokens. Written out here, not through
     context.prefill_context_sum."""
     grid = ContextGrid.from_table(table)
-    reqs_profiled, n_max = grid.costs.profile_num_reqs, grid.costs.max_num_batched_tokens
+    reqs_profiled, n_max = grid.costs.profile_num_reqs, grid.costs.profile_num_tokens
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -445,6 +445,19 @@ def test_chunk_pair_price_follows_the_rule_the_files_record(reference_table, tmp
     console = Console(record=True, width=400)
     render_validation(r, console)
     assert "(the per-step rule of files before 2026-12-01)" in console.export_text()
+
+
+def test_chunk_pair_price_takes_n_max_from_the_table_not_the_files(reference_table, tmp_path):
+    """Files of an engine that served with max_num_batched_tokens 4096 against a table profiled to
+    8192: the engine priced a pair at 256 / 8192 (the profile's largest step), so must validate."""
+    from dspark_calib.context import CHUNK_RULE
+
+    rows = [r for r in chunk_steps(reference_table, 30) if r.num_target_tokens <= 4096]
+    assert len(rows) >= 10
+    small = write_steps(tmp_path / "small", rows, mode="context-aware", context_chunks=True,
+                        context_chunk_rule=CHUNK_RULE, max_num_batched_tokens=4096, max_num_reqs=256)
+    r = validate(reference_table, small)
+    assert aware_prefill(r).median_pct == 0.0 and aware_prefill(r).n == len(rows)
 
 
 def test_prefill_context_sum_by_hand():

@@ -34,8 +34,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from dspark_calib.context import (CHUNK_RULE, DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, MAX_TAIL_MILLI, ContextCosts,
-                                  ContextGrid, StepBuffer, chunk_kv_ratio, prefill_context_sum, tail_context_sum)
+from dspark_calib.context import (DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, MAX_TAIL_MILLI, ContextCosts, ContextGrid,
+                                  StepBuffer, prefill_context_sum, tail_context_sum)
 
 _STATE = "_dspark_calib_context_aware"
 # Below this many requests a Python sum beats numpy's fixed costs (measured on CPU,
@@ -243,9 +243,7 @@ def _held_slots(state: ContextAwareState, held: Mapping[str, int], scheduled: Ma
 
 
 def _chunk_ratio(grid: ContextGrid | None) -> tuple[int, int]:
-    if grid is None:
-        return 1, 1
-    return chunk_kv_ratio(CHUNK_RULE, grid.costs.profile_num_reqs, grid.costs.max_num_batched_tokens)
+    return (1, 1) if grid is None else grid.costs.chunk_ratio()
 
 
 def install(manager: Any, grid: ContextGrid, *, tail_milli: int = 0, chunks: bool = False) -> ContextAwareState:
@@ -392,4 +390,5 @@ def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False, 
             f"interpolation; verify priced by the KV a step reads; below {lo} costs are extrapolated linearly, "
             f"above {hi} they are {hi}'s; mixed batches priced at "
             + (f"mean + {tail_milli / MAX_TAIL_MILLI:g} x (max - mean)" if tail_milli else "their mean context")
-            + "; prefill chunks priced by " + ("their query-context pairs" if chunks else "the KV sum"))
+            + "; prefill chunks priced by " + ("their query-context pairs (a pair = {}/{} KV tokens)".format(
+                *grid.costs.chunk_ratio()) if chunks else "the KV sum"))
