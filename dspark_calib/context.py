@@ -191,9 +191,9 @@ def prefill_context_sum(context_sum: Any, chunk_context_sum: Any, chunk_pairs: A
     requests' own KV plus the chunks' query-context pairs P at kv_reqs / kv_tokens KV tokens a
     pair, (S - S_p) + ceil(kv_reqs P / kv_tokens); chunk_kv_ratio gives the two for a rule.
     Integers only; scalars or numpy arrays alike; P = 0 returns S."""
-    if isinstance(kv_tokens, int):  # the engine's path, once per chunk step: plain integers
-        return context_sum - chunk_context_sum + -(-(kv_reqs * chunk_pairs) // kv_tokens)
-    out = context_sum - chunk_context_sum + (-(-(kv_reqs * chunk_pairs) // kv_tokens))
+    out = context_sum - chunk_context_sum + -(-(kv_reqs * chunk_pairs) // kv_tokens)
+    if type(out) is int:  # the engine's plain integers (once per chunk step): no numpy call
+        return out
     return int(out) if np.ndim(out) == 0 else out
 
 

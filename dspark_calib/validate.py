@@ -305,7 +305,9 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
         raise CalibError(f"the tail must be between 0 and 1, got {tail / MAX_TAIL_MILLI:g}")
 
     as_recorded = tail_milli is None and chunks is None
-    # explicit --chunks / --no-chunks: this release's pair price; else the files' engines'
+    # The pair price of pricing by pairs, in use or as the other pricing: explicit --chunks /
+    # --no-chunks, this release's; else the files' engines' (this release's too unless some priced
+    # by pairs, and then recorded_chunks is true or refuses the mix)
     rule = recorded_chunk_rule(observed) if chunks is None else CHUNK_RULE
     chunks = recorded_chunks(observed) if chunks is None else bool(chunks)
     chunked = c["prefill_pairs"] > 0  # recorded (1.1) and carrying a chunk
@@ -313,12 +315,12 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
 
     def priced(t: int, by_pairs: bool = chunks) -> tuple[np.ndarray, np.ndarray]:
         """As the engine prices: drafts and verify at the KV sum raised by tail t, and with by_pairs
-        a chunk step's verify at prefill_context_sum of it, at the pair price in use (rule) or,
-        as the other pricing, this release's (N: the non-draft tokens, as the first rule took)."""
+        a chunk step's verify at prefill_context_sum of it, at the pair price rule (N: the
+        non-draft tokens, as the first rule took)."""
         s = tail_context_sum(c["context_sum"], c["context_max"], num_reqs, t)
         v = None
         if by_pairs and chunked.any():
-            ratio = costs.chunk_ratio(rule if chunks else CHUNK_RULE, non_draft)
+            ratio = costs.chunk_ratio(rule, non_draft)
             v = np.where(chunked, prefill_context_sum(s, c["prefill_context_sum"], c["prefill_pairs"], *ratio), s)
         return grid.price(s, num_reqs, num_tokens, verify_sum=v)
 
@@ -357,7 +359,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     now = ErrorStats.of(aware_verify[mixed], c["forward_ms"][mixed])  # the pricing above, not priced again
     tail_fit = _fit_tail(priced, tail, now, mixed, mixed & steps["draft"], c)
     prefill = _check_prefill(priced, tail, chunks, steps["verify_prefill"], single_verify[num_tokens], aware_verify, c,
-                             rule if chunks else CHUNK_RULE)
+                             rule)
 
     both = (c["budget_static"] != ABSENT) & (c["budget_context_aware"] != ABSENT)
     changed = int((c["budget_static"][both] != c["budget_context_aware"][both]).sum())

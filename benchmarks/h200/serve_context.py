@@ -1278,9 +1278,9 @@ def revalidate(table_path: str, observed_path: str, workloads: list[str]) -> lis
     """validate() of this checkout on an arm's compacted observe file, per workload (rows between
     the marker batches, as post_process segments them) and over all steps: the pricing of the
     code at hand, not of the commit the arm ran (the on-host numbers stay in context-ARM.json)."""
+    from dspark_calib.context import CHUNK_RULE
     from dspark_calib.observe import ObservedSteps, read_observed
     from dspark_calib.table import read_table
-    from dspark_calib.context import CHUNK_RULE
     from dspark_calib.validate import AWARE, SINGLE, validate
 
     obs = read_observed([observed_path])
