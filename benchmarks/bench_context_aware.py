@@ -63,11 +63,18 @@ import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av  # noqa: E402
 from conftest import build_reference_table  # noqa: E402
 from dspark_calib import __version__  # noqa: E402
 from dspark_calib.vllm import context_aware as ca  # noqa: E402
-from dspark_calib.vllm.env import tail_to_milli  # noqa: E402
+from dspark_calib.env import tail_to_milli  # noqa: E402
 from test_context_aware import MAX_REQS, STEPS, CountedStates, SingleRank, make_manager  # noqa: E402
 
 GOAL_US = 5.0
 VARIANTS = 16  # batches per size, cycled, each with its own contexts
+from dspark_calib.pricing.policy import CONTEXT_AWARE, PricingPolicy
+
+
+
+def aware(tail_milli: int = 0, chunks: bool = False) -> PricingPolicy:
+    """A context-aware pricing policy with this tail and chunk setting."""
+    return PricingPolicy(CONTEXT_AWARE, tail_milli=tail_milli, chunks=chunks)
 
 
 def _pct(values, q):
@@ -96,14 +103,14 @@ def bench_size(num_reqs, grid, tables, calls, rng, tail_milli=0, chunks=False):
         arr[slots] = rng.integers(1024, 16384) + rng.integers(-500, 500, num_reqs)
         computed.append(arr)
     plain = av.AdaptiveVerificationManager.get_num_tokens.__get__(m)
-    state = ca.install(m, grid, tail_milli=tail_milli, chunks=chunks)
+    state = ca.install(m, grid, aware(tail_milli, chunks))
     wrapped = m.get_num_tokens
     clock = time.perf_counter_ns
     out = {"added": [], "added_context_jump": [], "added_batch_changed": [], "added_not_all_scheduled": [],
            "added_chunk_step": [], "plain": [], "wrapped": []}
     steady = computed[0].copy()
     # The same wrapper code around a no-op instead of vLLM's method: the mode's own work.
-    bare_state = ca.ContextAwareState(grid, tables, lambda a, b: 0, tail_milli=tail_milli, chunks=chunks)
+    bare_state = ca.ContextAwareState(grid, tables, lambda a, b: 0, policy=aware(tail_milli, chunks))
     bare_state.watched = state.watched  # slot changes are counted (install wrapped req_states)
     bare_state.active = state.active  # and the occupied slots kept
     bare = ca._make_wrapper(m, bare_state)

@@ -48,9 +48,9 @@ from vllm.distributed import parallel_state  # noqa: E402
 
 from bench_context_aware import default_name, machine  # noqa: E402
 from conftest import build_reference_table  # noqa: E402
-from dspark_calib.observe import ObservedWriter  # noqa: E402
+from dspark_calib.observe.file import ObservedWriter  # noqa: E402
 from dspark_calib.vllm import context_aware as ca  # noqa: E402
-from dspark_calib.vllm import observe_mode as om  # noqa: E402
+from dspark_calib.vllm import observer as om  # noqa: E402
 from test_context_aware import SingleRank, make_manager, schedule  # noqa: E402
 from test_observe_mode import Clock, FakeRunner  # noqa: E402
 from test_observe import step as observed_row  # noqa: E402

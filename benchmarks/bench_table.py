@@ -37,8 +37,9 @@ sys.path.insert(0, str(HERE.parent))
 from dspark_calib import __version__  # noqa: E402
 from dspark_calib.fingerprint import BACKEND_REFERENCE, Fingerprint  # noqa: E402
 from dspark_calib.samples import Sample  # noqa: E402
-from dspark_calib.table import CostTable  # noqa: E402
-from dspark_calib.tablefile import SERVE_LIMITS, read_table, write_table  # noqa: E402
+from dspark_calib.table.model import CostTable  # noqa: E402
+from dspark_calib.table.meta import SERVE_LIMITS  # noqa: E402
+from dspark_calib.table.file import read_table, write_table
 
 MAX_TOKENS = 8192
 MAX_SEQS = 256
@@ -163,7 +164,7 @@ def main() -> int:
         inspects_json = time_subprocess([*cli, "inspect", "--json", path], args.inspects)
         # Where inspect's time goes: interpreter start, then the imports a load needs.
         python_start = time_subprocess([sys.executable, "-c", "pass"], args.inspects)
-        import_table = time_subprocess([sys.executable, "-c", "import dspark_calib.table"], args.inspects)
+        import_table = time_subprocess([sys.executable, "-c", "import dspark_calib.table.file"], args.inspects)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -204,7 +205,7 @@ def main() -> int:
         ("  of which read+analyse+render", work, None),
         ("dspark-calib inspect --json", inspects_json, None),
         ("  python -c pass", python_start, None),
-        ("  python -c 'import dspark_calib.table'", import_table, None),
+        ("  python -c 'import dspark_calib.table.file'", import_table, None),
     ]
     print(f"{'':<40} {'median':>9} {'min':>9}   (n)")
     for name, values, goal in rows:

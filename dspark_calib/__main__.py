@@ -1,3 +1,3 @@
-from dspark_calib.cli import main
+from dspark_calib.cli.app import main
 
 main()

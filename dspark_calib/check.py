@@ -147,7 +147,7 @@ class CheckResult:
 
 def check_tables(source: str, engine: dict[str, Any], *, allow_reference: bool = False,
                  context_len: int | None = None) -> CheckResult:
-    from dspark_calib.vllm.loader import decide
+    from dspark_calib.selection import decide
 
     if "://" not in source and not os.path.lexists(source):  # a typo is the user's error, not "no table"
         raise CalibError("no such file or directory", path=source)

@@ -15,8 +15,8 @@ import numpy as np
 
 from dspark_calib.fingerprint import changed_keys
 from dspark_calib.fit import CURVE_KINDS, Curve
-from dspark_calib.inspection import CONFIDENCE_GRID, DEFAULT_CONTEXT, DecisionMap, num_reqs_grid, table_decision_map
-from dspark_calib.table import CostTable, nearest
+from dspark_calib.inspection import CONFIDENCE_GRID, DecisionMap, num_reqs_grid, table_decision_map
+from dspark_calib.table.model import DEFAULT_CONTEXT, CostTable, nearest
 from dspark_calib.telemetry import TelemetrySummary
 
 ALPHA = 0.01  # significance level for "significant" changes

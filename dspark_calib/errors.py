@@ -48,3 +48,8 @@ def escape(text: object, limit: int = 80) -> str:
             break
     shown = "".join(out)
     return shown[:limit] + "..." if len(shown) > limit else shown
+
+
+def exception_line(exc: BaseException, limit: int = 200) -> str:
+    """'Type: first line' of an exception: what a log line says of a failure it survived."""
+    return f"{type(exc).__name__}: {first_line(exc, limit) if str(exc).strip() else ''}"

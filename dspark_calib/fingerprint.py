@@ -1,17 +1,19 @@
 """What a table was profiled on, and which parts of that must agree: the key registry.
 
 Every fingerprint key has one home, ``KEYS`` below (pyperf's ``_metadata.py`` is
-the model): its type, how it is read from a running vLLM engine, how it is
-compared when a table is loaded (``EQUAL``, ``COVERS``, ``RECORDED``), whether it
-must agree before two runs are merged, how ``inspect``/``diff``/the README show
-it, and why. Adding a key touches this module (the entry and the Fingerprint
-field) and its tests, nothing else.
+the model): its type, how it is compared when a table is loaded (``EQUAL``,
+``COVERS``, ``RECORDED``), whether it must agree before two runs are merged, how
+``inspect``/``diff``/the docs show it, and why. How each key is read from a
+running engine is apart, in ``vllm/engine_info.READERS`` (pyperf's
+``_collect_metadata.py``): every key with a load rule has a reader there. Adding
+a key touches this module (the entry and the Fingerprint field), its reader and
+its tests, nothing else.
 
 Tables older than a key lack it: a key a table did not record (None, or "" for
 strings) is not compared; the loader names it "not recorded" at WARNING and goes
 on, so the shipped 1.0 tables keep loading under ``fallback``.
 
-Nothing here imports torch or vllm: readers only walk the objects they are given.
+Nothing here imports torch or vllm.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from dspark_calib import engine_readers as R
-from dspark_calib.engine_readers import EngineView
 from dspark_calib.errors import CalibError
 
 BACKEND_VLLM = "vllm"
@@ -170,7 +170,6 @@ class Key:
     merge: bool  # must agree before two tables' samples are pooled
     label: str  # how inspect, diff and the README name it
     why: str  # one line: why this rule
-    read: Callable[[EngineView], Any] | None = None  # from a running engine; None: not read there
     format: Callable[[Any], str] = format_value
     optional: bool = False  # added after format 1.0: older tables lack it
     none_is_value: bool = False  # None is a real value (quantization: none), not "not recorded"
@@ -192,80 +191,61 @@ _STR, _INT, _INTS = (str,), (int,), (tuple,)
 KEYS: tuple[Key, ...] = (
     Key("backend", _STR, None, True, "backend", "who measured it: 'vllm' loads; 'reference' (imported) only "
         "with DSPARK_CALIB_ALLOW_REFERENCE=1 (the loader's own rule)", rule_text="vllm, or reference if allowed"),
-    Key("gpu_name", _STR, EQUAL, True, "GPU", "a different GPU model has different kernels and bandwidth",
-        R.hw("gpu_name")),
+    Key("gpu_name", _STR, EQUAL, True, "GPU", "a different GPU model has different kernels and bandwidth"),
     Key("gpu_count", _INT, None, True, "GPU count", "tp x pp; those two are checked"),
     Key("gpu_compute_capability", _STR, RECORDED, True, "compute capability",
-        "implied by the GPU name, which is checked", R.hw("gpu_compute_capability")),
+        "implied by the GPU name, which is checked"),
     Key("gpu_memory_mib", _INT, EQUAL, True, "GPU memory", "same name, other memory: another board variant "
-        "or a MIG slice, with other bandwidth or SM count", R.hw("gpu_memory_mib"), format_mib, optional=True),
+        "or a MIG slice, with other bandwidth or SM count", format=format_mib, optional=True),
     Key("driver_version", _STR, RECORDED, True, "driver", "kernels come from torch/vLLM builds, not the driver; "
-        "a routine driver update must not void every table (logged if different)", R.hw("driver_version")),
+        "a routine driver update must not void every table (logged if different)"),
     Key("cuda_version", _STR, EQUAL, True, "CUDA (torch build)", "the CUDA build selects cuBLAS/NCCL kernels; "
-        "vLLM ships wheels for several", R.hw("cuda_version")),
+        "vLLM ships wheels for several"),
     Key("torch_version", _STR, EQUAL, True, "torch", "compiled graphs and GEMM kernels come from torch; "
-        "vLLM pins one, so another means a custom build", R.hw("torch_version")),
-    Key("vllm_version", _STR, EQUAL, True, "vLLM", "model code, kernels and the profile rule are vLLM's",
-        R.vllm_version),
+        "vLLM pins one, so another means a custom build"),
+    Key("vllm_version", _STR, EQUAL, True, "vLLM", "model code, kernels and the profile rule are vLLM's"),
     Key("target_model", _STR, None, True, "target", "a name for people; the config hash is checked"),
-    Key("target_config_hash", _STR, EQUAL, True, "target config.json", "the model's shapes",
-        R.config_hash_of("target")),
+    Key("target_config_hash", _STR, EQUAL, True, "target config.json", "the model's shapes"),
     Key("model_revision", _STR, RECORDED, True, "target revision", "config.json (hashed, checked) fixes the "
-        "shapes; a revision that changes only weights does not change step cost",
-        lambda e: e.vllm_config.model_config.revision, optional=True),
+        "shapes; a revision that changes only weights does not change step cost", optional=True),
     Key("hf_overrides", _STR, EQUAL, True, "hf_overrides", "overrides change the config after config.json "
-        "was read (layers, heads), so the hash alone would miss them", R.hf_overrides, optional=True),
+        "was read (layers, heads), so the hash alone would miss them", optional=True),
     Key("model_impl", _STR, EQUAL, True, "model implementation", "vllm and transformers implementations run "
-        "different kernels", lambda e: R.enum_value(e.vllm_config.model_config.model_impl), optional=True),
+        "different kernels", optional=True),
     Key("draft_model", _STR, None, True, "draft", "a name for people; the config hash is checked"),
-    Key("draft_config_hash", _STR, EQUAL, True, "draft config.json", "the drafter's shapes and block size",
-        R.config_hash_of("draft")),
-    Key("draft_revision", _STR, RECORDED, True, "draft revision", "as the target revision",
-        lambda e: e.vllm_config.speculative_config.revision, optional=True),
-    Key("tensor_parallel_size", _INT, EQUAL, True, "tensor parallel", "shard sizes and all-reduces per step",
-        lambda e: int(e.vllm_config.parallel_config.tensor_parallel_size)),
-    Key("pipeline_parallel_size", _INT, EQUAL, True, "pipeline parallel", "layers per stage and transfers",
-        lambda e: int(e.vllm_config.parallel_config.pipeline_parallel_size)),
+    Key("draft_config_hash", _STR, EQUAL, True, "draft config.json", "the drafter's shapes and block size"),
+    Key("draft_revision", _STR, RECORDED, True, "draft revision", "as the target revision", optional=True),
+    Key("tensor_parallel_size", _INT, EQUAL, True, "tensor parallel", "shard sizes and all-reduces per step"),
+    Key("pipeline_parallel_size", _INT, EQUAL, True, "pipeline parallel", "layers per stage and transfers"),
     Key("data_parallel_size", _INT, EQUAL, True, "data parallel", "every step syncs the replicas "
-        "(dispatch_cg_and_sync_dp)", lambda e: int(e.vllm_config.parallel_config.data_parallel_size),
+        "(dispatch_cg_and_sync_dp)",
         optional=True),
     Key("expert_parallel_size", _INT, EQUAL, True, "expert parallel", "MoE experts per rank and all-to-all "
-        "traffic (1 when off)", R.expert_parallel_size, optional=True),
+        "traffic (1 when off)", optional=True),
     Key("decode_context_parallel_size", _INT, EQUAL, True, "decode context parallel", "KV split across ranks "
-        "changes attention work and adds collectives",
-        lambda e: int(e.vllm_config.parallel_config.decode_context_parallel_size), optional=True),
-    Key("dtype", _STR, EQUAL, True, "dtype", "GEMM kernels and bytes moved",
-        lambda e: str(e.vllm_config.model_config.dtype).removeprefix("torch.")),
-    Key("kv_cache_dtype", _STR, EQUAL, True, "KV cache dtype", "attention reads and kernels",
-        lambda e: str(e.vllm_config.cache_config.cache_dtype)),
-    Key("kv_block_size", _INT, EQUAL, True, "KV block size", "attention kernels tile and gather by block",
-        lambda e: int(e.vllm_config.cache_config.block_size), optional=True),
-    Key("quantization", _STR, EQUAL, True, "quantization", "other weight formats, other kernels",
-        lambda e: e.vllm_config.model_config.quantization, none_is_value=True),
+        "changes attention work and adds collectives", optional=True),
+    Key("dtype", _STR, EQUAL, True, "dtype", "GEMM kernels and bytes moved"),
+    Key("kv_cache_dtype", _STR, EQUAL, True, "KV cache dtype", "attention reads and kernels"),
+    Key("kv_block_size", _INT, EQUAL, True, "KV block size", "attention kernels tile and gather by block", optional=True),
+    Key("quantization", _STR, EQUAL, True, "quantization", "other weight formats, other kernels", none_is_value=True),
     Key("attention_backend", _STR, EQUAL, True, "attention backend", "the kernel every layer runs; read "
-        "from what vLLM resolved per layer", lambda e: R.attention_backends(e, draft=False), optional=True),
+        "from what vLLM resolved per layer", optional=True),
     Key("draft_attention_backend", _STR, EQUAL, True, "draft attention backend", "the drafter may resolve "
-        "another backend than the target", lambda e: R.attention_backends(e, draft=True), optional=True),
-    Key("num_speculative_tokens", _INT, EQUAL, True, "speculative tokens", "drafter steps and verify width",
-        R.num_spec_tokens),
+        "another backend than the target", optional=True),
+    Key("num_speculative_tokens", _INT, EQUAL, True, "speculative tokens", "drafter steps and verify width"),
     Key("max_num_seqs", _INT, EQUAL, True, "max_num_seqs", "dummy runs use min(tokens, max_num_seqs) "
-        "requests, so verify points above it depend on it", R.manager_or("max_num_reqs",
-                                                                          ("scheduler_config", "max_num_seqs"))),
+        "requests, so verify points above it depend on it"),
     Key("max_num_batched_tokens", _INT, COVERS, True, "max_num_batched_tokens", "the table must price every "
-        "batch the engine can schedule", R.manager_or("max_num_batched_tokens",
-                                                     ("scheduler_config", "max_num_batched_tokens"))),
+        "batch the engine can schedule"),
     Key("max_model_len", _INT, EQUAL, True, "max_model_len", "caps the profiled context (max_model_len - "
-        "query_len) and sizes the block tables every step copies",
-        lambda e: int(e.vllm_config.model_config.max_model_len), optional=True),
+        "query_len) and sizes the block tables every step copies", optional=True),
     Key("cudagraph_capture_sizes", _INTS, EQUAL, True, "CUDA-graph sizes", "steps pad to the next captured "
-        "size: the cost curve's steps are these sizes", R.capture_sizes),
+        "size: the cost curve's steps are these sizes"),
     Key("cudagraph_limit", _INT, None, True, "capture limit", "the largest captured size; follows from the sizes"),
     Key("cudagraph_mode", _STR, EQUAL, True, "CUDA-graph mode", "full vs piecewise graphs change launch "
-        "overhead per step; read after vLLM resolved it",
-        lambda e: e.vllm_config.compilation_config.cudagraph_mode.name, optional=True),
+        "overhead per step; read after vLLM resolved it", optional=True),
     Key("compilation_hash", _STR, EQUAL, True, "compilation config", "vLLM's CompilationConfig.compute_hash(): "
-        "fusion passes, custom ops, inductor settings that change kernels",
-        lambda e: "sha256:" + e.vllm_config.compilation_config.compute_hash()[:16], optional=True),
+        "fusion passes, custom ops, inductor settings that change kernels", optional=True),
     Key("context_lens", _INTS, None, False, "context lengths", "what this run profiled; the loader picks the "
         "curve nearest the context vLLM would profile"),
     Key("replays", _INT, None, False, "replays", "how many samples per point (merge adds them up)"),
@@ -273,11 +253,8 @@ KEYS: tuple[Key, ...] = (
 )
 KEY = {k.name: k for k in KEYS}
 
-# Derived views, for code written against the older names.
-LOAD_CHECKS: tuple[tuple[str, str], ...] = tuple((k.name, k.load) for k in KEYS if k.load in BLOCKING)
-RUN_KEYS = tuple(k.name for k in KEYS if not k.merge) + ("extra",)
 MERGE_KEYS = tuple(k.name for k in KEYS if k.merge)
-ENGINE_KEYS = tuple(k.name for k in KEYS if k.read is not None)
+ENGINE_KEYS = tuple(k.name for k in KEYS if k.load is not None)  # what a running engine reports
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,13 @@ import numpy as np
 
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, decision_map
 from dspark_calib.stability import LevelShift, table_flags
-from dspark_calib.table import DEFAULT_CONTEXT, CostTable
+from dspark_calib.table.model import CostTable
 from dspark_calib.telemetry import Telemetry
 
 # A median from fewer samples than this is one outlier away from a wrong cost.
 MIN_SAMPLES = 3
 # IQR / median above this: the GPU was not quiet, the median may not be typical.
 MAX_REL_SPREAD = 0.10
-# DEFAULT_CONTEXT (re-exported for compare): the one default-context rule is CostTable.default_context()
 NUM_REQS_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONFIDENCE_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 

@@ -20,7 +20,7 @@ from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fingerprint import BACKEND_REFERENCE, Fingerprint, config_hash
 from dspark_calib.safe_open import open_local
 from dspark_calib.samples import VLLM_SAMPLE_FIELDS, Sample
-from dspark_calib.table import CostTable
+from dspark_calib.table.model import CostTable
 
 
 # How torch.cuda.get_device_name() names a GPU ("NVIDIA H200", "AMD Instinct MI300X") and

@@ -53,11 +53,14 @@ from typing import Any
 
 import numpy as np
 
-from dspark_calib.context import (CHUNK_RULE, CHUNK_RULE_PER_STEP, CHUNK_RULES, MAX_TAIL_MILLI, DEFAULT_TOLERANCE,
-                                  ContextCosts, ContextGrid, prefill_context_sum, tail_context_sum)
+from dspark_calib.pricing.policy import (CHUNK_RULE, CONTEXT_AWARE, DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI,
+                                         MAX_TAIL_MILLI)
+from dspark_calib.pricing.grid import DEFAULT_TOLERANCE, ContextGrid
+from dspark_calib.pricing.costs import ContextCosts
+from dspark_calib.pricing.rules import prefill_context_sum, tail_context_sum
 from dspark_calib.errors import CalibError
-from dspark_calib.observe import ABSENT, ObservedSteps
-from dspark_calib.vllm.env import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI  # standard library only
+from dspark_calib.observe.step import ABSENT
+from dspark_calib.observe.file import ObservedSteps
 
 SINGLE, AWARE = "single_context", "context_aware"
 PRICINGS = (SINGLE, AWARE)
@@ -217,28 +220,22 @@ def bucket_label(lo: int, floor: int) -> str:
 
 
 def _recorded(observed: ObservedSteps, key: str, default: int) -> int:
-    values = {m.get(key) for m in observed.metadata}
+    values = {getattr(m, key) for m in observed.metadata}
     if len(values) == 1:
         (value,) = values
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if value is not None:
             return value
     return int(default)
 
 
-def _engine_setting(observed: ObservedSteps, key: str, unrecorded: Any, default: Any, valid: Any, want: str,
-                    what: str, option: str, show: Any = str) -> Any:
-    """What the context-aware engines that wrote these files priced with: unrecorded for one whose
-    file predates the key (what such engines did), default (this release's engine default) when
-    none was context-aware. Engines that disagree are an error: the files must be validated apart,
-    or with the option that sets it."""
-    values = set()
-    for m in observed.metadata:
-        if m.get("mode") != "context-aware":
-            continue  # a stock or one-context engine prices neither tail nor chunks
-        value = m.get(key, unrecorded)
-        if not valid(value):
-            raise CalibError(f"an observe file records {key}={value!r} (want {want})")
-        values.add(value)
+def _recorded_setting(observed: ObservedSteps, field: str, default: Any, what: str, option: str,
+                      show: Any = str, among: Any = None) -> Any:
+    """One setting of the pricing policy the context-aware engines that wrote these files priced with
+    (PricingPolicy.from_metadata: a file that predates the key reads as what such engines did);
+    default (this release's engine default) when none was context-aware. Engines that disagree are
+    an error: the files must be validated apart, or with the option that sets it."""
+    policies = [m.policy() for m in observed.metadata if m.mode == CONTEXT_AWARE]
+    values = {getattr(p, field) for p in policies if among is None or among(p)}
     if len(values) > 1:
         shown = ", ".join(show(v) for v in sorted(values))
         raise CalibError(f"the observe files come from engines with different {what} ({shown}): validate them "
@@ -248,34 +245,20 @@ def _engine_setting(observed: ObservedSteps, key: str, unrecorded: Any, default:
 
 def recorded_tail(observed: ObservedSteps) -> int:
     """The tail (thousandths) the context-aware engines that wrote these files priced with."""
-    return _engine_setting(
-        observed, "context_tail_milli", 0, DEFAULT_CONTEXT_TAIL_MILLI,
-        lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TAIL_MILLI,
-        f"0..{MAX_TAIL_MILLI}", "tails", "--tail", lambda v: f"{v / MAX_TAIL_MILLI:g}")
+    return _recorded_setting(observed, "tail_milli", DEFAULT_CONTEXT_TAIL_MILLI, "tails", "--tail",
+                             lambda v: f"{v / MAX_TAIL_MILLI:g}")
 
 
 def recorded_chunks(observed: ObservedSteps) -> bool:
     """Did the context-aware engines that wrote these files price prefill chunks by their pairs?"""
-    return _engine_setting(observed, "context_chunks", False, DEFAULT_CONTEXT_CHUNKS, lambda v: isinstance(v, bool),
-                           "true or false", "chunk pricing", "--chunks or --no-chunks")
+    return _recorded_setting(observed, "chunks", DEFAULT_CONTEXT_CHUNKS, "chunk pricing", "--chunks or --no-chunks")
 
 
 def recorded_chunk_rule(observed: ObservedSteps) -> str:
-    """The pair price (context.CHUNK_RULES) of the context-aware engines that priced chunks by
-    pairs in these files: absent from a file, the first rule (files before 2026-12-01);
-    this release's when none did."""
-    rules = set()
-    for m in observed.metadata:
-        if m.get("mode") == "context-aware" and m.get("context_chunks") is True:
-            rule = m.get("context_chunk_rule", CHUNK_RULE_PER_STEP)
-            if rule not in CHUNK_RULES:
-                raise CalibError(f"an observe file records context_chunk_rule={rule!r} (want one of "
-                                 f"{', '.join(CHUNK_RULES)})")
-            rules.add(rule)
-    if len(rules) > 1:
-        raise CalibError(f"the observe files come from engines with different chunk pricing rules "
-                         f"({', '.join(sorted(rules))}): validate them apart, or price them all with --chunks")
-    return rules.pop() if rules else CHUNK_RULE
+    """The pair price (policy.CHUNK_RULES) of the context-aware engines that priced chunks by
+    pairs in these files; this release's when none did."""
+    return _recorded_setting(observed, "chunk_rule", CHUNK_RULE, "chunk pricing rules", "--chunks",
+                             among=lambda p: p.chunks)
 
 
 def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None, tail_milli: int | None = None,
@@ -378,7 +361,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
 
 def _agreement(observed: ObservedSteps, as_recorded: bool, draft: np.ndarray, verify: np.ndarray) -> EngineAgreement:
     c = observed.columns
-    if not as_recorded or any(m.get("mode") != "context-aware" for m in observed.metadata):
+    if not as_recorded or any(m.mode != CONTEXT_AWARE for m in observed.metadata):
         return EngineAgreement(0, 0, 0)
 
     def equal(a: np.ndarray, b: np.ndarray) -> int:

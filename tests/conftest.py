@@ -56,7 +56,7 @@ def reference_table_8192():
 @pytest.fixture
 def table_file(tmp_path, reference_table):
     """The all-contexts reference table written to a fresh parquet file."""
-    from dspark_calib.table import write_table
+    from dspark_calib.table.file import write_table
 
     return Path(write_table(reference_table, tmp_path / "reference.parquet"))
 
@@ -99,7 +99,7 @@ def table_16384():
 @pytest.fixture(scope="session")
 def table_files(tmp_path_factory, table_1024, table_16384, reference_table_8192, reference_table) -> dict[str, str]:
     """Parquet files of the reference tables: c1024, c8192, c16384 and all (every context)."""
-    from dspark_calib.table import write_table
+    from dspark_calib.table.file import write_table
 
     d = tmp_path_factory.mktemp("tables")
     tables = {"c1024": table_1024, "c8192": reference_table_8192, "c16384": table_16384, "all": reference_table}
@@ -112,7 +112,7 @@ HEAVY_MODULES = ("torch", "vllm", "pandas", "scipy", "matplotlib")
 def assert_command_is_light(*argv: str) -> None:
     """Run `dspark-calib ARGV` in a fresh interpreter: it must succeed without importing
     torch, vllm, pandas, scipy or matplotlib (offline commands stay fast on any machine)."""
-    code = ("import sys\nfrom dspark_calib.cli import main\n"
+    code = ("import sys\nfrom dspark_calib.cli.app import main\n"
             f"sys.argv = ['dspark-calib', *{[str(a) for a in argv]!r}]\n"
             "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
             f"heavy = [m for m in {HEAVY_MODULES!r} if m in sys.modules]\n"

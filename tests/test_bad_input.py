@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import CURVE_KINDS
-from dspark_calib.tablefile import CURVE_COLUMNS, METADATA_KEY, read_metadata, read_table, to_arrow, write_table
+from dspark_calib.table.file import CURVE_COLUMNS, read_metadata, read_table, to_arrow, write_table
+from dspark_calib.table.meta import METADATA_KEY
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REPO = Path(__file__).resolve().parents[1]

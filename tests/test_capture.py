@@ -20,6 +20,7 @@ from vllm.v1.worker.gpu import model_runner
 from vllm.v1.worker.gpu.async_utils import StepTimingSample
 
 from dspark_calib.vllm import capture, plugin
+from dspark_calib.vllm import runtime
 from dspark_calib.vllm.capture import CaptureDir, CaptureError, Plan
 from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S
 
@@ -59,7 +60,7 @@ def clean(monkeypatch):
         if key.startswith("DSPARK_CALIB_") or key.startswith("VLLM_RAY_EXTRA_"):
             monkeypatch.delenv(key)
     monkeypatch.delenv("VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN", raising=False)
-    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(runtime, "_logged", set())
     monkeypatch.setattr(plugin, "_announced", set())
     use_group(monkeypatch, Group())
     yield
@@ -85,7 +86,7 @@ def make_manager(cls=av.AdaptiveVerificationManager, max_num_reqs=256, max_token
     m.num_speculative_steps = 7
     m._cudagraph_limit = 0
     m.cost_tables = None
-    plugin.state_of(m).vllm_config = config()
+    runtime.state_of(m).vllm_config = config()
     return m
 
 
@@ -356,7 +357,7 @@ def test_capture_payload_is_json(monkeypatch, tmp_path):
     start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=5, warmup=0))
     m = make_manager()
     run_capture(m)
-    assert {k for k in vars(m) if "dspark" in k} == {plugin.STATE_ATTR}  # one state object, nothing scattered
+    assert {k for k in vars(m) if "dspark" in k} == {runtime.STATE_ATTR}  # one state object, nothing scattered
     payload = json.loads((tmp_path / "samples-rank0.json").read_text())
     assert payload["num_batches"] == len(vllm_sequence()) and payload["cudagraph_limit"] == SIZES[-1]
     assert payload["engine"]["max_num_seqs"] == 256

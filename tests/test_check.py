@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from conftest import assert_command_is_light, DRAFT, MODEL, REPO, SCHEMA10, build_reference_table, fixture_json, one_line_error
 from dspark_calib.check import LOADS, MISMATCH, check_tables, describe, parse_engine_pairs
-from dspark_calib.cli import app
+from dspark_calib.cli.app import app
 from dspark_calib.fingerprint import BLOCKING, EQUAL, KEYS, LOAD_RULES, RECORDED, unchecked_keys
-from dspark_calib.tablefile import read_metadata, read_table, write_table
-from dspark_calib.vllm.loader import decide
+from dspark_calib.table.file import read_metadata, read_table, write_table
+from dspark_calib.selection import decide
 
 runner = CliRunner()
 _GIVEN = {"target_config_hash": "x", "draft_config_hash": "x", "max_num_batched_tokens": 1, "num_speculative_tokens": 1,
@@ -33,7 +33,7 @@ def shelf(tmp_path_factory):
     """A directory as DSPARK_CALIB_TABLE takes it: the shipped table and an H100 reference one."""
     d = tmp_path_factory.mktemp("shelf")
     shutil.copyfile(SCHEMA10, d / SCHEMA10.name)
-    from dspark_calib.table import write_table
+    from dspark_calib.table.file import write_table
 
     write_table(build_reference_table([fixture_json(8192)], gpu_name="NVIDIA H100"), d / "h100.parquet")
     return d

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from conftest import DRAFT, MODEL, fixture_json, one_line_error
 from dspark_calib.errors import CalibError
-from dspark_calib.cli import app
+from dspark_calib.cli.app import app
 
 runner = CliRunner()
 IMPORT = ("--model", MODEL, "--draft", DRAFT, "--gpu-name", "NVIDIA H200", "--vllm-version", "0.33.0",
@@ -83,8 +83,8 @@ def test_directory_out_whose_default_name_is_an_input_is_refused(tmp_path, monke
     """The default name carries the content hash, which (format 1.1) covers created_at and the
     fingerprint's extra.source, i.e. the input's own name: no real input can be predicted to
     carry it. So the name is pinned to the input's, and the CLI must refuse before writing."""
-    from dspark_calib.paths import table_out
-    from dspark_calib.table import CostTable
+    from dspark_calib.cli.paths import table_out
+    from dspark_calib.table.model import CostTable
 
     trap = tmp_path / "trap.parquet"  # a JSON input that happens to carry the table's default file name
     shutil.copyfile(fixture_json(1024), trap)
@@ -259,7 +259,7 @@ def test_usage_error_from_the_console_script():
     import subprocess
     import sys
 
-    code = "import sys; sys.argv = ['dspark-calib', 'inspect', '--bogus']; from dspark_calib.cli import main; main()"
+    code = "import sys; sys.argv = ['dspark-calib', 'inspect', '--bogus']; from dspark_calib.cli.app import main; main()"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 2 and r.stdout == ""

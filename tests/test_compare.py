@@ -14,7 +14,7 @@ from dspark_calib.compare import (
 )
 from dspark_calib.fit import decision_map
 from dspark_calib.inspection import CONFIDENCE_GRID
-from dspark_calib.table import CostTable
+from dspark_calib.table.model import CostTable
 
 from conftest import build_reference_table, fixture_json
 

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dspark_calib.cli import app
+from dspark_calib.cli.app import app
 from dspark_calib.errors import CalibError
-from dspark_calib.profile_cmd import stability_verdict
+from dspark_calib.cli.profile import stability_verdict
 from dspark_calib.samples import Samples
-from dspark_calib.table import CostTable, write_table
+from dspark_calib.table.model import CostTable
+from dspark_calib.table.file import write_table
 from dspark_calib.telemetry import Telemetry
 from test_stability import synthetic
 from test_telemetry import TELEMETRY

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dspark_calib.context import (DEFAULT_TOLERANCE, ContextCosts, ContextGrid, OutOfRange, blend, ceil_mean,
-                                  dense_tables, profile_requests, verify_context)
+from dspark_calib.pricing.grid import DEFAULT_TOLERANCE, ContextGrid
+from dspark_calib.pricing.costs import ContextCosts, OutOfRange, blend, dense_tables
+from dspark_calib.pricing.rules import ceil_mean, profile_requests, verify_context
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import DRAFT_FLOOR_MS, VERIFY_FLOOR_MS, build_cost_tables
 

@@ -16,13 +16,23 @@ from hypothesis import strategies as st
 
 import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
 
-from dspark_calib.context import CHUNK_RULE, ContextCosts, ContextGrid, ceil_mean, tail_context_sum, verify_context
+from dspark_calib.pricing.policy import CHUNK_RULE
+from dspark_calib.pricing.costs import ContextCosts
+from dspark_calib.pricing.grid import ContextGrid
+from dspark_calib.pricing.rules import ceil_mean, tail_context_sum, verify_context
 from dspark_calib.fit import choose_draft_budget
 from dspark_calib.vllm import context_aware as ca
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                              HealthCheck.function_scoped_fixture])
 MAX_REQS, MAX_TOKENS, STEPS = 256, 8192, 7
+from dspark_calib.pricing.policy import CONTEXT_AWARE, PricingPolicy
+
+
+
+def aware(tail_milli: int = 0, chunks: bool = False) -> PricingPolicy:
+    """A context-aware pricing policy with this tail and chunk setting."""
+    return PricingPolicy(CONTEXT_AWARE, tail_milli=tail_milli, chunks=chunks)
 
 
 class SingleRank:
@@ -136,7 +146,7 @@ def test_tail_prices_mixed_batches_at_the_raised_sum_and_keeps_vllms_rule(grid_3
     contexts = rng.choice([300, 1100, 8000, 16500], num_reqs).astype(np.int32)  # a mix
     drafts = rng.integers(0, STEPS + 1, num_reqs)
     num_tokens, draft_tokens = schedule(m, contexts, drafts, rng)
-    ca.install(m, grid_3ctx, tail_milli=tail)
+    ca.install(m, grid_3ctx, aware(tail))
     got = m.get_num_tokens(num_tokens, draft_tokens)
     raised = tail_context_sum(int(contexts.sum()), int(contexts.max()), num_reqs, tail)
     assert int(contexts.sum()) <= raised <= int(contexts.max()) * num_reqs
@@ -167,7 +177,7 @@ def test_chunk_pricing_prices_verify_by_pairs_and_keeps_vllms_rule(grid_3ctx, re
     for r in chunk_ids:
         num_tokens[r] = int(rng.integers(1, 600))  # a chunk (1: a one-token prefill, not a chunk)
         del draft_tokens[r]
-    ca.install(m, grid_3ctx, tail_milli=tail, chunks=True)
+    ca.install(m, grid_3ctx, aware(tail, True))
     got = m.get_num_tokens(num_tokens, draft_tokens)
     slot = m.req_states.req_id_to_index
     s_tail = tail_context_sum(int(contexts.astype(np.int64).sum()), int(contexts.max()), num_reqs, tail)
@@ -188,7 +198,7 @@ def test_chunk_pricing_prices_verify_by_pairs_and_keeps_vllms_rule(grid_3ctx, re
     # chunk pricing off: the same step's verify at the KV sum
     off = make_manager(reference_table.dense_tables(8192), rng=np.random.default_rng(seed))
     off.req_states, off._stale_confidences = m.req_states, m._stale_confidences
-    ca.install(off, grid_3ctx, tail_milli=tail)
+    ca.install(off, grid_3ctx, aware(tail))
     off.get_num_tokens(num_tokens, draft_tokens)
     _, kv = grid_3ctx.price(np.full(len(sizes), s_tail), np.full(len(sizes), num_reqs), sizes)
     assert np.array_equal(np.array(off.cost_tables[1])[sizes], kv)
@@ -199,8 +209,8 @@ def test_chunk_pricing_prices_verify_by_pairs_and_keeps_vllms_rule(grid_3ctx, re
 def test_tail_is_checked_and_replaced_by_a_second_install(grid_3ctx):
     m = make_manager(grid_3ctx.tables_for(8192))
     with pytest.raises(ValueError, match="tail_milli"):
-        ca.install(m, grid_3ctx, tail_milli=1001)
-    assert ca.install(m, grid_3ctx, tail_milli=250).tail == 250
+        ca.install(m, grid_3ctx, aware(1001))
+    assert ca.install(m, grid_3ctx, aware(250)).tail == 250
     assert ca.install(m, grid_3ctx).tail == 0
 
 
@@ -290,7 +300,7 @@ def test_batch_context_sum_both_paths(reference_table):
 @SETTINGS
 @given(batch=batches, mid_prefill=st.floats(0, 0.5))
 def test_capture_step_matches_vllms_choice_and_the_other_pricing(grid_3ctx, reference_table, batch, mid_prefill):
-    from dspark_calib.vllm.observe_step import capture_step, to_observed
+    from dspark_calib.vllm.step_capture import capture_step, to_observed
 
     num_reqs, centre, seed = batch
     rng = np.random.default_rng(seed)
@@ -346,7 +356,7 @@ def test_chunk_pair_price_is_the_profiles_largest_step_not_the_serving_engines(r
     biggest = max(n for pair in reference_table.curves.values() for n, _ in pair.as_vllm()[1])
     assert biggest == 8192 and state.chunk_ratio == (256, 8192) == state.grid.costs.chunk_ratio()
     assert line.endswith("prefill chunks priced by the KV sum")  # enable's own default: chunks off
-    assert "a pair = 256/8192 KV tokens" in ca.enable(m, reference_table.curves, chunks=True)
+    assert "a pair = 256/8192 KV tokens" in ca.enable(m, reference_table.curves, aware(chunks=True))
 
 
 def test_enable_installs_for_several_contexts_only(reference_table, reference_table_8192):
@@ -373,7 +383,7 @@ def two_context_load(tmp_path, monkeypatch):
     from vllm.v1.worker.gpu.async_utils import StepTimingSample
 
     from conftest import build_reference_table, fixture_json
-    from dspark_calib.tablefile import write_table
+    from dspark_calib.table.file import write_table
     from dspark_calib.vllm import plugin
 
     table = build_reference_table([fixture_json(1024), fixture_json(16384)])
@@ -477,7 +487,7 @@ def test_slot_cache_is_reused_for_the_same_batch_and_dropped_when_a_slot_changes
     for i in range(50):  # held but not scheduled, too many for the held-slot path (_held_slots): ids looked up
         m.req_states.add_request(f"idle{i}", 5)
     m.req_states.prefill_len.np[:] = 1
-    state = ca.install(m, grid_3ctx, tail_milli=tail)
+    state = ca.install(m, grid_3ctx, aware(tail))
     num_tokens = {r: 4 for r in ids}
     drafts = {r: [1, 2, 3] for r in ids}
 
@@ -525,7 +535,7 @@ def test_full_occupancy_steps_sum_the_occupied_slots_through_adds_and_removes(gr
     for i in range(60):  # some requests before install
         m.req_states.add_request(f"r{i}", int(rng.integers(0, 20000)))
     m.req_states.prefill_len.np[:] = 1
-    state = ca.install(m, grid_3ctx, tail_milli=tail)
+    state = ca.install(m, grid_3ctx, aware(tail))
     live, next_id, fast = [f"r{i}" for i in range(60)], 60, 0
     for step in range(300):
         for _ in range(int(rng.integers(0, 4))):  # finish some
@@ -571,7 +581,7 @@ def test_context_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(
                                                                                  line, bad, warning):
     import logging
 
-    from dspark_calib.vllm import env as E
+    from dspark_calib import env as E
 
     table, load = two_context_load
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
@@ -601,9 +611,9 @@ def test_chunk_pricing_of_the_engine_is_what_validate_reprices(grid_3ctx, refere
     """The engine (chunks on) and validate agree step for step, also where a request with drafts
     schedules extra non-draft tokens and draft_tokens names a request that is not scheduled: both
     split tokens as vLLM's get_num_tokens does."""
-    from dspark_calib.observe import ObservedWriter, read_observed
+    from dspark_calib.observe.file import ObservedWriter, read_observed
     from dspark_calib.validate import validate
-    from dspark_calib.vllm.observe_step import capture_step, to_observed
+    from dspark_calib.vllm.step_capture import capture_step, to_observed
 
     rng = np.random.default_rng(seed)
     m = make_manager(reference_table.dense_tables(8192), rng=rng)
@@ -615,7 +625,7 @@ def test_chunk_pricing_of_the_engine_is_what_validate_reprices(grid_3ctx, refere
         del draft_tokens[r]
     num_tokens[ids[2]] += 3  # drafts, and 4 non-draft tokens
     draft_tokens["not-scheduled"] = [1, 2]  # ignored by vLLM's split, and by both of ours
-    state = ca.install(m, grid_3ctx, chunks=True)
+    state = ca.install(m, grid_3ctx, aware(chunks=True))
     total = m.get_num_tokens(num_tokens, draft_tokens)
     cap = capture_step(m, num_tokens, draft_tokens, priced_context=state.last_context)
     assert cap.prefill_tokens == num_tokens[ids[0]] + num_tokens[ids[1]] + 4
@@ -673,8 +683,8 @@ def test_held_slot_path_equals_looking_every_id_up(grid_3ctx, data, tail, chunks
                 next_id += 1
 
     admit(start)  # some before install
-    fast_state = ca.install(fast, grid_3ctx, tail_milli=tail, chunks=chunks)
-    slow_state = ca.install(slow, grid_3ctx, tail_milli=tail, chunks=chunks)
+    fast_state = ca.install(fast, grid_3ctx, aware(tail, chunks))
+    slow_state = ca.install(slow, grid_3ctx, aware(tail, chunks))
     assert fast_state.watched and not slow_state.watched
     sits_out: list = []
     for _ in range(data.draw(st.integers(1, 12))):

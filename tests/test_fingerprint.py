@@ -83,11 +83,13 @@ def test_registry_and_fingerprint_fields_agree():
 
 
 def test_every_key_has_a_rule_a_label_and_one_line_why():
+    from dspark_calib.vllm.engine_info import READERS
+
     for key in KEYS:
         assert key.load in LOAD_RULES or key.load is None, key.name
         assert key.label and key.why and "\n" not in key.why, key.name
         # A key compared on load must be readable from the engine, or the rule is dead.
-        assert (key.read is not None) == (key.load is not None) or key.name == "backend", key.name
+        assert (key.name in READERS) == (key.load is not None) or key.name == "backend", key.name
 
 
 def test_decisions_asked_for_are_recorded():
@@ -164,7 +166,7 @@ def test_changed_settings_change_the_keys():
 def test_parallel_sizes():
     from vllm.config import ParallelConfig
 
-    from dspark_calib.engine_readers import EngineView
+    from dspark_calib.vllm.engine_info import EngineView
     from dspark_calib.vllm.engine_info import read_keys
 
     # dcp needs tp > the KV heads (8): vLLM says so itself.
@@ -239,7 +241,7 @@ def test_profile_context_len_is_vllms_clamp(ctx, max_model_len, query_len):
 
 # -- comparing -----------------------------------------------------------------------------------
 def _shipped_fingerprint() -> dict:
-    from dspark_calib.table import read_metadata
+    from dspark_calib.table.file import read_metadata
 
     return dict(read_metadata(SCHEMA10)["fingerprint"])
 
@@ -302,7 +304,7 @@ def test_readme_holds_exactly_the_registry_table():
 
 
 def test_registry_imports_no_torch_or_vllm():
-    code = ("import sys, dspark_calib.fingerprint, dspark_calib.engine_readers; "
+    code = ("import sys, dspark_calib.fingerprint, dspark_calib.vllm.engine_info; "
             "print(sorted(m for m in ('torch', 'vllm', 'pyarrow', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": ROOT})

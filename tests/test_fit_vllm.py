@@ -25,7 +25,7 @@ from conftest import DATA_DIR, FIXTURE_JSONS, load_fixture_json
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import build_cost_tables, choose_draft_budget, fit_curves, fit_pair
 from dspark_calib.samples import Sample
-from dspark_calib.table import CostTable
+from dspark_calib.table.model import CostTable
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

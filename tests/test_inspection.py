@@ -13,7 +13,7 @@ from dspark_calib.inspection import (
     num_reqs_grid,
 )
 from dspark_calib.samples import Sample
-from dspark_calib.table import CostTable
+from dspark_calib.table.model import CostTable
 
 from conftest import build_reference_table, fixture_json
 
@@ -173,7 +173,7 @@ def test_cost_against_context_for_tables_with_several_contexts(real):
     from typer.testing import CliRunner
 
     from conftest import SCHEMA10
-    from dspark_calib.cli import app
+    from dspark_calib.cli.app import app
     from dspark_calib.inspection import cost_by_context
 
     view = inspect_table(real).by_context

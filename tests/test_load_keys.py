@@ -12,10 +12,11 @@ import logging
 
 import pytest
 
-from dspark_calib.fingerprint import BLOCKING, COVERS, KEY, KEYS, RECORDED, Fingerprint
+from dspark_calib.fingerprint import BLOCKING, COVERS, ENGINE_KEYS, KEY, KEYS, RECORDED, Fingerprint
 from dspark_calib.samples import Sample
-from dspark_calib.table import CostTable, write_table
-from dspark_calib.vllm.loader import decide
+from dspark_calib.table.model import CostTable
+from dspark_calib.table.file import write_table
+from dspark_calib.selection import decide
 
 SIZES = (1, 2, 4, 8)
 
@@ -37,7 +38,7 @@ FULL = Fingerprint(
 def engine_of(fp: Fingerprint) -> dict:
     """What describe_engine would report for the engine the table was made on (JSON shapes)."""
     d = fp.to_dict()
-    return {k.name: d[k.name] for k in KEYS if k.read is not None}
+    return {k.name: d[k.name] for k in KEYS if k.name in ENGINE_KEYS}
 
 
 def other(key, value):
@@ -130,8 +131,9 @@ def test_a_key_the_engine_did_not_report_is_not_checked(tmp_path):
 
 
 def test_registry_rules_are_what_the_loader_reads():
-    # The loader's LOAD_CHECKS view is derived, not a second list.
-    from dspark_calib.fingerprint import LOAD_CHECKS
+    # Every key with a load rule is read from the engine, by exactly one reader.
+    from dspark_calib.fingerprint import ENGINE_KEYS
+    from dspark_calib.vllm.engine_info import READERS
 
-    assert dict(LOAD_CHECKS) == {k.name: k.load for k in BLOCKING_KEYS}
+    assert set(READERS) == set(ENGINE_KEYS) >= {k.name for k in BLOCKING_KEYS}
     assert KEY["max_num_batched_tokens"].load == COVERS

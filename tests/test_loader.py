@@ -21,10 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from dspark_calib.fit import CurvePair
-from dspark_calib.tablefile import to_arrow, write_table
-from dspark_calib.vllm import candidates as C
-from dspark_calib.vllm import env as E
-from dspark_calib.vllm import loader as L
+from dspark_calib.table.file import to_arrow, write_table
+from dspark_calib.table import sources as C
+from dspark_calib import env as E
+from dspark_calib import selection as L
 
 POLICIES = ("fallback", "strict", "warn")
 
@@ -91,7 +91,7 @@ def test_loads_good_table_and_reports_candidates(tmp_path, reference_table, engi
 
 def test_decide_imports_no_torch_or_vllm(tmp_path, reference_table):
     path = write_table(reference_table, tmp_path)
-    code = ("import sys; from dspark_calib.vllm.loader import decide; "
+    code = ("import sys; from dspark_calib.selection import decide; "
             f"d = decide({path!r}, {{}}, allow_reference=True); assert d.load, d.lines; "
             "bad = [m for m in ('torch', 'vllm') if m in sys.modules]; assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ})
@@ -367,7 +367,7 @@ def test_future_created_at_does_not_win(tmp_path, reference_table, engine):
     write_unchecked(replace(forged(reference_table, scale=1.01), created_at="9999-01-01T00:00:00Z"),
                     tmp_path / "future.parquet")  # write_table refuses it; an attacker would not use it
     d = run(tmp_path, engine)
-    from dspark_calib.tablefile import read_metadata
+    from dspark_calib.table.file import read_metadata
 
     assert d.load and real in d.lines[0] and d.content_hash == read_metadata(real).content_hash
 
@@ -388,13 +388,13 @@ def test_fingerprint_that_breaks_comparison_stays_with_its_file(monkeypatch, tmp
     assert d.load and "fingerprint: TypeError" in d.lines[0]
 
 
-def test_examine_keeps_working(tmp_path, reference_table, engine):
+def test_every_candidate_is_reported_with_its_hash_or_why_it_did_not_read(tmp_path, reference_table, engine):
     write_table(reference_table, tmp_path)
     (tmp_path / "junk.parquet").write_bytes(b"x")
-    _, found = L.examine(str(tmp_path), engine, True)
-    assert sorted(bool(c.error) for c in found) == [False, True]
-    good = next(c for c in found if not c.error)
-    assert good.content_hash == reference_table.content_hash and good.mismatches == ()
+    d = L.decide(str(tmp_path), engine, allow_reference=True)
+    assert sorted(c.status for c in d.candidates) == ["chosen", "unreadable"]
+    good = next(c for c in d.candidates if c.status == "chosen")
+    assert good.content_hash == reference_table.content_hash and not good.reason and d.outcome is L.Outcome.LOAD
 
 
 def test_object_store_filesystems_are_built_with_bounded_waits():

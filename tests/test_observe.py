@@ -10,9 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dspark_calib import observe
+from dspark_calib.observe import file as observe
 from dspark_calib.errors import CalibError
-from dspark_calib.observe import (ABSENT, COLUMNS, ObservedStep, ObservedWriter, PendingSteps, read_observed)
+from dspark_calib.observe.step import ABSENT, COLUMNS, PREFILL, ObservedStep, PendingSteps
+from dspark_calib.observe.file import ObservedWriter, read_observed
 
 
 def step(i=0, **kw):
@@ -32,8 +33,8 @@ def test_round_trip_keeps_every_value(tmp_path):
         for s in steps:
             w.append(s)
     got = read_observed([tmp_path])
-    assert len(got) == 7 and got.metadata[0]["mode"] == "context_aware"
-    assert got.metadata[0]["schema_version"] == observe.OBSERVED_SCHEMA_VERSION
+    assert len(got) == 7 and got.metadata[0].raw["mode"] == "context_aware"
+    assert got.metadata[0].raw["schema_version"] == observe.OBSERVED_SCHEMA_VERSION
     assert os.path.basename(got.files[0]).startswith("observed-r1-")
     for name in COLUMNS:
         want = [getattr(s, name) for s in steps]
@@ -168,12 +169,12 @@ def test_bad_files_are_one_line_errors_naming_the_file(tmp_path):
 def test_a_1_0_file_reads_with_the_prefill_columns_absent(tmp_path):
     """The 1.0 -> 1.1 migration: the H200 files of 2026-11-30 are 1.0 and must stay readable."""
     good = _good_file(tmp_path)
-    t = pq.read_table(good).drop_columns(list(observe.PREFILL))
+    t = pq.read_table(good).drop_columns(list(PREFILL))
     meta = json.loads(t.schema.metadata[observe.METADATA_KEY])
     meta["schema_version"] = "1.0"
     pq.write_table(t.replace_schema_metadata({observe.METADATA_KEY: json.dumps(meta).encode()}), tmp_path / "old.parquet")
     got = read_observed([tmp_path / "old.parquet"])
-    assert len(got) == 4 and all(got[name].tolist() == [ABSENT] * 4 for name in observe.PREFILL)
+    assert len(got) == 4 and all(got[name].tolist() == [ABSENT] * 4 for name in PREFILL)
     assert got["forward_ms"].tolist() == read_observed([good])["forward_ms"].tolist()
 
 

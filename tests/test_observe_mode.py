@@ -23,13 +23,22 @@ from vllm.distributed import parallel_state
 from vllm.v1.worker.gpu import model_runner
 from vllm.v1.worker.gpu.async_utils import StepTimingCollector
 
-from dspark_calib.cli import app
-from dspark_calib.observe import ABSENT, read_observed
+from dspark_calib.cli.app import app
+from dspark_calib.observe.step import ABSENT
+from dspark_calib.observe.file import read_observed
 from dspark_calib.vllm import context_aware as ca
-from dspark_calib.vllm import observe_mode as om
+from dspark_calib.vllm import observer as om
 from dspark_calib.vllm import plugin
+from dspark_calib.vllm import runtime
 from dspark_calib.vllm.shape import observe_problem
 from test_context_aware import SingleRank, grid_3ctx, make_manager, schedule  # noqa: F401 - fixture reused
+from dspark_calib.pricing.policy import CONTEXT_AWARE, PricingPolicy
+
+
+
+def aware(tail_milli: int = 0, chunks: bool = False) -> PricingPolicy:
+    """A context-aware pricing policy with this tail and chunk setting."""
+    return PricingPolicy(CONTEXT_AWARE, tail_milli=tail_milli, chunks=chunks)
 
 
 class Clock:
@@ -114,7 +123,7 @@ def clean(monkeypatch):
     for key in list(os.environ):
         if key.startswith("DSPARK_CALIB_"):
             monkeypatch.delenv(key)
-    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(runtime, "_logged", set())
     monkeypatch.setattr(av, "get_tp_group", SingleRank)
     monkeypatch.setattr(parallel_state, "get_tp_group", SingleRank)
 
@@ -171,7 +180,7 @@ def test_sampled_steps_join_their_own_timings(engine):
     np.testing.assert_allclose(rows["predicted_draft_ms"], tables[0][rows["num_reqs"]])
     np.testing.assert_allclose(rows["predicted_verify_ms"], tables[1][rows["num_target_tokens"]])
     meta = read_observed([obs.directory]).metadata[0]
-    assert meta["mode"] == "stock" and meta["sample_every"] == 2 and meta["max_num_reqs"] == 256
+    assert meta.mode == "stock" and meta.sample_every == 2 and meta.max_num_reqs == 256
     assert all(n.startswith(f"observed-dp0-{os.getpid()}-e") for n in os.listdir(obs.directory))
 
 
@@ -245,15 +254,15 @@ def test_context_aware_and_observe_compose_in_either_order(monkeypatch, tmp_path
     else:
         ca.install(m, grid_3ctx)
         obs = start(runner, clock)
-    plugin.state_of(m).run = SimpleNamespace(decision=SimpleNamespace(load=True, context_len=8192,
+    runtime.state_of(m).run = SimpleNamespace(decision=SimpleNamespace(load=True, context_len=8192,
                                                                       content_hash="ab" * 32))
     for ctx in (1024, 3000, 16384):
         for n in (8, 64, 200):
             step(runner, n, drafts=7, context=ctx, rng=np.random.default_rng(ctx + n))
     runner.shutdown()
     rows = read_observed([obs.directory])
-    assert len(rows) == 9 and rows.metadata[0]["mode"] == "context-aware"
-    assert rows.metadata[0]["table_hash"] == "ab" * 32
+    assert len(rows) == 9 and rows.metadata[0].raw["mode"] == "context-aware"
+    assert rows.metadata[0].raw["table_hash"] == "ab" * 32
     assert list(rows["priced_context"]) == [1024] * 3 + [3000] * 3 + [16384] * 3
     draft, verify = grid_3ctx.price(rows["context_sum"], rows["num_reqs"], rows["num_target_tokens"])
     assert np.array_equal(rows["predicted_draft_ms"], draft) and np.array_equal(rows["predicted_verify_ms"], verify)
@@ -297,7 +306,7 @@ def test_a_write_failure_turns_observe_off_with_one_warning(engine, caplog, monk
     def disk_full(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("dspark_calib.observe._write", disk_full)
+    monkeypatch.setattr("dspark_calib.observe.file._write", disk_full)
     with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
         for n in range(1, 30):
             step(runner, n)  # serving goes on
@@ -436,7 +445,7 @@ def test_exit_flushes_buffered_rows_and_a_late_exit_hook_is_harmless(engine):
 
 def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatch, tmp_path, reference_table,
                                                                       grid_3ctx):
-    from dspark_calib.context import CHUNK_RULE
+    from dspark_calib.pricing.policy import CHUNK_RULE
     from dspark_calib.validate import recorded_chunk_rule, recorded_chunks, recorded_tail, validate
 
     monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
@@ -445,16 +454,16 @@ def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatc
     runner = FakeRunner(make_manager(reference_table.dense_tables(8192)), clock)
     m = runner.adaptive_verification
     obs = start(runner, clock)
-    ca.install(m, grid_3ctx, tail_milli=250, chunks=True)
-    plugin.state_of(m).run = SimpleNamespace(decision=SimpleNamespace(load=True, context_len=8192,
+    ca.install(m, grid_3ctx, aware(250, True))
+    runtime.state_of(m).run = SimpleNamespace(decision=SimpleNamespace(load=True, context_len=8192,
                                                                       content_hash="ab" * 32))
     for n in (8, 64):
         step(runner, n, drafts=7, context=4000, rng=np.random.default_rng(n))
     runner.shutdown()
     rows = read_observed([obs.directory])
-    assert rows.metadata[0]["context_tail_milli"] == 250 and recorded_tail(rows) == 250
-    assert rows.metadata[0]["context_chunks"] is True and recorded_chunks(rows)
-    assert rows.metadata[0]["context_chunk_rule"] == CHUNK_RULE == recorded_chunk_rule(rows)  # this engine's pair price
+    assert rows.metadata[0].raw["context_tail_milli"] == 250 and recorded_tail(rows) == 250
+    assert rows.metadata[0].raw["context_chunks"] is True and recorded_chunks(rows)
+    assert rows.metadata[0].raw["context_chunk_rule"] == CHUNK_RULE == recorded_chunk_rule(rows)  # this engine's pair price
     result = validate(reference_table, rows)
     assert result.tail_fit.tail == 0.25 and result.prefill.steps == 0  # decode steps only: no chunk to price
     # validate prices as the engine did, to the bit: the line that says its column is what served

@@ -23,10 +23,12 @@ from vllm.v1.worker.gpu.async_utils import StepTimingSample
 
 from dspark_calib.fingerprint import config_hash
 from dspark_calib.reference import table_from_startup_json
-from dspark_calib.table import write_table
+from dspark_calib.table.file import write_table
 from dspark_calib.vllm import plugin, shape
+from dspark_calib.vllm import runtime
 from dspark_calib.vllm.capture import Plan, samples_path, write_plan
-from dspark_calib.vllm.profile import ProfileOptions, table_from_capture
+from dspark_calib.vllm.profile.plan import ProfileOptions
+from dspark_calib.vllm.profile.table import table_from_capture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = sorted(glob.glob(os.path.join(ROOT, "tests", "data", "*.json")))
@@ -86,7 +88,7 @@ def make_manager(max_num_reqs=256, max_tokens=8192, steps=7, config=None):
     m.num_speculative_steps = steps
     m._cudagraph_limit = 0
     m.cost_tables = None
-    plugin.state_of(m).vllm_config = fake_config() if config is None else config  # as the factory wrapper does
+    runtime.state_of(m).vllm_config = fake_config() if config is None else config  # as the factory wrapper does
     return m
 
 
@@ -125,9 +127,9 @@ def test_register_is_idempotent(monkeypatch, tmp_path):
     assert (av.AdaptiveVerificationManager.batches_to_profile, av.AdaptiveVerificationManager.set_initial_cost_curves,
             model_runner.maybe_create_adaptive_verification_manager) == first
     # one wrapper deep: the original behind it is vLLM's own function
-    inner = getattr(av.AdaptiveVerificationManager.batches_to_profile, plugin._MARK)
-    assert not hasattr(inner, plugin._MARK)
-    factory = getattr(model_runner.maybe_create_adaptive_verification_manager, plugin._MARK)
+    inner = getattr(av.AdaptiveVerificationManager.batches_to_profile, runtime.MARK)
+    assert not hasattr(inner, runtime.MARK)
+    factory = getattr(model_runner.maybe_create_adaptive_verification_manager, runtime.MARK)
     assert factory is av.maybe_create_adaptive_verification_manager
 
 
@@ -160,7 +162,8 @@ def test_register_patches_only_when_the_model_runner_is_imported(tmp_path):
         "from vllm.v1.worker.gpu import model_runner;"
         "from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av;"
         "assert plugin.is_patched(av.AdaptiveVerificationManager);"
-        "assert hasattr(model_runner.maybe_create_adaptive_verification_manager, plugin._MARK);"
+        "from dspark_calib.vllm import runtime;"
+        "assert hasattr(model_runner.maybe_create_adaptive_verification_manager, runtime.MARK);"
         "print('ok')"
     )
     env = {**os.environ, "DSPARK_CALIB_TABLE": str(tmp_path)}
@@ -171,7 +174,7 @@ def test_register_patches_only_when_the_model_runner_is_imported(tmp_path):
 
 def test_unknown_api_shape_leaves_vllm_untouched(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(shape, "detect", lambda: shape.ApiShape(None, "consume_step_timing exists", "0.99.0"))
-    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(runtime, "_logged", set())
     before = av.AdaptiveVerificationManager.batches_to_profile
     with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
         register_with(monkeypatch, DSPARK_CALIB_TABLE=tmp_path)
@@ -450,7 +453,7 @@ class OtherRank:
 def test_nonzero_rank_follows_rank0_load_decision(monkeypatch, tmp_path, reference_table, recorded):
     from vllm.distributed import parallel_state
 
-    from dspark_calib.vllm.loader import decide
+    from dspark_calib.selection import decide
 
     capture_sizes = recorded[0]["capture_sizes"]
     engine = {"cudagraph_capture_sizes": capture_sizes, "max_num_seqs": 256, "max_num_batched_tokens": 8192}
@@ -548,7 +551,7 @@ def test_unknown_shape_without_batches_to_profile_never_raises_in_the_import_hoo
     fake = SimpleNamespace(AdaptiveVerificationManager=Renamed)
     monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.spec_decode.adaptive_verification", fake)
     monkeypatch.setattr(shape, "detect", lambda: shape.ApiShape(None, "no batches_to_profile", "0.99.0"))
-    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(runtime, "_logged", set())
     with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
         plugin._patch_installed_vllm()  # must not raise
     lines = [r.getMessage() for r in caplog.records if r.name == "vllm.dspark_calib"]
@@ -558,10 +561,10 @@ def test_unknown_shape_without_batches_to_profile_never_raises_in_the_import_hoo
 
 def test_second_engine_start_in_one_process_logs_again(monkeypatch, caplog):
     """Finding 9: log_once is per engine start, not per process."""
-    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(runtime, "_logged", set())
 
     def mode():
-        plugin.log_once(logging.WARNING, "dspark-calib: the same line at every start")
+        runtime.log_once(logging.WARNING, "dspark-calib: the same line at every start")
         return None
 
     monkeypatch.setattr(plugin, "active_mode", mode)

@@ -21,6 +21,7 @@ from vllm.ray import ray_env
 from vllm.v1.worker.gpu import model_runner
 
 from dspark_calib.vllm import plugin, shape
+from dspark_calib.vllm import runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -39,7 +40,7 @@ def clean(monkeypatch):
     for key in list(os.environ):
         if key.startswith("DSPARK_CALIB_") or key.startswith("VLLM_RAY_EXTRA_"):
             monkeypatch.delenv(key)
-    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(runtime, "_logged", set())
     monkeypatch.setattr(plugin, "_announced", set())
     monkeypatch.setattr(av, "get_tp_group", lambda: Rank())
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: Rank())
@@ -85,10 +86,10 @@ def _imports_in_fresh_process(**env):
 
 
 def _beyond_stdlib(modules):
-    # env.py (every DSPARK_CALIB_* name) and errors.py import only the standard library themselves:
-    # anything they pulled in would show up here as well.
-    ours = {"dspark_calib", "dspark_calib.vllm", "dspark_calib.vllm.plugin", "dspark_calib.vllm.env",
-            "dspark_calib.errors"}
+    # env.py (every DSPARK_CALIB_* name), the pricing policy (its defaults), runtime.py and errors.py
+    # import only the standard library themselves: anything they pulled in would show up here as well.
+    ours = {"dspark_calib", "dspark_calib.vllm", "dspark_calib.vllm.plugin", "dspark_calib.env",
+            "dspark_calib.errors", "dspark_calib.pricing", "dspark_calib.pricing.policy", "dspark_calib.vllm.runtime"}
     return [m for m in modules if m not in ours and m.split(".")[0] not in sys.stdlib_module_names]
 
 
@@ -107,7 +108,7 @@ def test_register_with_a_table_still_imports_nothing_heavy_until_the_runner_load
 
 def test_observe_alone_activates_the_plugin_and_stays_light(tmp_path):
     """The stock-vLLM arm is observable: observe alone asks for the patch, still standard library only."""
-    from dspark_calib.vllm import env as E
+    from dspark_calib import env as E
 
     assert E.is_active({"DSPARK_CALIB_OBSERVE": str(tmp_path)}) and not E.is_active({"DSPARK_CALIB_OBSERVE": " "})
     out = _imports_in_fresh_process(DSPARK_CALIB_OBSERVE=str(tmp_path), DSPARK_CALIB_OBSERVE_EVERY="8")
@@ -118,7 +119,7 @@ def test_observe_alone_activates_the_plugin_and_stays_light(tmp_path):
 
 def test_observe_every_parsing():
     from dspark_calib.errors import CalibError
-    from dspark_calib.vllm import env as E
+    from dspark_calib import env as E
 
     assert E.observe_every({}) == E.DEFAULT_OBSERVE_EVERY and E.observe_every({"DSPARK_CALIB_OBSERVE_EVERY": " 1 "}) == 1
     for bad in ("0", "-3", "x", "2.5", "10000001"):
@@ -188,7 +189,7 @@ def test_a_broken_mode_falls_back_to_vllms_profile(monkeypatch, caplog, tmp_path
     m = make_manager()
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
         batches = list(m.batches_to_profile(SIZES))
-    stock = list(getattr(av.AdaptiveVerificationManager.batches_to_profile, plugin._MARK)(make_manager(), SIZES))
+    stock = list(getattr(av.AdaptiveVerificationManager.batches_to_profile, runtime.MARK)(make_manager(), SIZES))
     assert batches == stock
     assert [lvl for lvl, _ in lines(caplog)] == [logging.ERROR]
 
@@ -205,13 +206,13 @@ def test_factory_keeps_the_config_in_one_state_object(monkeypatch, tmp_path):
     plugin.register()
     config = SimpleNamespace(name="engine config")
     assert model_runner.maybe_create_adaptive_verification_manager(vllm_config=config) is made
-    assert plugin.state_of(made).vllm_config is config
-    assert {k for k in vars(made) if "dspark" in k} == {plugin.STATE_ATTR}  # nothing else on vLLM's manager
+    assert runtime.state_of(made).vllm_config is config
+    assert {k for k in vars(made) if "dspark" in k} == {runtime.STATE_ATTR}  # nothing else on vLLM's manager
 
 
 def test_mode_protocol_is_what_the_modes_provide():
     from dspark_calib.vllm.capture import CaptureMode
-    from dspark_calib.vllm.loader import LoadMode
+    from dspark_calib.vllm.load import LoadMode
 
     for mode in (CaptureMode, LoadMode, plugin.MissingEnvMode):
         for name in ("batches", "install_curves"):
@@ -266,7 +267,7 @@ def test_worker_that_missed_the_drivers_table_says_so_in_one_error(monkeypatch, 
     if excluded:
         assert plugin.missing_from_driver() == ["DSPARK_CALIB_TABLE"]
         assert len(got) == 1 and got[0][0] == logging.ERROR and "DSPARK_CALIB_TABLE" in got[0][1]
-        stock = list(getattr(av.AdaptiveVerificationManager.batches_to_profile, plugin._MARK)(make_manager(), SIZES))
+        stock = list(getattr(av.AdaptiveVerificationManager.batches_to_profile, runtime.MARK)(make_manager(), SIZES))
         assert batches == stock
     else:  # carried: the worker is in load mode and decides for itself (no table there: falls back)
         assert plugin.missing_from_driver() == []
@@ -315,9 +316,9 @@ def test_every_env_name_lives_in_env_py():
     import pathlib
     import re
 
-    from dspark_calib.vllm import env
+    from dspark_calib import env
 
-    root = pathlib.Path(env.__file__).parents[1]
+    root = pathlib.Path(env.__file__).parent
     found = {}
     for path in root.rglob("*.py"):
         if path.name == "env.py":
@@ -333,7 +334,7 @@ def test_every_env_name_lives_in_env_py():
 
 def test_context_tail_is_read_in_thousandths_and_checked():
     from dspark_calib.errors import CalibError
-    from dspark_calib.vllm import env
+    from dspark_calib import env
 
     assert env.context_tail_milli({}) == 200 and env.context_tail_milli({env.CONTEXT_TAIL: " "}) == 200  # default
     assert env.context_tail_milli({env.CONTEXT_TAIL: "0"}) == 0
@@ -358,9 +359,9 @@ def test_readme_env_table_lists_every_variable_with_the_default_the_parser_retur
     import pathlib
     import re
 
-    from dspark_calib.vllm import env
+    from dspark_calib import env
 
-    readme = (pathlib.Path(env.__file__).parents[2] / "README.md").read_text()
+    readme = (pathlib.Path(env.__file__).parents[1] / "README.md").read_text()
     section = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| `(DSPARK_CALIB_[A-Z0-9_]+)` \| (.+?) \|", section, re.M))
     assert set(rows) == set(env.ALL)

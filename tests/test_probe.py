@@ -21,9 +21,11 @@ from vllm.distributed import parallel_state
 from vllm.v1.worker.gpu import model_runner
 from vllm.v1.worker.gpu.async_utils import StepTimingCollector
 
-from dspark_calib.table import write_table
-from dspark_calib.vllm import loader, plugin
+from dspark_calib.table.file import write_table
+from dspark_calib.vllm import load as loader, plugin
+from dspark_calib.vllm import runtime
 from dspark_calib.vllm import probe as P
+from dspark_calib.selection import decide
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
@@ -61,7 +63,7 @@ def make_manager():
     m = object.__new__(av.AdaptiveVerificationManager)
     m.req_states = SimpleNamespace(max_num_reqs=256, max_num_batched_tokens=8192)
     m.num_speculative_steps, m._cudagraph_limit, m.cost_tables = 7, 0, None
-    plugin.state_of(m).vllm_config = SimpleNamespace(
+    runtime.state_of(m).vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         model_config=SimpleNamespace(dtype="bfloat16", quantization=None, model=MODEL, max_model_len=32768),
         cache_config=SimpleNamespace(cache_dtype="auto"), speculative_config=SimpleNamespace(model=DRAFT))
@@ -325,7 +327,7 @@ def test_probe_tolerance_is_capped_whatever_the_tables_spread(reference_table):
 @pytest.mark.parametrize("policy", ["strict", "fallback"])
 def test_forged_spread_table_is_refused_at_read_time(monkeypatch, tmp_path, reference_table, policy):
     path = write_table(_forged_spread(reference_table), tmp_path / "forged.parquet")
-    d = loader.decide(str(path), {}, policy=policy, allow_reference=True)
+    d = decide(str(path), {}, policy=policy, allow_reference=True)
     assert not d.load
     assert ("IQR" in d.refuse) if policy == "strict" else (not d.refuse and "profiling" in d.lines[0])
 

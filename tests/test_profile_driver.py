@@ -10,8 +10,10 @@ import sys
 import pytest
 
 from dspark_calib.errors import CalibError
-from dspark_calib.vllm import profile as driver
-from dspark_calib.vllm.profile import ProfileOptions, engine_kwargs, explain_failure, resolve_options
+from dspark_calib.vllm.profile import driver
+from dspark_calib.vllm.profile import table as profile_table
+from dspark_calib.vllm.profile.driver import engine_kwargs, explain_failure, resolve_options
+from dspark_calib.vllm.profile.plan import ProfileOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
@@ -135,7 +137,7 @@ def test_cli_profile_rejects_non_dspark_draft(tmp_path):
 
 
 # -- issue 10 item 6 / issue 7: everything checked before the engine starts ----------------------
-from dspark_calib import profile_cmd  # noqa: E402
+from dspark_calib.cli import profile as profile_cmd  # noqa: E402
 from dspark_calib.fit import profile_context_len  # noqa: E402
 
 RANGES = dict(context_len=[8192], max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
@@ -274,7 +276,7 @@ def test_fingerprint_records_resolved_engine_values():
     cfg = build_config(cache={"block_size": 32})
     engine = describe_engine(None, [1, 2, 4], cfg, hardware_facts=HARDWARE)
     schedule = {"vllm_replays_per_block": 5, "warmup_blocks": 1, "timed_blocks": 4, "timed_replays_per_size": 20}
-    fp = driver.fingerprint_from_capture(o, {"engine": engine, "hardware": HARDWARE, "cudagraph_limit": 4,
+    fp = profile_table.fingerprint_from_capture(o, {"engine": engine, "hardware": HARDWARE, "cudagraph_limit": 4,
                                              "schedule": schedule, "cooldown": {"seconds": 1.0, "total_s": 1.75,
                                                                                 "pauses": 4, "early_exits": 3}})
     assert (fp.extra["cooldown_s"], fp.extra["cooldown_total_s"]) == (1.0, 1.75)
@@ -283,15 +285,15 @@ def test_fingerprint_records_resolved_engine_values():
     assert fp.target_model == "Qwen3-8B" and fp.extra["engine_args"] == {"block_size": 32}
     assert fp.compilation_hash == engine["compilation_hash"] and fp.torch_version == "2.14.0+cu130"
     with pytest.raises(CalibError, match="did not report vllm_version"):
-        driver.fingerprint_from_capture(o, {"engine": {k: v for k, v in engine.items() if k != "vllm_version"},
+        profile_table.fingerprint_from_capture(o, {"engine": {k: v for k, v in engine.items() if k != "vllm_version"},
                                             "hardware": {}, "cudagraph_limit": 4, "schedule": schedule})
     with pytest.raises(CalibError, match="no schedule"):
-        driver.fingerprint_from_capture(o, {"engine": engine, "hardware": HARDWARE, "cudagraph_limit": 4})
+        profile_table.fingerprint_from_capture(o, {"engine": engine, "hardware": HARDWARE, "cudagraph_limit": 4})
 
 
 def test_engine_output_goes_to_the_log(tmp_path):
     code = ("import os, subprocess, sys\n"
-            "from dspark_calib.profile_cmd import output_to\n"
+            "from dspark_calib.cli.profile import output_to\n"
             f"with output_to({str(tmp_path / 'v.log')!r}):\n"
             "    print('from python'); print('to stderr', file=sys.stderr)\n"
             "    subprocess.run(['sh', '-c', 'echo from a worker; echo worker err >&2'])\n"
@@ -328,6 +330,7 @@ def test_cli_profile_unknown_engine_arg_and_missing_hub_model(tmp_path):
 import vllm  # noqa: E402
 
 from dspark_calib.vllm import capture as capture_mod, plugin  # noqa: E402
+from dspark_calib.vllm import runtime
 from dspark_calib.vllm.capture import CaptureDir, vllm_curves  # noqa: E402
 
 
@@ -341,7 +344,7 @@ def engine_stand_in(monkeypatch):
     for key in list(os.environ):
         if key.startswith(("DSPARK_CALIB_", "VLLM_RAY_EXTRA_")):
             monkeypatch.delenv(key)
-    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(runtime, "_logged", set())
     monkeypatch.setattr(plugin, "_announced", set())
     tc.use_group(monkeypatch, tc.Group())
     seen: list[dict] = []
@@ -391,7 +394,7 @@ def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_p
         assert engine_stand_in[-1]["driver_locked"] and not engine_stand_in[-1]["free_elsewhere"]
         assert not CaptureDir(d).locked  # released: the directory is free again
         assert len(lines) == 1 and "5 samples per size (--replays 3 rounded up" in lines[0] and "estimate" in lines[0]
-        table = driver.table_from_capture(o, cap)
+        table = profile_table.table_from_capture(o, cap)
         fp = table.fingerprint
         assert (fp.replays, fp.warmup_replays, fp.extra["replays_asked"]) == (5, 0, 3)
         assert fp.extra["vllm_curves_equal"] is True and table.context_lens() == [1024, 8192]
@@ -408,21 +411,21 @@ def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_p
 
 def test_driver_checks_the_table_against_vllms_curves(engine_stand_in, tmp_path, monkeypatch):
     o, cap, _, _ = _profile_in_process(tmp_path, monkeypatch, replays=5, warmup=5)
-    assert driver.table_from_capture(o, cap).fingerprint.warmup_replays == 5
+    assert profile_table.table_from_capture(o, cap).fingerprint.warmup_replays == 5
     bent = json.loads(json.dumps(cap))
     bent["vllm_curves"]["8192"]["verify"][3][1] *= 1.001
     with pytest.raises(CalibError) as err:
-        driver.table_from_capture(o, bent)
+        profile_table.table_from_capture(o, bent)
     assert "disagree at context 8192" in str(err.value) and "verify size" in str(err.value)
     assert not str(err.value).startswith("dspark-calib:")
     short = json.loads(json.dumps(cap))
     del short["vllm_curves"]["1024"]
     with pytest.raises(CalibError, match=r"contexts \[8192\], the table \[1024, 8192\]"):
-        driver.table_from_capture(o, short)
+        profile_table.table_from_capture(o, short)
     missing = json.loads(json.dumps(cap))
     missing["samples"].pop()
     with pytest.raises(CalibError, match="holds 4 samples for size .* its schedule 5"):
-        driver.table_from_capture(o, missing)
+        profile_table.table_from_capture(o, missing)
 
 
 def test_driver_does_not_take_the_lock_when_workers_are_other_processes(engine_stand_in, tmp_path, monkeypatch):
@@ -447,7 +450,7 @@ def test_expected_schedule_is_the_workers(tmp_path):
     import test_capture as tc
 
     from dspark_calib.vllm.capture import Plan, Schedule
-    from dspark_calib.vllm.profile_plan import default_capture_sizes, expected
+    from dspark_calib.vllm.profile.plan import default_capture_sizes, expected
 
     o = resolve_options(opts(context_lens=(1024, 8192), replays=20, warmup=2))
     # vLLM's own resolution on the H200 (Qwen3-8B, 256 seqs, k 7, 8192 tokens), as the capture recorded it
@@ -466,7 +469,7 @@ def test_expected_schedule_is_the_workers(tmp_path):
 def test_estimate_includes_the_cooldown(tmp_path):
     import test_capture as tc
 
-    from dspark_calib.vllm.profile_plan import expected
+    from dspark_calib.vllm.profile.plan import expected
 
     off = expected(resolve_options(opts(context_lens=(1024, 8192), replays=20, warmup=2, cooldown_s=0)), tc.SIZES)
     on = expected(resolve_options(opts(context_lens=(1024, 8192), replays=20, warmup=2, cooldown_s=2.0)), tc.SIZES)
@@ -480,7 +483,7 @@ def test_cooldown_reaches_the_plan_and_the_table(engine_stand_in, tmp_path, monk
     the table's fingerprint extra records it and what the worker spent."""
     from typer.testing import CliRunner
 
-    from dspark_calib.cli import app
+    from dspark_calib.cli.app import app
 
     seen = []
     monkeypatch.setattr(profile_cmd, "_run", lambda o, *a, **k: seen.append(o))
@@ -490,14 +493,14 @@ def test_cooldown_reaches_the_plan_and_the_table(engine_stand_in, tmp_path, monk
     o, cap, lines, _ = _profile_in_process(tmp_path, monkeypatch, replays=5, warmup=0, cooldown_s=0.5)
     assert cap["plan"]["cooldown_s"] == 0.5 and cap["cooldown"]["pauses"] == 1  # two contexts, one block each
     assert "cool-down" in lines[0]
-    extra = driver.table_from_capture(o, cap).fingerprint.extra
+    extra = profile_table.table_from_capture(o, cap).fingerprint.extra
     assert extra["cooldown_s"] == 0.5 and 0 < extra["cooldown_total_s"] <= 0.5
 
 
 def test_terminal_shows_the_plan_line_and_the_schedule_in_the_bar(tmp_path, monkeypatch, capfd):
     import glob
 
-    from dspark_calib.table import read_table
+    from dspark_calib.table.file import read_table
 
     shipped = read_table(sorted(glob.glob(os.path.join(ROOT, "profiles", "h200", "*.parquet")))[0])
     seen = []

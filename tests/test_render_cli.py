@@ -14,9 +14,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dspark_calib import __version__
-from dspark_calib.cli import app
+from dspark_calib.cli.app import app
 from dspark_calib.reference import table_from_startup_json
-from dspark_calib.table import read_table, write_table
+from dspark_calib.table.file import read_table, write_table
 
 from conftest import DRAFT, MODEL, REFERENCE_KWARGS as KW, REPO, fixture_json as _json, one_line_error
 
@@ -179,7 +179,7 @@ def _run(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 def test_cli_import_stays_light():
-    code = ("import sys, dspark_calib.cli\n"
+    code = ("import sys, dspark_calib.cli.app\n"
             "heavy = [m for m in ('torch', 'vllm', 'scipy', 'matplotlib', 'pandas', 'pyarrow') if m in sys.modules]\n"
             "assert not heavy, heavy")
     r = _run("-c", code)
@@ -203,7 +203,7 @@ def test_diff_threshold_exits_1_on_a_significant_speed_up(files):
 
 
 def test_diff_without_significance_says_so_and_needs_no_scipy(files):
-    code = ("import sys\nfrom dspark_calib.cli import main\n"
+    code = ("import sys\nfrom dspark_calib.cli.app import main\n"
             f"sys.argv = ['dspark-calib', 'diff', {files['c1024']!r}, {files['c16384']!r}]\n"
             "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
             "assert 'scipy' not in sys.modules and 'matplotlib' not in sys.modules\n")

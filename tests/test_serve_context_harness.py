@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspark_calib.observe import ObservedStep, ObservedWriter, read_observed
+from dspark_calib.observe.step import ObservedStep
+from dspark_calib.observe.file import ObservedWriter, read_observed
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA10 = REPO / "benchmarks" / "results" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
@@ -214,7 +215,7 @@ def test_own_prediction_errors_by_context(sc, tmp_path):
 def test_compaction_round_trips_through_validate(sc, tmp_path, monkeypatch):
     import itertools
 
-    import dspark_calib.observe as observe
+    import dspark_calib.observe.file as observe
 
     # each file a different second, as on a real engine: still one engine's metadata
     tick = itertools.count()
@@ -227,7 +228,7 @@ def test_compaction_round_trips_through_validate(sc, tmp_path, monkeypatch):
     info = sc.compact_observed(str(src), str(dst))
     assert info["rows"] == len(rows) and info["files"] == -(-len(rows) // 9) and info["metadata_variants"] == 1
     back = read_observed([dst])
-    assert back.metadata[0]["mode"] == "context_aware" and sorted(back["step"]) == list(range(len(rows)))
+    assert back.metadata[0].raw["mode"] == "context_aware" and sorted(back["step"]) == list(range(len(rows)))
     out = sc.run_validate(str(SCHEMA10), str(dst))
     assert out["rc"] == 0 and out["doc"]["num_steps"] == len(rows)
     flat = sc.validate_by_context(out["doc"])

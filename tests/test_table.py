@@ -26,18 +26,10 @@ from dspark_calib import __version__
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import MERGE_KEYS, Fingerprint
 from dspark_calib.fit import CURVE_KINDS, Curve, CurvePair
-from dspark_calib import tablefile
-from dspark_calib.table import CostTable, merge_tables
-from dspark_calib.tablefile import (
-    COLUMNS,
-    CURVE_COLUMNS,
-    METADATA_KEY,
-    SCHEMA_VERSION,
-    read_metadata,
-    read_table,
-    to_arrow,
-    write_table,
-)
+from dspark_calib.table import file as tablefile
+from dspark_calib.table.model import CostTable, merge_tables
+from dspark_calib.table.file import COLUMNS, CURVE_COLUMNS, SCHEMA_VERSION, read_metadata, read_table, to_arrow, write_table
+from dspark_calib.table.meta import METADATA_KEY
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -336,8 +328,8 @@ def test_failed_write_leaves_old_file_and_no_temp(tmp_path, reference_table_8192
 
 CHILD = textwrap.dedent(r"""
     import os, sys, time
-    from dspark_calib import tablefile
-    from dspark_calib.table import read_table, write_table
+    from dspark_calib.table import file as tablefile
+    from dspark_calib.table.file import read_table, write_table
 
     mode, src, dest = sys.argv[1:4]
     table = read_table(src)

@@ -23,22 +23,9 @@ from dspark_calib.compare import choose_contexts
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import CURVE_KINDS, Curve, CurvePair
 from dspark_calib.inspection import inspect_table
-from dspark_calib.table import CostTable, merge_tables, nearest
-from dspark_calib.tablefile import (
-    COLUMNS,
-    CURVE_COLUMNS,
-    METADATA_KEY,
-    MIGRATIONS,
-    SCHEMA_VERSION,
-    ReadLimits,
-    TableFile,
-    columns_in,
-    migration,
-    read_metadata,
-    read_table,
-    to_arrow,
-    write_table,
-)
+from dspark_calib.table.model import CostTable, merge_tables, nearest
+from dspark_calib.table.file import COLUMNS, CURVE_COLUMNS, MIGRATIONS, SCHEMA_VERSION, TableFile, columns_in, migration, read_metadata, read_table, to_arrow, write_table
+from dspark_calib.table.meta import METADATA_KEY, ReadLimits
 
 RESULTS = REPO / "benchmarks" / "results" / "h200"
 BENCH_RESULTS = sorted(RESULTS.glob("h200-tp1-ctx8192-*.parquet"))  # the morning's tables (schema 1.0)
@@ -125,7 +112,7 @@ def test_one_handle_what_was_checked_is_what_is_read(tmp_path, t8192, reference_
 
 
 def test_read_table_does_not_import_pandas(path8192):
-    code = (f"import sys\nfrom dspark_calib.table import read_table\nt = read_table({str(path8192)!r})\n"
+    code = (f"import sys\nfrom dspark_calib.table.file import read_table\nt = read_table({str(path8192)!r})\n"
             "assert len(t.samples) == 280 and 'pandas' not in sys.modules, sorted(sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
 
@@ -312,7 +299,7 @@ def test_tiny_draft_costs_are_fine(tmp_path, t8192):
 def test_fifo_refused_without_blocking(tmp_path):
     fifo = tmp_path / "x.parquet"
     os.mkfifo(fifo)
-    code = f"from dspark_calib.table import read_table\nread_table({str(fifo)!r})\n"
+    code = f"from dspark_calib.table.file import read_table\nread_table({str(fifo)!r})\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert "is a FIFO, not a regular file" in r.stderr and str(fifo) in r.stderr
@@ -406,14 +393,16 @@ def test_to_arrow_of_a_migrated_table_is_a_valid_current_file(tmp_path):
 
 # -- review finding 5: a newer minor's table keeps its stored, verified hash -------------------
 def test_newer_minor_table_reports_its_stored_hash(tmp_path, reference_table):
-    from dspark_calib.tablefile import METADATA_KEY, _hash_1_1, read_metadata
+    from dspark_calib.table.meta import METADATA_KEY
+    from dspark_calib.table.file import read_metadata
+    from dspark_calib.table.identity import hash_1_1
 
     p = write_table(reference_table, tmp_path / "h11.parquet")
     arrow = pq.read_table(p)
     meta = json.loads(arrow.schema.metadata[METADATA_KEY])
     meta["schema_version"] = "1.2"
     meta["fingerprint"]["new_key_from_1_2"] = "x"  # this reader moves it under extra
-    meta["content_hash"] = _hash_1_1(meta, read_table(p).curves)
+    meta["content_hash"] = hash_1_1(meta, read_table(p).curves)
     newer = tmp_path / "h12.parquet"
     pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), newer,
                    row_group_size=meta["curve_rows"], write_page_checksum=True)
@@ -421,7 +410,7 @@ def test_newer_minor_table_reports_its_stored_hash(tmp_path, reference_table):
     t = read_table(newer)
     assert t.content_hash == stored
     from typer.testing import CliRunner
-    from dspark_calib.cli import app
+    from dspark_calib.cli.app import app
     r = CliRunner().invoke(app, ["inspect", str(newer), "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["content_hash"] == stored
     # a table changed after the read computes its own hash again; one built in memory too
@@ -432,8 +421,8 @@ def test_newer_minor_table_reports_its_stored_hash(tmp_path, reference_table):
 
 # -- review finding 3: a curve row group that runs on into sample rows is refused ---------------
 def test_serving_read_refuses_a_curve_row_group_full_of_sample_rows(tmp_path, reference_table):
-    from dspark_calib.tablefile import TableFile, to_arrow
-    from dspark_calib.tablemeta import SERVE_LIMITS
+    from dspark_calib.table.file import TableFile, to_arrow
+    from dspark_calib.table.meta import SERVE_LIMITS
 
     arrow = to_arrow(reference_table)
     path = tmp_path / "one-group.parquet"

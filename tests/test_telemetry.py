@@ -14,8 +14,10 @@ import pytest
 import test_capture as tc
 from test_capture import clean, make_manager, start_capture, vllm_sequence  # noqa: F401 - autouse fixture
 from dspark_calib.errors import CalibError
-from dspark_calib.table import SCHEMA_VERSION
-from dspark_calib.tablefile import METADATA_KEY, _hash_1_1, read_metadata, read_table, to_arrow, write_table
+from dspark_calib.table.model import SCHEMA_VERSION
+from dspark_calib.table.meta import METADATA_KEY
+from dspark_calib.table.file import read_metadata, read_table, to_arrow, write_table
+from dspark_calib.table.identity import hash_1_1
 from dspark_calib.telemetry import Reading, Telemetry
 from dspark_calib.vllm import gpu_readings
 from dspark_calib.vllm.capture import CaptureDir, Plan
@@ -231,7 +233,7 @@ def test_a_1_1_file_reads_with_no_telemetry_and_its_own_hash(tmp_path, reference
     meta = json.loads(arrow.schema.metadata[METADATA_KEY])
     del meta["telemetry"]
     meta["schema_version"] = "1.1"
-    meta["content_hash"] = _hash_1_1(meta, reference_table_8192.curves)
+    meta["content_hash"] = hash_1_1(meta, reference_table_8192.curves)
     pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), tmp_path / "old.parquet")
     assert read_metadata(tmp_path / "old.parquet").schema_version == "1.1"
     old = read_table(tmp_path / "old.parquet")

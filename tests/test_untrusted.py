@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from dspark_calib.table import write_table
-from dspark_calib.vllm import candidates as C
-from dspark_calib.vllm import loader as L
+from dspark_calib.table.file import write_table
+from dspark_calib.table import sources as C
+from dspark_calib import selection as L
 
 POLICIES = ("fallback", "strict", "warn")
 FORGED_LINE = "\nINFO 11-30 14:00:00 [loader.py:1] dspark-calib: loaded cost table good.parquet (hash 000000000000)"
@@ -72,7 +72,7 @@ def test_ansi_and_newlines_in_table_metadata(tmp_path, reference_table, engine, 
     # created_at is parsed by the reader (C1): an escape there makes the file unreadable, said cleanly.
     import pyarrow.parquet as pq
 
-    from dspark_calib.tablefile import to_arrow
+    from dspark_calib.table.file import to_arrow
 
     pq.write_table(to_arrow(replace(reference_table, created_at=f"2026{ANSI}")), str(tmp_path / "when.parquet"))
     d = decide(tmp_path, engine, policy)

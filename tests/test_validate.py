@@ -11,13 +11,16 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from dspark_calib.context import ContextCosts, ContextGrid, verify_context
+from dspark_calib.pricing.costs import ContextCosts
+from dspark_calib.pricing.grid import ContextGrid
+from dspark_calib.pricing.rules import verify_context
 from dspark_calib.errors import CalibError
-from dspark_calib.observe import ObservedStep, ObservedSteps, ObservedWriter, read_observed
-from dspark_calib.render_validate import plot_validation, render_validation
+from dspark_calib.observe.step import ObservedStep, ObserveMeta
+from dspark_calib.observe.file import ObservedSteps, ObservedWriter, read_observed
+from dspark_calib.render.validation import plot_validation, render_validation
 from dspark_calib.validate import (AWARE, SINGLE, max_error_exceeded, pow2_bucket, recorded_chunks, recorded_tail,
                                    validate)
-from dspark_calib.vllm.env import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI
+from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI
 
 NOISE = 0.002  # 0.2 % multiplicative noise: the repeat spread of an H200 profile
 
@@ -154,8 +157,8 @@ def test_pow2_bucket():
 
 
 def test_validate_imports_no_torch_or_vllm(observed_dir, table_file):
-    code = ("import sys\nfrom dspark_calib.table import read_table\nfrom dspark_calib.observe import read_observed\n"
-            "from dspark_calib.validate import validate\nfrom dspark_calib.render_validate import render_validation\n"
+    code = ("import sys\nfrom dspark_calib.table.file import read_table\nfrom dspark_calib.observe.file import read_observed\n"
+            "from dspark_calib.validate import validate\nfrom dspark_calib.render.validation import render_validation\n"
             f"r = validate(read_table({str(table_file)!r}), read_observed([{str(observed_dir)!r}]))\n"
             "assert r.num_steps == 900\n"
             "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'\n")
@@ -226,7 +229,7 @@ def test_verify_context_uses_the_tables_own_max_num_seqs_and_counts_out_of_range
 def mixed_steps(table, tail_milli, n, *, seed=5):
     """Decode steps of batches mixing 1k and 16k requests, measured exactly as pricing at the raised
     sum tail_context_sum(S, max, n, tail_milli) predicts (what a kernel tail would do)."""
-    from dspark_calib.context import tail_context_sum
+    from dspark_calib.pricing.rules import tail_context_sum
 
     grid = ContextGrid.from_table(table)
     rng = np.random.default_rng(seed)
@@ -316,7 +319,7 @@ def test_files_from_engines_with_different_tails_are_refused_and_stock_files_rec
 
 
 def test_tail_context_sum_by_hand():
-    from dspark_calib.context import tail_context_sum
+    from dspark_calib.pricing.rules import tail_context_sum
 
     # 3 requests at 1000, 1000, 16000: S 18000, n max 48000; t 0.25 -> 18000 + 30000 / 4
     assert tail_context_sum(18000, 16000, 3, 250) == 25500 and tail_context_sum(18000, 16000, 3, 0) == 18000
@@ -391,7 +394,7 @@ def aware_prefill(result):
 
 
 def test_chunk_pricing_follows_the_engines_and_the_option(reference_table, tmp_path):
-    from dspark_calib.context import CHUNK_RULE
+    from dspark_calib.pricing.policy import CHUNK_RULE
 
     rows = chunk_steps(reference_table, 30)
 
@@ -422,7 +425,7 @@ def test_chunk_pair_price_follows_the_rule_the_files_record(reference_table, tmp
     """Files from before 2026-12-01 (context_chunks true, no context_chunk_rule) were priced by the
     first rule, R(N) / N a pair: validate reproduces them as recorded, prices them by this
     release's rule under --chunks, and refuses to pool the two rules."""
-    from dspark_calib.context import CHUNK_RULE, CHUNK_RULE_PER_STEP
+    from dspark_calib.pricing.policy import CHUNK_RULE, CHUNK_RULE_PER_STEP
 
     def write(name, rows, **meta):
         return write_steps(tmp_path / name, rows, **meta)
@@ -439,7 +442,7 @@ def test_chunk_pair_price_follows_the_rule_the_files_record(reference_table, tmp
     with pytest.raises(CalibError, match="different chunk pricing rules .*--chunks"):
         validate(reference_table, read_observed([tmp_path / "old", tmp_path / "new"]))
     assert aware_prefill(validate(reference_table, new, chunks=True)).median_pct == 0.0
-    bad = ObservedSteps(old.columns, old.files, ({**old.metadata[0], "context_chunk_rule": "nope"},))
+    bad = ObservedSteps(old.columns, old.files, (ObserveMeta.from_dict({**old.metadata[0].raw, "context_chunk_rule": "nope"}),))
     with pytest.raises(CalibError, match="context_chunk_rule='nope'"):
         validate(reference_table, bad)
     console = Console(record=True, width=400)
@@ -450,7 +453,7 @@ def test_chunk_pair_price_follows_the_rule_the_files_record(reference_table, tmp
 def test_chunk_pair_price_takes_n_max_from_the_table_not_the_files(reference_table, tmp_path):
     """Files of an engine that served with max_num_batched_tokens 4096 against a table profiled to
     8192: the engine priced a pair at 256 / 8192 (the profile's largest step), so must validate."""
-    from dspark_calib.context import CHUNK_RULE
+    from dspark_calib.pricing.policy import CHUNK_RULE
 
     rows = [r for r in chunk_steps(reference_table, 30) if r.num_target_tokens <= 4096]
     assert len(rows) >= 10
@@ -461,7 +464,8 @@ def test_chunk_pair_price_takes_n_max_from_the_table_not_the_files(reference_tab
 
 
 def test_prefill_context_sum_by_hand():
-    from dspark_calib.context import CHUNK_RULE, CHUNK_RULE_PER_STEP, chunk_kv_ratio, prefill_context_sum
+    from dspark_calib.pricing.policy import CHUNK_RULE, CHUNK_RULE_PER_STEP
+    from dspark_calib.pricing.rules import chunk_kv_ratio, prefill_context_sum
 
     # this release's rule: a pair at R / N_max KV tokens, whatever the step's size (256 / 8192 here)
     assert chunk_kv_ratio(CHUNK_RULE, 256, 8192) == (256, 8192)

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import assert_command_is_light, REPO, SCHEMA10, one_line_error
-from dspark_calib.cli import app
-from dspark_calib.observe import ObservedWriter
-from dspark_calib.table import read_table
+from dspark_calib.cli.app import app
+from dspark_calib.observe.file import ObservedWriter
+from dspark_calib.table.file import read_table
 from test_validate import synthetic_steps
 
 runner = CliRunner()

@@ -118,7 +118,7 @@ def _curve(points: list) -> dict[int, float]:
 def report(src: str, out_path: str) -> dict:
     sys.path.insert(0, ROOT)
     from dspark_calib.stability import table_flags
-    from dspark_calib.table import read_table
+    from dspark_calib.table.file import read_table
 
     vllm, product, runs = {}, {}, {}
     for ab in ("a", "b"):

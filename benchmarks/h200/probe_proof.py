@@ -19,7 +19,7 @@ class Keep(logging.Handler):
     def emit(self, record):
         lines.append([record.levelname, record.getMessage()])
 logging.getLogger("vllm.dspark_calib").addHandler(Keep())
-from dspark_calib.vllm import loader
+from dspark_calib.vllm import load as loader
 loader.install_hooks()
 from vllm import LLM
 root = os.getcwd()
@@ -45,7 +45,7 @@ os._exit(0)
 def forge(src, dst, scale):
     from dataclasses import replace
     from dspark_calib.fit import CurvePair
-    from dspark_calib.table import read_table, write_table
+    from dspark_calib.table.file import read_table, write_table
 
     t = read_table(src)
     def change(c):

@@ -379,7 +379,7 @@ def budget_distribution(cols: dict[str, Any], rows: Any | None = None, k: int = 
     of the per-request budget rounded to 0..K, and how often the two pricings disagree."""
     import numpy as np
 
-    from dspark_calib.observe import ABSENT
+    from dspark_calib.observe.step import ABSENT
 
     sel = np.ones(len(cols["step"]), dtype=bool) if rows is None else np.zeros(len(cols["step"]), dtype=bool)
     if rows is not None:
@@ -443,7 +443,7 @@ def compact_observed(src_dir: str, dst: str) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dspark_calib.observe import METADATA_KEY, observed_paths, read_observed
+    from dspark_calib.observe.file import METADATA_KEY, observed_paths, read_observed
 
     paths = observed_paths([src_dir])
     tables = [pq.read_table(p) for p in paths]
@@ -697,9 +697,10 @@ class FakeEngine:
 
         from types import SimpleNamespace
 
-        from dspark_calib.context import ContextCosts, ContextGrid
-        from dspark_calib.observe import ObservedWriter
-        from dspark_calib.table import read_table
+        from dspark_calib.pricing.costs import ContextCosts
+        from dspark_calib.pricing.grid import ContextGrid
+        from dspark_calib.observe.file import ObservedWriter
+        from dspark_calib.table.file import read_table
 
         table = read_table(table_path, samples=False)
         self.costs = ContextCosts.from_table(table)
@@ -775,7 +776,7 @@ class FakeEngine:
         else:
             pd, pv = self.costs.tables[8192]
             priced = 8192
-        from dspark_calib.context import verify_context
+        from dspark_calib.pricing.rules import verify_context
 
         # the fake's truth: what the profile says a batch reading this much KV costs. Circular on
         # purpose (the model under test makes the data): the dry run checks plumbing, not pricing.
@@ -784,7 +785,7 @@ class FakeEngine:
         noise = 1 + self.rng.normal(0, 0.003, 2)
         self.step_no += 1
         if self.writer is not None and self.step_no % self.every == 0:
-            from dspark_calib.observe import ObservedStep
+            from dspark_calib.observe.step import ObservedStep
 
             self.writer.append(ObservedStep(
                 step=self.step_no, forward_ms=float(truth_verify[min(tokens, MAX_BATCHED)] * noise[0]),
@@ -1088,7 +1089,7 @@ def post_process(arm: str, events: list[dict[str, Any]], obs: str, table: str | 
     try:
         import numpy as np  # noqa: F401
 
-        from dspark_calib.observe import read_observed
+        from dspark_calib.observe.file import read_observed
 
         dst = os.path.join(out_dir, f"context-{label}-observed.parquet")
         summary["observed"] = compact_observed(obs, dst)
@@ -1115,7 +1116,7 @@ def post_process(arm: str, events: list[dict[str, Any]], obs: str, table: str | 
 
 def _table_info(path: str) -> dict[str, Any]:
     try:
-        from dspark_calib.table import read_table
+        from dspark_calib.table.file import read_table
 
         t = read_table(path, samples=False)
         return {"path": path, "hash": t.content_hash[:12], "contexts": sorted(int(c) for c in t.curves),
@@ -1278,9 +1279,9 @@ def revalidate(table_path: str, observed_path: str, workloads: list[str]) -> lis
     """validate() of this checkout on an arm's compacted observe file, per workload (rows between
     the marker batches, as post_process segments them) and over all steps: the pricing of the
     code at hand, not of the commit the arm ran (the on-host numbers stay in context-ARM.json)."""
-    from dspark_calib.context import CHUNK_RULE
-    from dspark_calib.observe import ObservedSteps, read_observed
-    from dspark_calib.table import read_table
+    from dspark_calib.pricing.policy import CHUNK_RULE
+    from dspark_calib.observe.file import ObservedSteps, read_observed
+    from dspark_calib.table.file import read_table
     from dspark_calib.validate import AWARE, SINGLE, validate
 
     obs = read_observed([observed_path])

@@ -7,7 +7,7 @@ import json, os, sys
 
 import numpy as np
 
-from dspark_calib.table import read_table, write_table
+from dspark_calib.table.file import read_table, write_table
 from procs import serve_one_case  # noqa: E402 - beside this script
 
 table_path, out_dir = os.path.abspath(sys.argv[1]), sys.argv[2]

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from dspark_calib.table import read_table
+from dspark_calib.table.file import read_table
 
 here = os.path.dirname(os.path.abspath(__file__))
 res_dir = os.path.join(here, "..", "results", "h200")

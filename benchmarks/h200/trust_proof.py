@@ -27,7 +27,7 @@ WORK = "/tmp/trust"
 
 def derived(table_path):
     from dspark_calib.fit import CurvePair
-    from dspark_calib.table import read_table, write_table
+    from dspark_calib.table.file import read_table, write_table
 
     t = read_table(table_path)
     os.makedirs(WORK, exist_ok=True)

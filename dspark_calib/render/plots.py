@@ -17,7 +17,7 @@ from dspark_calib.fit import CURVE_KINDS, DRAFT
 
 if TYPE_CHECKING:
     from dspark_calib.compare import DiffResult
-    from dspark_calib.table import CostTable
+    from dspark_calib.table.model import CostTable
 
 SIZE_LABEL = {DRAFT: "num_reqs", "verify": "num_target_tokens"}
 FORMATS = ("png", "svg", "pdf")  # what --plot writes, chosen by the file's suffix

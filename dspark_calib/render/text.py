@@ -24,7 +24,7 @@ from dspark_calib.render.conditions import render_conditions_diff, render_teleme
 if TYPE_CHECKING:
     from dspark_calib.check import CheckResult
     from dspark_calib.compare import CurveDiff, DiffResult, ThresholdVerdict
-    from dspark_calib.table import CostTable
+    from dspark_calib.table.model import CostTable
 
 MAX_CURVE_ROWS = 80  # beyond this a curve table is a wall of numbers: show a log-spaced selection
 CURVE_SAMPLE_ROWS = 40

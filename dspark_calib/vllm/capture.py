@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
 from dspark_calib.atomic import atomic_write, atomic_write_json
-from dspark_calib.vllm import env as E
+from dspark_calib import env as E
 from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S, Cooldown, check_cooldown
 
 ENV_CAPTURE = E.CAPTURE  # env.py is the home of every DSPARK_CALIB_* name
@@ -308,7 +308,7 @@ class CaptureMode:
     def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]:
         from dspark_calib.vllm.engine_info import broadcast_from_rank0, tp_rank_and_size
         from dspark_calib.vllm.gpu_readings import block_recorder
-        from dspark_calib.vllm.plugin import state_of
+        from dspark_calib.vllm.runtime import state_of
 
         rank, tp_size = tp_rank_and_size()
         # Every rank must run the same batches (they hold collectives): rank 0 locks the
@@ -359,7 +359,7 @@ class CaptureMode:
             recorder.end()
 
     def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
-        from dspark_calib.vllm.plugin import state_of
+        from dspark_calib.vllm.runtime import state_of
 
         state = state_of(manager)
         run: CaptureRun = state.run
@@ -392,7 +392,7 @@ class CaptureMode:
     def _payload(self, manager: Any, state: Any, run: CaptureRun, samples: list) -> tuple[dict, int]:
         from dspark_calib.fit import fit_pair
         from dspark_calib.samples import Sample
-        from dspark_calib.table import nearest
+        from dspark_calib.table.model import nearest
         from dspark_calib.vllm.engine_info import current_context_len, describe_engine, hardware
 
         tags = run.schedule.tags

@@ -34,10 +34,14 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from dspark_calib.context import (DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, MAX_TAIL_MILLI, ContextCosts, ContextGrid,
-                                  StepBuffer, prefill_context_sum, tail_context_sum)
+from dspark_calib.errors import exception_line
+from dspark_calib.pricing.grid import DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, ContextGrid, StepBuffer
+from dspark_calib.pricing.policy import MAX_TAIL_MILLI
+from dspark_calib.pricing.costs import ContextCosts, curves_for_broadcast
+from dspark_calib.pricing.policy import CONTEXT_AWARE, PricingPolicy
+from dspark_calib.pricing.rules import prefill_context_sum, tail_context_sum
+from dspark_calib.vllm.runtime import peek_state, state_of
 
-_STATE = "_dspark_calib_context_aware"
 # Below this many requests a Python sum beats numpy's fixed costs (measured on CPU,
 # see benchmarks/bench_context_aware.py); above it the array path wins.
 _SMALL_BATCH = 48
@@ -52,15 +56,17 @@ _LIST_BATCH = 64
 class ContextAwareState:
     """What install() keeps on the manager: enough to run the step and to undo it."""
 
-    __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context", "stacked",
+    __slots__ = ("grid", "base_tables", "original", "wrapper", "last_context", "stacked", "policy",
                  "generation", "keys", "slots", "slots_generation", "watched", "buffer", "active", "tail", "chunks",
                  "chunk_ratio", "active_slots", "active_generation", "missing", "missing_slots", "missing_generation", "scratch")
 
     def __init__(self, grid: ContextGrid | None, base_tables: Any, original: Callable, wrapper: Callable | None = None,
-                 stacked: bool = False, tail_milli: int = 0, chunks: bool = False):
+                 stacked: bool = False, policy: PricingPolicy | None = None):
         self.grid = grid  # None after an uninstall that could not unwrap (another wrapper on top)
-        self.tail = int(tail_milli)  # the mixed-context tail in thousandths (0: the mean, the issue's pricing)
-        self.chunks = bool(chunks)  # price prefill chunks by their query-context pairs
+        self.policy = policy or PricingPolicy(CONTEXT_AWARE)
+        # the policy's two settings the step reads, as plain attributes (one lookup each per step)
+        self.tail = int(self.policy.tail_milli)  # the mixed-context tail in thousandths (0: the mean)
+        self.chunks = bool(self.policy.chunks)  # price prefill chunks by their query-context pairs
         # a pair's KV tokens (context.CHUNK_RULE: the profile's largest step), constants per grid
         self.chunk_ratio = _chunk_ratio(grid)
         self.base_tables = base_tables
@@ -246,31 +252,33 @@ def _chunk_ratio(grid: ContextGrid | None) -> tuple[int, int]:
     return (1, 1) if grid is None else grid.costs.chunk_ratio()
 
 
-def install(manager: Any, grid: ContextGrid, *, tail_milli: int = 0, chunks: bool = False) -> ContextAwareState:
+def install(manager: Any, grid: ContextGrid, policy: PricingPolicy | None = None) -> ContextAwareState:
     """Make this manager's get_num_tokens price each step for its batch (drafts at the mean
     context, verify by the KV the step reads: ContextGrid.step_tables).
 
     Per instance (other managers in the process are untouched) and idempotent: a
     second install replaces the grid and keeps the original method and tables. It
     wraps what is there: vLLM's method, or another instance wrapper (observe mode's),
-    so the two compose in either order. tail_milli: the mixed-context tail in thousandths
-    (context.tail_context_sum; 0, the default, prices at the plain KV sum). chunks: price prefill
+    so the two compose in either order. The policy's tail_milli: the mixed-context tail in
+    thousandths (rules.tail_context_sum; 0 prices at the plain KV sum); its chunks: price prefill
     chunks by their query-context pairs (chunk_verify_sum; off: by the KV sum, like decode).
+    The default policy: context-aware, no tail, no chunk pricing.
     """
-    if not 0 <= int(tail_milli) <= MAX_TAIL_MILLI:
-        raise ValueError(f"tail_milli must be between 0 and {MAX_TAIL_MILLI}, got {tail_milli}")
-    state = getattr(manager, _STATE, None)
+    policy = policy or PricingPolicy(CONTEXT_AWARE)
+    if not 0 <= int(policy.tail_milli) <= MAX_TAIL_MILLI:
+        raise ValueError(f"tail_milli must be between 0 and {MAX_TAIL_MILLI}, got {policy.tail_milli}")
+    state = installed_state(manager)
     if state is not None:
-        state.grid, state.buffer, state.tail, state.chunks = grid, StepBuffer(grid), int(tail_milli), bool(chunks)
+        state.grid, state.buffer, state.policy = grid, StepBuffer(grid), policy
+        state.tail, state.chunks = int(policy.tail_milli), bool(policy.chunks)
         state.chunk_ratio = _chunk_ratio(grid)
         return state
     own = manager.__dict__.get("get_num_tokens")
     original = own if own is not None else type(manager).get_num_tokens.__get__(manager)
-    state = ContextAwareState(grid, manager.cost_tables, original, stacked=own is not None, tail_milli=tail_milli,
-                              chunks=chunks)
+    state = ContextAwareState(grid, manager.cost_tables, original, stacked=own is not None, policy=policy)
     state.wrapper = _make_wrapper(manager, state)
     state.watched = _watch_slots(getattr(manager, "req_states", None), state)
-    setattr(manager, _STATE, state)
+    state_of(manager).context_aware = state
     manager.get_num_tokens = state.wrapper
     return state
 
@@ -315,7 +323,7 @@ def _watch_slots(req_states: Any, state: ContextAwareState) -> tuple:
 
 def uninstall(manager: Any) -> bool:
     """Back to vLLM's get_num_tokens and the tables it had at install; False if not installed."""
-    state = getattr(manager, _STATE, None)
+    state = installed_state(manager)
     if state is None:
         return False
     if manager.__dict__.get("get_num_tokens") is state.wrapper:
@@ -329,25 +337,17 @@ def uninstall(manager: Any) -> bool:
             del owner.__dict__[name]  # the class's method again
     state.watched, state.active = (), None
     manager.cost_tables = state.base_tables
-    delattr(manager, _STATE)
+    state_of(manager).context_aware = None
     return True
 
 
 def is_installed(manager: Any) -> bool:
-    return getattr(manager, _STATE, None) is not None
+    return installed_state(manager) is not None
 
 
 def installed_state(manager: Any) -> ContextAwareState | None:
-    return getattr(manager, _STATE, None)
-
-
-def curves_for_broadcast(curves: Mapping[int, Any]) -> dict[int, tuple[list, list]]:
-    """context -> (draft, verify) as vLLM's (size, cost) lists: plain objects to broadcast."""
-    out = {}
-    for ctx, pair in sorted(curves.items()):
-        draft, verify = pair.as_vllm() if hasattr(pair, "as_vllm") else pair
-        out[int(ctx)] = (list(draft), list(verify))
-    return out
+    state = peek_state(manager)
+    return state.context_aware if state is not None else None
 
 
 def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = True,
@@ -371,19 +371,19 @@ def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, broadcast: bool
     return ContextGrid(costs, tolerance=tolerance, max_bytes=max_bytes)
 
 
-def enable(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = False, tail_milli: int = 0,
-           chunks: bool = False) -> str:
+def enable(manager: Any, curves: Mapping[int, Any], policy: PricingPolicy | None = None, *,
+           broadcast: bool = False) -> str:
     """What load mode calls after installing its curves: context-aware when the table has two or
     more contexts. Returns the one line to log; never raises (the engine keeps the static tables)."""
     if len(curves) < 2:
         return "dspark-calib: context-aware costs off: the table profiles one context"
+    policy = policy or PricingPolicy(CONTEXT_AWARE)
+    tail_milli, chunks = policy.tail_milli, policy.chunks
     try:
         grid = grid_for_manager(manager, curves, broadcast=broadcast)
-        install(manager, grid, tail_milli=tail_milli, chunks=chunks)
+        install(manager, grid, policy)
     except Exception as exc:  # noqa: BLE001 - a serving engine must not die of an optional mode
-        from dspark_calib.errors import first_line
-
-        return f"dspark-calib: context-aware costs off ({type(exc).__name__}: {first_line(exc)}); static tables kept"
+        return f"dspark-calib: context-aware costs off ({exception_line(exc)}); static tables kept"
     lo, hi = grid.contexts[0], grid.contexts[-1]
     return (f"dspark-calib: context-aware costs on: contexts {lo}..{hi} ({len(grid.contexts)} profiled), grid "
             f"{len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, within {100 * grid.max_rel_error:.2f}% of the "

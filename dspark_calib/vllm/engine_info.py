@@ -1,19 +1,174 @@
-"""Describe the running engine and its hardware, from inside a vLLM worker.
+"""The running engine as the fingerprint registry sees it, read from inside a vLLM worker.
 
-describe_engine walks the fingerprint registry (fingerprint.KEYS): every key with
-a reader is read from vLLM's own objects, so a table is checked against the engine
-key by key. A key whose reader fails or finds nothing is left out; the loader does
-not check it and names it in its log line (fingerprint.unchecked_keys).
+``READERS`` holds, for every registry key with a load rule (fingerprint.ENGINE_KEYS),
+how it is read from vLLM's own objects: plain attribute walks over the VllmConfig and
+the adaptive verification manager, plus hardware facts gathered here inside the
+worker, so every reader runs in tests on a real VllmConfig built on CPU.
+``describe_engine`` applies them; a key whose reader fails or finds nothing is left
+out, and the load decision names it unchecked (fingerprint.unchecked_keys).
+Nothing here imports torch or vllm at module level.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
-from dspark_calib.engine_readers import EngineView
-from dspark_calib.fingerprint import KEYS
+from dspark_calib.fingerprint import KEY, config_hash, resolve_config_dir
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What a reader is given: vLLM's objects, plus this process's hardware facts.
+
+    engine_info builds it inside the worker (where torch and the GPU are); the
+    facts are gathered there so readers stay plain attribute walks, testable on CPU
+    against a real VllmConfig.
+    """
+
+    vllm_config: Any = None
+    manager: Any = None  # vLLM's AdaptiveVerificationManager, when there is one
+    capture_sizes: tuple[int, ...] = ()  # what the CUDA-graph manager actually captured
+    hardware: Mapping[str, Any] = field(default_factory=dict)  # engine_info.hardware()
+
+
+def hw(name: str) -> Callable[[EngineView], Any]:
+    return lambda e: e.hardware.get(name)
+
+
+def vllm_version(e: EngineView) -> str:
+    import vllm  # the worker has it imported already; never reached on light paths
+
+    return str(vllm.__version__)
+
+
+def manager_or(attr: str, config_path: tuple[str, str]) -> Callable[[EngineView], Any]:
+    """The manager's value (what vLLM sized the cost tables by), else the config's."""
+
+    def read(e: EngineView) -> Any:
+        states = getattr(e.manager, "req_states", None)
+        if states is not None:
+            return int(getattr(states, attr))
+        section, name = config_path
+        return int(getattr(getattr(e.vllm_config, section), name))
+
+    return read
+
+
+def num_spec_tokens(e: EngineView) -> int:
+    if e.manager is not None:
+        return int(e.manager.num_speculative_steps)
+    return int(e.vllm_config.speculative_config.num_speculative_tokens)
+
+
+def capture_sizes(e: EngineView) -> list[int] | None:
+    sizes = e.capture_sizes or e.vllm_config.compilation_config.cudagraph_capture_sizes
+    return sorted(int(s) for s in sizes) if sizes else None
+
+
+def config_hash_of(which: str) -> Callable[[EngineView], str | None]:
+    def read(e: EngineView) -> str | None:
+        cfg = e.vllm_config.model_config if which == "target" else e.vllm_config.speculative_config
+        model = getattr(cfg, "model", None)
+
+        directory = resolve_config_dir(model) if model else None
+        return config_hash(directory) if directory else None
+
+    return read
+
+
+def attention_backends(e: EngineView, draft: bool) -> str | None:
+    """The backend class vLLM resolved for each attention layer (layer.get_attn_backend()).
+
+    Layers live in compilation_config.static_forward_context, target and drafter
+    alike; vLLM's speculator marks the drafter's with ``is_draft_layer``
+    (spec_decode/speculator.py). Without that mark, DSpark's numbering decides:
+    drafter layers come after the target's (start_layer_id = target layer count).
+    """
+    layers = e.vllm_config.compilation_config.static_forward_context
+    target_layers = int(e.vllm_config.model_config.hf_text_config.num_hidden_layers)
+    names = set()
+    for layer_name, layer in layers.items():
+        get = getattr(layer, "get_attn_backend", None)
+        if get is None:
+            continue
+        mark = getattr(layer, "is_draft_layer", None)
+        if mark is None:
+            index = _layer_index(layer_name)
+            if index is None:
+                continue
+            mark = index >= target_layers
+        if bool(mark) == draft:
+            names.add(get().get_name())
+    return "+".join(sorted(names)) or None
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def expert_parallel_size(e: EngineView) -> int:
+    pc = e.vllm_config.parallel_config
+    # vLLM's FusedMoEParallelConfig: with expert parallel, experts spread over tp x dp x pcp ranks.
+    if not pc.enable_expert_parallel:
+        return 1
+    return int(pc.tensor_parallel_size) * int(pc.data_parallel_size) * int(pc.prefill_context_parallel_size)
+
+
+def hf_overrides(e: EngineView) -> str:
+    value = e.vllm_config.model_config.hf_overrides
+    if not value:
+        return "none"
+    if callable(value):
+        return f"callable:{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+    return "sha256:" + hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def enum_value(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+READERS: dict[str, Callable[[EngineView], Any]] = {
+    "gpu_name": hw("gpu_name"),
+    "gpu_compute_capability": hw("gpu_compute_capability"),
+    "gpu_memory_mib": hw("gpu_memory_mib"),
+    "driver_version": hw("driver_version"),
+    "cuda_version": hw("cuda_version"),
+    "torch_version": hw("torch_version"),
+    "vllm_version": vllm_version,
+    "target_config_hash": config_hash_of("target"),
+    "model_revision": lambda e: e.vllm_config.model_config.revision,
+    "hf_overrides": hf_overrides,
+    "model_impl": lambda e: enum_value(e.vllm_config.model_config.model_impl),
+    "draft_config_hash": config_hash_of("draft"),
+    "draft_revision": lambda e: e.vllm_config.speculative_config.revision,
+    "tensor_parallel_size": lambda e: int(e.vllm_config.parallel_config.tensor_parallel_size),
+    "pipeline_parallel_size": lambda e: int(e.vllm_config.parallel_config.pipeline_parallel_size),
+    "data_parallel_size": lambda e: int(e.vllm_config.parallel_config.data_parallel_size),
+    "expert_parallel_size": expert_parallel_size,
+    "decode_context_parallel_size": lambda e: int(e.vllm_config.parallel_config.decode_context_parallel_size),
+    "dtype": lambda e: str(e.vllm_config.model_config.dtype).removeprefix("torch."),
+    "kv_cache_dtype": lambda e: str(e.vllm_config.cache_config.cache_dtype),
+    "kv_block_size": lambda e: int(e.vllm_config.cache_config.block_size),
+    "quantization": lambda e: e.vllm_config.model_config.quantization,
+    "attention_backend": lambda e: attention_backends(e, draft=False),
+    "draft_attention_backend": lambda e: attention_backends(e, draft=True),
+    "num_speculative_tokens": num_spec_tokens,
+    "max_num_seqs": manager_or("max_num_reqs", ("scheduler_config", "max_num_seqs")),
+    "max_num_batched_tokens": manager_or("max_num_batched_tokens", ("scheduler_config", "max_num_batched_tokens")),
+    "max_model_len": lambda e: int(e.vllm_config.model_config.max_model_len),
+    "cudagraph_capture_sizes": capture_sizes,
+    "cudagraph_mode": lambda e: e.vllm_config.compilation_config.cudagraph_mode.name,
+    "compilation_hash": lambda e: "sha256:" + e.vllm_config.compilation_config.compute_hash()[:16],
+}
 
 
 def describe_engine(manager: Any, capture_sizes: list[int], vllm_config: Any,
@@ -27,11 +182,10 @@ def describe_engine(manager: Any, capture_sizes: list[int], vllm_config: Any,
 
 def read_keys(view: EngineView) -> dict[str, Any]:
     desc: dict[str, Any] = {}
-    for key in KEYS:
-        if key.read is None:
-            continue
+    for name, read in READERS.items():
+        key = KEY[name]
         try:
-            value = key.read(view)
+            value = read(view)
         except Exception:  # noqa: BLE001 - a config shape this vLLM lacks: the key stays unchecked
             continue
         if key.recorded(value):

@@ -150,7 +150,7 @@ def block_recorder() -> Any:
     """Rank 0's recorder on its own GPU; a lost NVML is said once, and kept in the telemetry note."""
     import logging
 
-    from dspark_calib.vllm.plugin import log_once
+    from dspark_calib.vllm.runtime import log_once
 
     reader = GpuReader(nvml_index())
     if reader.note:  # said once here, and kept in the table's telemetry note

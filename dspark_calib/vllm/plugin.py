@@ -6,9 +6,9 @@ DSPARK_CALIB_* variable set it imports nothing beyond the standard library.
 Modes, chosen from the env at each engine start:
 
 * DSPARK_CALIB_CAPTURE=DIR: capture mode (used by `dspark-calib profile`), capture.py;
-* DSPARK_CALIB_TABLE=PATH: load mode (serve time), loader.py;
+* DSPARK_CALIB_TABLE=PATH: load mode (serve time), load.py;
 * DSPARK_CALIB_OBSERVE=DIR: observe mode (serving steps timed and written, with or
-  without a table), observe_mode.py; it composes with load mode;
+  without a table), observer.py; it composes with load mode;
 * neither, but the driver announced DSPARK_CALIB_* names this process did not
   receive (Ray): one ERROR line, vLLM profiles as usual.
 
@@ -30,87 +30,17 @@ import importlib.util
 import logging
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
-from dspark_calib.vllm import env as E  # standard library only
+from dspark_calib import env as E  # standard library only
+from dspark_calib.errors import exception_line
+from dspark_calib.vllm.runtime import MARK, Mode, log_once, new_engine, state_of
 
-# The env names live in env.py; these aliases keep older callers working.
-ENV_PREFIX, ENV_CAPTURE, ENV_TABLE = E.PREFIX, E.CAPTURE, E.TABLE
 # vLLM's own knobs for what Ray copies from the driver to its actors (vllm/ray/ray_env.py).
 RAY_EXTRA_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 RAY_EXTRA_VARS = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 MODEL_RUNNER = "vllm.v1.worker.gpu.model_runner"
-STATE_ATTR = "_dspark_state"
-_MARK = "_dspark_calib_original"
-
-log = logging.getLogger("vllm.dspark_calib")
-
-
-class Mode(Protocol):
-    """What a mode provides to the two patched vLLM methods (the whole contract).
-
-    ``batches`` runs in batches_to_profile, on every TP rank; it gets vLLM's own
-    batch dicts and yields the dummy-run kwargs vLLM will run and time, each one
-    a vLLM dict passed through (``{**batch, ...}``), never rebuilt, and the same
-    sequence on every rank (the runs hold collectives): decide on rank 0 and
-    broadcast. ``install_curves`` runs in set_initial_cost_curves with one
-    timing per yielded batch, in order; it hands vLLM its curves through
-    ``original`` (vLLM's rule on given samples) or ``manager.set_cost_curves``.
-    Per-engine data goes in ``state_of(manager)``, nowhere else on the manager.
-    """
-
-    name: str
-
-    def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]: ...
-
-    def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None: ...
-
-
-@dataclass
-class State:
-    """Everything dspark-calib keeps on one vLLM manager (its only attribute there)."""
-
-    vllm_config: Any = None
-    mode: Any = None  # the Mode of this engine start, or None: vLLM's own profile
-    vllm_fit: Callable | None = None  # vLLM's own set_initial_cost_curves (unbound)
-    run: Any = None  # what the mode keeps from batches to install_curves
-
-
-def state_of(manager: Any) -> State:
-    state = manager.__dict__.get(STATE_ATTR)
-    if state is None:
-        state = State()
-        setattr(manager, STATE_ATTR, state)
-    return state
-
-
-# -- logging: once per engine, from TP rank 0 -----------------------------------------
-_logged: set[str] = set()
-
-
-def _tp_rank() -> int:
-    parallel_state = sys.modules.get("vllm.distributed.parallel_state")  # never import vLLM to ask
-    if parallel_state is None:
-        return 0
-    try:
-        return int(parallel_state.get_tp_group().rank_in_group)
-    except Exception:  # noqa: BLE001 - no group yet: a single process
-        return 0
-
-
-def log_once(level: int, message: str) -> None:
-    if message in _logged:
-        return
-    _logged.add(message)
-    if _tp_rank() == 0:
-        log.log(level, message)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {(text[0] if text else '')[:200]}"
 
 
 # -- env: what the driver set, and whether this process got it --------------------------
@@ -119,7 +49,7 @@ def _csv(value: str) -> list[str]:
 
 
 def _ours() -> list[str]:
-    return sorted(k for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and v)
+    return sorted(k for k, v in os.environ.items() if k.startswith(E.PREFIX) and v)
 
 
 # Names this process announced itself: never "missing" here (the driver unset them, e.g.
@@ -131,8 +61,8 @@ def carry_to_ray_workers(names: list[str]) -> None:
     """Ray copies only known prefixes to its actors: add ours, and announce the names in
     RAY_EXTRA_VARS, a vLLM variable Ray always copies, so a process can tell it missed them."""
     prefixes = _csv(os.environ.get(RAY_EXTRA_PREFIXES, ""))
-    if names and ENV_PREFIX not in prefixes:
-        os.environ[RAY_EXTRA_PREFIXES] = ",".join(prefixes + [ENV_PREFIX])
+    if names and E.PREFIX not in prefixes:
+        os.environ[RAY_EXTRA_PREFIXES] = ",".join(prefixes + [E.PREFIX])
     have = _csv(os.environ.get(RAY_EXTRA_VARS, ""))
     keep = [h for h in have if not (h in _announced and h not in names)]
     new = keep + [n for n in names if n not in keep]
@@ -147,7 +77,7 @@ def carry_to_ray_workers(names: list[str]) -> None:
 
 def missing_from_driver() -> list[str]:
     """DSPARK_CALIB_* names the driver announced that this process did not receive."""
-    announced = [n for n in _csv(os.environ.get(RAY_EXTRA_VARS, "")) if n.startswith(ENV_PREFIX)]
+    announced = [n for n in _csv(os.environ.get(RAY_EXTRA_VARS, "")) if n.startswith(E.PREFIX)]
     return [n for n in announced if not os.environ.get(n) and n not in _announced]
 
 
@@ -177,12 +107,12 @@ def active_mode() -> Mode | None:
         # e.g. the table arrived but DSPARK_CALIB_POLICY=strict did not: never silently
         log_once(logging.ERROR, f"dspark-calib: the driver set {', '.join(missing)} but this engine's workers "
                                 "did not receive them (not copied to Ray workers?); going on without them")
-    if os.environ.get(ENV_CAPTURE):
+    if os.environ.get(E.CAPTURE):
         from dspark_calib.vllm.capture import CaptureMode
 
-        return CaptureMode(os.environ[ENV_CAPTURE])  # profiling never loads a table
-    if os.environ.get(ENV_TABLE):
-        from dspark_calib.vllm.loader import LoadMode
+        return CaptureMode(os.environ[E.CAPTURE])  # profiling never loads a table
+    if os.environ.get(E.TABLE):
+        from dspark_calib.vllm.load import LoadMode
 
         return LoadMode()
     return MissingEnvMode(missing) if missing else None
@@ -203,7 +133,7 @@ def register() -> None:
             # importing it: patch when, and only if, the worker imports it.
             sys.meta_path.insert(0, _PatchAfterImport())
     except Exception as exc:  # noqa: BLE001 - never stop an engine that would otherwise start
-        log_once(logging.ERROR, f"dspark-calib: plugin not registered ({_first_line(exc)}); vLLM runs untouched")
+        log_once(logging.ERROR, f"dspark-calib: plugin not registered ({exception_line(exc)}); vLLM runs untouched")
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
@@ -254,21 +184,21 @@ def _patch_installed_vllm() -> None:
 
         patch(av.AdaptiveVerificationManager, model_runner)
     except Exception as exc:  # noqa: BLE001 - runs inside vLLM's import: must never break it
-        log_once(logging.ERROR, f"dspark-calib: could not patch vLLM ({_first_line(exc)}); leaving it untouched")
+        log_once(logging.ERROR, f"dspark-calib: could not patch vLLM ({exception_line(exc)}); leaving it untouched")
 
 
 def is_patched(manager_cls: Any) -> bool:
     # getattr: an unknown vLLM shape may lack the method; this runs inside vLLM's import
-    return hasattr(getattr(manager_cls, "batches_to_profile", None), _MARK)
+    return hasattr(getattr(manager_cls, "batches_to_profile", None), MARK)
 
 
 def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
     """Wrap the profiling methods once; a second call is a no-op."""
-    from dspark_calib.vllm import loader
+    from dspark_calib.vllm import load
 
     # the probe's timing hook first: if it cannot be installed the class stays unpatched
     # (vLLM untouched), never patched with a probe that cannot run
-    loader.install_hooks()
+    load.install_hooks()
     if not is_patched(manager_cls):
         orig_batches = manager_cls.batches_to_profile
         orig_init = manager_cls.set_initial_cost_curves
@@ -282,7 +212,7 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
             try:
                 state.mode = active_mode()
             except Exception as exc:  # noqa: BLE001 - a broken install must not stop the engine
-                log_once(logging.ERROR, f"dspark-calib: {_first_line(exc)}; profiling at start-up as usual")
+                log_once(logging.ERROR, f"dspark-calib: {exception_line(exc)}; profiling at start-up as usual")
                 state.mode = None
             if state.mode is None:
                 yield from vllm_batches
@@ -297,19 +227,19 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
             else:
                 mode.install_curves(self, samples, lambda s: orig_init(self, s))
 
-        setattr(batches_to_profile, _MARK, orig_batches)
-        setattr(set_initial_cost_curves, _MARK, orig_init)
+        setattr(batches_to_profile, MARK, orig_batches)
+        setattr(set_initial_cost_curves, MARK, orig_init)
         manager_cls.batches_to_profile = batches_to_profile
         manager_cls.set_initial_cost_curves = set_initial_cost_curves
     if model_runner is not None:
         _wrap_factory(model_runner)
-        from dspark_calib.vllm.observe_mode import hook_runner
+        from dspark_calib.vllm.observer import hook_runner
 
         hook_runner(model_runner)  # observe starts per engine, when DSPARK_CALIB_OBSERVE is set
 
 
 def _record_refusal(exc: BaseException) -> None:
-    directory = os.environ.get(ENV_CAPTURE)
+    directory = os.environ.get(E.CAPTURE)
     if not directory or not os.path.isdir(directory):
         return
     try:
@@ -326,12 +256,12 @@ def _wrap_factory(model_runner: Any) -> None:
     vLLM's reason when it refuses adaptive verification (with TP the `profile` command would
     only see "worker failed"), in the capture directory."""
     orig = getattr(model_runner, "maybe_create_adaptive_verification_manager", None)
-    if orig is None or hasattr(orig, _MARK):
+    if orig is None or hasattr(orig, MARK):
         return
 
     @functools.wraps(orig)
     def maybe_create(*args: Any, **kwargs: Any) -> Any:
-        _logged.clear()  # a new engine's runner: its lines are logged again (a second start in one process too)
+        new_engine()
         try:
             manager = orig(*args, **kwargs)
         except ValueError as exc:
@@ -342,7 +272,7 @@ def _wrap_factory(model_runner: Any) -> None:
             state_of(manager).vllm_config = config
         return manager
 
-    setattr(maybe_create, _MARK, orig)
+    setattr(maybe_create, MARK, orig)
     model_runner.maybe_create_adaptive_verification_manager = maybe_create
 
 
@@ -353,11 +283,11 @@ def unpatch(manager_cls: Any, model_runner: Any | None = None) -> None:
         if owner is None:
             continue
         for name in names:
-            original = getattr(getattr(owner, name), _MARK, None)
+            original = getattr(getattr(owner, name), MARK, None)
             if original is not None:
                 setattr(owner, name, original)
-    from dspark_calib.vllm import loader, observe_mode
+    from dspark_calib.vllm import load, observer
 
-    loader.remove_hooks()
+    load.remove_hooks()
     if model_runner is not None:
-        observe_mode.unhook_runner(model_runner)
+        observer.unhook_runner(model_runner)

@@ -1,6 +1,6 @@
 """What a table file says about itself, checked before any column is read: the metadata
-(TableMeta) and the limits every read stays within (ReadLimits). Part of the file format
-(tablefile.py, which re-exports these); split out only to keep one module per concern.
+(TableMeta) and the limits every read stays within (ReadLimits). No pyarrow here: the
+serve-time listing (sources.py) bounds its reads with these before pyarrow is imported.
 """
 
 from __future__ import annotations
@@ -13,17 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dspark_calib.errors import CalibError, first_line
+from dspark_calib.fileformat.version import parse_version
 from dspark_calib.fingerprint import Fingerprint
 
 METADATA_KEY = b"dspark_calib"
 EARLIEST = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
-
-
-def parse_version(text: Any, path: str | None = None) -> tuple[int, int]:
-    m = re.fullmatch(r"(\d{1,4})\.(\d{1,4})", str(text))
-    if not m:
-        raise CalibError(f"bad schema_version {str(text)[:40]!r}", path=path)
-    return int(m.group(1)), int(m.group(2))
 
 
 # -- limits -----------------------------------------------------------------------------

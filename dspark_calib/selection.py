@@ -1,54 +1,49 @@
-"""Load mode (DSPARK_CALIB_TABLE=PATH): install a saved table instead of profiling.
+"""The load decision: which table, if any, an engine loads, and the one line that says why.
 
-Decides, on TP rank 0, whether a table fits the running engine (fingerprint
-LOAD_CHECKS, the backend rule, pins, the profiled context) and applies
-DSPARK_CALIB_POLICY:
+Pure: given a table source and what the engine is (``describe_engine``'s keys), it
+lists and reads the candidates (``table.sources``, bounded: tables are untrusted
+input), checks each fingerprint against the engine (``fingerprint.load_mismatches``,
+the backend rule, pins, the profiled context) and applies the policy:
 
 * fallback (default): no fitting table -> log why in one line, profile as vLLM does;
 * strict: no fitting table -> refuse to start, naming the first problem;
 * warn: no fitting table -> load the closest one anyway, logging its mismatches.
 
-Tables are untrusted input (issue 12): candidates.py lists and reads them with
-bounds, each file once; decide() isolates each file's errors; decide_within()
-puts a deadline on the whole decision. Every string from a table or a file name
-is escaped before it reaches a log line, and the decision is one line whatever
-the directory holds.
-
-When a table loads, batches_to_profile yields one warm-up run per size above the
-capture limit (those runs JIT the piecewise shapes), then the probe (probe.py):
-at most 2 timed steps compared with the table's medians. set_initial_cost_curves
-hands the table's curves to vLLM's own set_cost_curves, so the TP broadcast and
-the dense tables stay vLLM's. With data parallel, replicas agree before any step
-count can differ (agree_across_dp).
-
-Importable without torch or vLLM: the `check` command calls decide() offline.
+``check`` calls ``decide`` offline and load mode calls it inside the engine (on TP
+rank 0, within ``decide_within``'s deadline), so what ``check`` says is what the
+engine decides from the same inputs. Each file's errors stay with that file; every
+string from a table or a file name is escaped before it reaches a line, and the
+decision is one line whatever the directory holds. No torch, no vllm.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from dspark_calib import env as E
 from dspark_calib import fingerprint as F
 from dspark_calib.errors import CalibError, first_line
-from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, Fingerprint, Mismatch, load_mismatches
-from dspark_calib.fit import profile_context_len  # vLLM's clamp of the profiled context (C2)
-from dspark_calib.vllm import env as E
-from dspark_calib.vllm.candidates import SERVE_LIMITS, Limits, escape, list_candidates, open_table
+from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, Mismatch, load_mismatches
+from dspark_calib.fit import profile_context_len  # vLLM's clamp of the profiled context
+from dspark_calib.table.sources import SERVE_LIMITS, Limits, escape, list_candidates, open_table
 
-# Kept for callers of the old names; env.py is the one home of every variable.
-ENV_TABLE, ENV_POLICY, ENV_CONTEXT_LEN, ENV_ALLOW_REFERENCE = E.TABLE, E.POLICY, E.CONTEXT_LEN, E.ALLOW_REFERENCE
-POLICIES = E.POLICIES
-# Verify cost grows with context (8192 vs 4096: 1.6-1.8x, issue 7), so ~0.7 per doubling;
-# 10 % of context is then ~5-7 % of cost: the probe's own 5 % floor. Farther is a mismatch.
+# Verify cost grows with context (8192 vs 4096: 1.6-1.8x), so ~0.7 per doubling; 10 % of
+# context is then ~5-7 % of cost: the probe's own 5 % floor. Farther is a mismatch.
 MAX_CONTEXT_GAP = 0.10
 MAX_NAMED = 3  # files named per decision line; the rest are counted
 PATH_LIMIT = 160
 
-# Under "vllm." so the line lands in vLLM's own log, with its format and level.
-log = logging.getLogger("vllm.dspark_calib")
+
+class Outcome(enum.Enum):
+    """What the engine does with a decision."""
+
+    LOAD = "load"  # loads the chosen table, start-up profiling skipped
+    PROFILE = "profile"  # profiles at start-up as vLLM does (fallback, or warn with nothing readable)
+    REFUSE = "refuse"  # refuses to start (strict)
 
 
 @dataclass(frozen=True)
@@ -60,20 +55,6 @@ class CandidateReport:
     created_at: str = ""
     status: str = ""  # chosen | fits | mismatch | unpinned | unreadable | refused
     reason: str = ""  # the first blocking problem, one escaped line
-
-    @property
-    def label(self) -> str:
-        return f"{self.path} (hash {self.content_hash[:12]})" if self.content_hash else self.path
-
-
-@dataclass(frozen=True)
-class Candidate:  # the old examine() record, kept for callers
-    path: str
-    created_at: str = ""
-    content_hash: str = ""
-    fingerprint: Fingerprint | None = None
-    mismatches: tuple[Mismatch, ...] = ()
-    error: str = ""
 
     @property
     def label(self) -> str:
@@ -103,6 +84,12 @@ class Decision:
     @property
     def content_hash(self) -> str:
         return self.chosen.content_hash if self.chosen and self.load else ""
+
+    @property
+    def outcome(self) -> "Outcome":
+        if self.load:
+            return Outcome.LOAD
+        return Outcome.REFUSE if self.refuse else Outcome.PROFILE
 
 
 @dataclass
@@ -147,7 +134,7 @@ def _judge(tf: Any, shown: str, engine: dict, *, allow_reference: bool, pins: fr
         want = f"{BACKEND_VLLM!r} ({E.ALLOW_REFERENCE}=1 also allows {BACKEND_REFERENCE!r})"
         mismatches.insert(0, Mismatch("backend", fp.backend, want))
     problems = [escape(m, 200) for m in mismatches]
-    from dspark_calib.table import nearest  # numpy: only once a table is being judged
+    from dspark_calib.table.model import nearest  # numpy: only once a table is being judged
 
     ctx = nearest(fp.context_lens, effective) if fp.context_lens else 0
     if effective > 0 and abs(ctx - effective) > MAX_CONTEXT_GAP * effective:
@@ -181,25 +168,13 @@ def _why(exc: BaseException) -> str:
     return escape(first_line(Exception(text), 300), 200)
 
 
-def examine(source: str, engine: dict[str, Any], allow_reference: bool) -> tuple[Any, list[Candidate]]:
-    """Every candidate with its fingerprint mismatches (the old API; decide() is the new one)."""
-    fs, listing = list_candidates(source)
-    out = [Candidate(path=escape(p, PATH_LIMIT), error=why) for p, why in listing.refused]
-    for path in listing.paths:
-        ex = _examine(path, fs, engine, allow_reference=allow_reference, pins=None, effective=0, limits=SERVE_LIMITS)
-        r = ex.report
-        out.append(Candidate(r.path, r.created_at, r.content_hash, ex.fingerprint, ex.mismatches,
-                             r.reason if r.status == "unreadable" else ""))
-    return fs, out
-
-
 def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", allow_reference: bool = False,
            context_len: int | None = None, vllm_context_len: int = 8192, pins: frozenset[str] | None = None,
            limits: Limits = SERVE_LIMITS, probe: bool = True, cancel: threading.Event | None = None) -> Decision:
     """Pick the table to load (the newest fitting one that reads), or say why none is loaded. One line.
     `cancel` (set by decide_within at its deadline) stops the reads between candidates."""
-    if policy not in POLICIES:
-        msg = f"dspark-calib: {E.POLICY}={escape(policy, 40)!r} is not one of {', '.join(POLICIES)}; refusing to start"
+    if policy not in E.POLICIES:
+        msg = f"dspark-calib: {E.POLICY}={escape(policy, 40)!r} is not one of {', '.join(E.POLICIES)}; refusing to start"
         return Decision(False, (msg,), logging.ERROR, refuse=msg, policy="strict")
     wanted = context_len if context_len is not None else vllm_context_len
     mml = engine.get("max_model_len")
@@ -207,7 +182,7 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     try:
         fs, listing = list_candidates(source, limits)
     except Exception as exc:  # noqa: BLE001 - no such path, an unknown URI scheme, credentials...
-        return replace(_no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: {_why(exc)}"),
+        return replace(no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: {_why(exc)}"),
                        source_error=_why(exc))
     seen = [_Examined(CandidateReport(escape(p, PATH_LIMIT), status="refused", reason=escape(w, 120)), [])
             for p, w in listing.refused]
@@ -217,7 +192,7 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     judged: list[tuple[str, _Examined]] = []
     for path in listing.paths:
         if cancel is not None and cancel.is_set():
-            return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: decision cancelled (deadline)")
+            return no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: decision cancelled (deadline)")
         ex = _examine(path, fs, engine, allow_reference=allow_reference, pins=pins, effective=effective, limits=limits,
                       read=False)
         judged.append((path, ex))
@@ -231,7 +206,7 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
             skipped += len(order) - n
             break
         if cancel is not None and cancel.is_set():
-            return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: decision cancelled (deadline)")
+            return no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: decision cancelled (deadline)")
         ex = _examine(judged[i][0], fs, engine, allow_reference=allow_reference, pins=pins, effective=effective,
                       limits=limits)
         judged[i] = (judged[i][0], ex)
@@ -242,7 +217,7 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     reports = tuple(e.report for e in seen)
     others = _others([e.report for e in seen if e is not best], skipped, limits)
     if best is None:
-        return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: no usable table{others or ' (no *.parquet tables there)'}",
+        return no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: no usable table{others or ' (no *.parquet tables there)'}",
                          reports)
     label = best.report.label
     if best.problems:
@@ -279,7 +254,7 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
 def _all_curves(table: Any) -> dict:
     if len(table.curves) < 2:
         return {}
-    from dspark_calib.vllm.context_aware import curves_for_broadcast
+    from dspark_calib.pricing.costs import curves_for_broadcast  # numpy: only once a table loads
 
     return curves_for_broadcast(table.curves)
 
@@ -319,7 +294,7 @@ def _names(keys: list[str], limit: int = 4) -> str:
     return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
 
-def _no_table(policy: str, why: str, reports: tuple = ()) -> Decision:
+def no_table(policy: str, why: str, reports: tuple = ()) -> Decision:
     if policy == "strict":
         msg = f"dspark-calib: {why} (policy strict)"
         return Decision(False, (msg,), logging.ERROR, refuse=msg, candidates=reports, policy=policy)
@@ -346,50 +321,8 @@ def decide_within(timeout_s: float, policy: str, source: str, fn: Callable[[], D
     if not box:
         if cancel is not None:
             cancel.set()
-        return _no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: no decision within {timeout_s:g} s "
+        return no_table(policy, f"{E.TABLE}={escape(source, PATH_LIMIT)}: no decision within {timeout_s:g} s "
                                  f"({E.LOAD_TIMEOUT}); the table source is too slow or not answering")
     if isinstance(box[0], BaseException):
-        return _no_table(policy, f"{E.TABLE}: {_why(box[0])}")
+        return no_table(policy, f"{E.TABLE}: {_why(box[0])}")
     return box[0]
-
-
-def engine_description(manager: Any, capture_sizes: list[int]) -> dict[str, Any]:
-    """describe_engine (C2: every registry key, max_model_len included) on the vLLM config
-    the plugin kept for this manager."""
-    from dspark_calib.vllm.engine_info import describe_engine
-    from dspark_calib.vllm.plugin import state_of
-
-    return describe_engine(manager, capture_sizes, state_of(manager).vllm_config)
-
-
-def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
-    """Everything the env asks for, decided on this rank within the deadline; never raises."""
-    from dspark_calib.vllm.engine_info import current_context_len
-
-    try:
-        policy = E.policy()
-    except CalibError as exc:
-        msg = f"dspark-calib: {exc}; refusing to start"
-        return Decision(False, (msg,), logging.ERROR, refuse=msg, policy="strict")
-    try:
-        ctx, allow, pins = E.context_len(), E.allow_reference(), E.pinned_hashes()
-        timeout, probe = E.load_timeout(), E.probe_enabled()
-    except CalibError as exc:
-        return _no_table(policy, str(exc))
-    source = E._get(None, E.TABLE) or ""
-    vllm_ctx = current_context_len()
-
-    # Object-store requests give up before the deadline, so the thread ends soon after it.
-    limits = replace(SERVE_LIMITS, io_timeout_s=min(SERVE_LIMITS.io_timeout_s, 0.8 * timeout))
-
-    cancel = threading.Event()
-
-    def run() -> Decision:
-        return decide(source, engine_description(manager, capture_sizes), policy=policy, allow_reference=allow,
-                      context_len=ctx, vllm_context_len=vllm_ctx, pins=pins, probe=probe, limits=limits,
-                      cancel=cancel)
-
-    return decide_within(timeout, policy, source, run, cancel)
-
-
-from dspark_calib.vllm.serve import LoadMode, agree_across_dp, install_hooks, remove_hooks  # noqa: E402,F401

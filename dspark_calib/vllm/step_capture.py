@@ -7,7 +7,7 @@ drafts scheduled and the budget chosen (``manager._batch_budget``), the costs
 the engine's tables predicted for that step, and, when given the other
 pricing's tables, the budget vLLM's rule would have chosen with them
 (fit.choose_draft_budget: the same rule, tested equal to vLLM's). The timings
-arrive later (observe.PendingSteps); ``to_observed`` joins the two.
+arrive later (observe.step.PendingSteps); ``to_observed`` joins the two.
 
 Sampled steps only: this costs about one more get_num_tokens (the alternative
 budget) on a sampled step, nothing on the others. Numpy only.
@@ -15,13 +15,14 @@ budget) on a sampled step, nothing on the others. Numpy only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from dspark_calib.fit import choose_draft_budget
-from dspark_calib.observe import ObservedStep
+from dspark_calib.observe.step import ObservedStep
+from dspark_calib.pricing.policy import STOCK, TABLE, PricingPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +102,12 @@ def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_m
 # -- how the engine prices its steps (read once, at the first sampled step) ----------------------
 @dataclass(frozen=True)
 class Pricing:
-    """How this engine prices its steps (read at the first sampled step: the table loads after install)."""
+    """How this engine prices its steps (read at the first sampled step: the table loads after install):
+    its policy, and what observe mode needs besides it."""
 
-    mode: str  # "stock" (vLLM's start-up profile), "table" (one context) or "context-aware"
-    static_context: int  # the context of the static tables
+    policy: PricingPolicy
     alt_tables: Any = None  # the static tables when the engine prices context-aware (budget_static)
     table_hash: str = ""
-    tail_milli: int = 0  # context-aware: the mixed-context tail it prices with (validate re-prices so)
-    chunks: bool = False  # context-aware: prefill chunks priced by their query-context pairs (validate too)
 
 
 def last_context(manager: Any, default: int) -> int:
@@ -124,7 +123,7 @@ def pricing_for(stock_context: int) -> Callable[[Any], Pricing]:
 
     def pricing(manager: Any) -> Pricing:
         from dspark_calib.vllm.context_aware import installed_state
-        from dspark_calib.vllm.plugin import state_of
+        from dspark_calib.vllm.runtime import state_of
 
         decision = getattr(state_of(manager).run, "decision", None)
         loaded = bool(getattr(decision, "load", False))
@@ -132,8 +131,8 @@ def pricing_for(stock_context: int) -> Callable[[Any], Pricing]:
         table_hash = str(decision.content_hash) if loaded else ""
         ca = installed_state(manager)
         if ca is not None:
-            return Pricing("context-aware", static, ca.base_tables, table_hash, ca.tail, ca.chunks)
-        return Pricing("table" if loaded else "stock", static, None, table_hash)
+            return Pricing(replace(ca.policy, static_context=static), ca.base_tables, table_hash)
+        return Pricing(PricingPolicy(TABLE if loaded else STOCK, static), None, table_hash)
 
     return pricing
 

@@ -28,8 +28,8 @@ from typing import Any
 
 from dspark_calib.errors import CalibError, escape
 from dspark_calib.safe_open import os_reason  # standard library only
-from dspark_calib.tablemeta import SERVE_LIMITS as _READ  # C1's read limits (tablemeta imports no pyarrow)
-from dspark_calib.tablemeta import ReadLimits
+from dspark_calib.table.meta import SERVE_LIMITS as _READ  # C1's read limits (tablemeta imports no pyarrow)
+from dspark_calib.table.meta import ReadLimits
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,6 @@ def open_table(path: str, fs: Any, limits: Limits = SERVE_LIMITS) -> Any:
     content hash the metadata states, so what is checked is what is loaded. Local files are
     stat'ed, opened O_NONBLOCK and fstat'ed (a FIFO is refused, never waited on); the footer
     limits are checked before any row is decoded. The caller closes it (a context manager)."""
-    from dspark_calib.tablefile import TableFile
+    from dspark_calib.table.file import TableFile
 
     return TableFile.open(path, filesystem=fs, limits=limits.read_limits)

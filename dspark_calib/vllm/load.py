@@ -1,23 +1,73 @@
-"""Load mode inside the engine: the batches it runs, the probe, and data-parallel agreement.
+"""Load mode (DSPARK_CALIB_TABLE=PATH): install a saved table instead of profiling.
 
-Every rank of every replica must run the same number of dummy steps (each step has
-TP collectives, and with DP > 1 a DP collective too), so every choice that changes
-the step count is made once and shared: the table decision on TP rank 0
-(broadcast in the TP group), then agreed across the DP group; the probe verdict
-likewise. A disagreement is resolved the same way on every replica (all fall back,
-or all refuse under strict): never a hang.
+The decision itself is ``selection.decide`` (pure; ``check`` runs the same one
+offline). Here it runs inside the engine: on TP rank 0 within the deadline
+(DSPARK_CALIB_LOAD_TIMEOUT), broadcast in the TP group, then agreed across the DP
+group, so every rank of every replica runs the same number of dummy steps (each
+step has TP collectives, and with DP > 1 a DP collective too). A disagreement is
+resolved the same way on every replica (all fall back, or all refuse under
+strict): never a hang.
+
+When a table loads, batches_to_profile yields one warm-up run per size above the
+capture limit (those runs JIT the piecewise shapes), then the probe (probe.py):
+at most 2 timed steps compared with the table's medians. set_initial_cost_curves
+hands the table's curves to vLLM's own set_cost_curves, so the TP broadcast and
+the dense tables stay vLLM's; a table with two or more contexts then prices each
+step for its batch (context_aware.py) under the pricing policy set here.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
+from dspark_calib import env as E
+from dspark_calib.errors import CalibError
+from dspark_calib.pricing.policy import (CHUNK_RULE, CONTEXT_AWARE, DEFAULT_CONTEXT_CHUNKS,
+                                         DEFAULT_CONTEXT_TAIL_MILLI, PricingPolicy)
+from dspark_calib.selection import Decision, decide, decide_within, no_table
+from dspark_calib.table.sources import SERVE_LIMITS, escape
 from dspark_calib.vllm import probe as P
-from dspark_calib.vllm.plugin import state_of
+from dspark_calib.vllm.runtime import log, state_of
 
-log = logging.getLogger("vllm.dspark_calib")
+def engine_description(manager: Any, capture_sizes: list[int]) -> dict[str, Any]:
+    """describe_engine (C2: every registry key, max_model_len included) on the vLLM config
+    the plugin kept for this manager."""
+    from dspark_calib.vllm.engine_info import describe_engine
+
+    return describe_engine(manager, capture_sizes, state_of(manager).vllm_config)
+
+
+def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
+    """Everything the env asks for, decided on this rank within the deadline; never raises."""
+    from dspark_calib.vllm.engine_info import current_context_len
+
+    try:
+        policy = E.policy()
+    except CalibError as exc:
+        msg = f"dspark-calib: {exc}; refusing to start"
+        return Decision(False, (msg,), logging.ERROR, refuse=msg, policy="strict")
+    try:
+        ctx, allow, pins = E.context_len(), E.allow_reference(), E.pinned_hashes()
+        timeout, probe = E.load_timeout(), E.probe_enabled()
+    except CalibError as exc:
+        return no_table(policy, str(exc))
+    source = E._get(None, E.TABLE) or ""
+    vllm_ctx = current_context_len()
+
+    # Object-store requests give up before the deadline, so the thread ends soon after it.
+    limits = replace(SERVE_LIMITS, io_timeout_s=min(SERVE_LIMITS.io_timeout_s, 0.8 * timeout))
+
+    cancel = threading.Event()
+
+    def run() -> Decision:
+        return decide(source, engine_description(manager, capture_sizes), policy=policy, allow_reference=allow,
+                      context_len=ctx, vllm_context_len=vllm_ctx, pins=pins, probe=probe, limits=limits,
+                      cancel=cancel)
+
+    return decide_within(timeout, policy, source, run, cancel)
 
 
 def install_hooks() -> None:
@@ -63,8 +113,6 @@ def agree_across_dp(what: str, mine: tuple) -> tuple[bool, str, list]:
 
 
 def _show(value: tuple) -> str:
-    from dspark_calib.vllm.candidates import escape
-
     return escape(" ".join(str(v)[:12] for v in value), 60)
 
 
@@ -88,7 +136,6 @@ class LoadMode:
 
     def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]:
         from dspark_calib.vllm.engine_info import broadcast_from_rank0, tp_rank_and_size
-        from dspark_calib.vllm.loader import decision_from_env
 
         rank0 = tp_rank_and_size()[0] == 0
         decision = None
@@ -178,16 +225,14 @@ class LoadMode:
             return
         manager.set_cost_curves(list(decision.draft_curve), list(decision.verify_curve))
         if len(decision.curves) >= 2:
-            _context_aware(manager, decision.curves)
+            _context_aware(manager, decision.curves, decision.context_len)
 
 
-def _context_aware(manager: Any, curves: dict) -> None:
+def _context_aware(manager: Any, curves: dict, static_context: int) -> None:
     """Price each step for its batch (context_aware.py: drafts at the mean context, verify by the
     KV the step reads), unless the env says no.
     The curves came from rank 0 with the decision: no broadcast needed here."""
-    from dspark_calib.errors import CalibError
     from dspark_calib.vllm import context_aware as ca
-    from dspark_calib.vllm import env as E
     from dspark_calib.vllm.engine_info import tp_rank_and_size
 
     rank0 = tp_rank_and_size()[0] == 0
@@ -208,11 +253,13 @@ def _context_aware(manager: Any, curves: dict) -> None:
         if rank0:
             log.info("dspark-calib: context-aware costs off (%s=0): static tables at one context", E.CONTEXT_AWARE)
         return
-    tail = setting(E.context_tail_milli, E.DEFAULT_CONTEXT_TAIL_MILLI,
-                   f"the default tail {E.DEFAULT_CONTEXT_TAIL_MILLI / 1000:g} taken")
-    chunks = setting(E.context_chunks_enabled, E.DEFAULT_CONTEXT_CHUNKS,
-                     f"the default taken (chunk pricing {'on' if E.DEFAULT_CONTEXT_CHUNKS else 'off'})")
+    tail = setting(E.context_tail_milli, DEFAULT_CONTEXT_TAIL_MILLI,
+                   f"the default tail {DEFAULT_CONTEXT_TAIL_MILLI / 1000:g} taken")
+    chunks = setting(E.context_chunks_enabled, DEFAULT_CONTEXT_CHUNKS,
+                     f"the default taken (chunk pricing {'on' if DEFAULT_CONTEXT_CHUNKS else 'off'})")
+    policy = PricingPolicy(CONTEXT_AWARE, static_context=int(static_context), tail_milli=tail, chunks=chunks,
+                           chunk_rule=CHUNK_RULE)
     # never raises; every rank: the same grid
-    line = ca.enable(manager, curves, broadcast=False, tail_milli=tail, chunks=chunks)
+    line = ca.enable(manager, curves, policy, broadcast=False)
     if rank0:
         log.log(logging.WARNING if "static tables kept" in line else logging.INFO, line)

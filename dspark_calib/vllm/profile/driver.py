@@ -16,49 +16,22 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fit import profile_context_len
-from dspark_calib.table import CostTable
-from dspark_calib.vllm.capture import ENV_CAPTURE, CaptureDir, CaptureError
-from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S, check_cooldown
-from dspark_calib.vllm.loader import ENV_TABLE
-from dspark_calib.vllm.profile_table import check_against_vllm, fingerprint_from_capture, table_from_capture  # noqa: F401
-from dspark_calib.vllm.plugin import ENV_PREFIX, RAY_EXTRA_PREFIXES, RAY_EXTRA_VARS
+from dspark_calib.table.model import CostTable
+from dspark_calib import env as E
+from dspark_calib.vllm.capture import CaptureDir, CaptureError
+from dspark_calib.vllm.cooldown import check_cooldown
+from dspark_calib.vllm.plugin import RAY_EXTRA_PREFIXES, RAY_EXTRA_VARS
+from dspark_calib.vllm.profile.plan import ProfileOptions
+from dspark_calib.vllm.profile.table import table_from_capture
 
 DSPARK_ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel")
 INSTALL_HINT = "pip install 'dspark-calib[vllm]'"
 
 
-@dataclass
-class ProfileOptions:
-    model: str
-    draft: str
-    tp: int = 1
-    num_speculative_tokens: int | None = None  # default: the drafter's block_size
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    context_lens: tuple[int, ...] = (8192,)
-    replays: int = 20
-    warmup: int = 2
-    cooldown_s: float = DEFAULT_COOLDOWN_S  # the most rank 0 pauses before each block but the first
-    load_format: str = "dummy"
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.85
-    distributed_executor_backend: str | None = None  # mp on one node, ray across nodes
-    max_model_len: int | None = None
-    quantization: str | None = None
-    seed: int = 0
-    extra_engine_args: dict[str, Any] = field(default_factory=dict)  # --engine-arg / --engine-args-json
-    model_name: str | None = None  # what the user typed (a hub id), when `model` is its cache snapshot
-    draft_name: str | None = None
-
-
-# EngineArgs fields that `profile` sets from its own options: --engine-arg must not
-# contradict them silently. speculative_config is merged instead (see engine_kwargs).
 OWNED_ARGS = {
     "model": "--model", "tensor_parallel_size": "--tp", "load_format": "--load-format", "dtype": "--dtype",
     "kv_cache_dtype": "--kv-cache-dtype", "max_num_seqs": "--max-num-seqs",
@@ -222,7 +195,7 @@ def check_dtypes(opts: ProfileOptions) -> None:
 def engine_env(capture_dir: str) -> dict[str, str]:
     env = {
         "VLLM_USE_V2_MODEL_RUNNER": "1",  # adaptive verification lives in the V2 runner
-        ENV_CAPTURE: capture_dir,
+        E.CAPTURE: capture_dir,
     }
     # The engine core runs in its own process at every tp, as under `vllm serve` (vLLM's
     # default): vLLM times host work inside each step's window, so nothing of the CLI (its
@@ -322,16 +295,16 @@ def engine_in_process(opts: ProfileOptions, env: dict[str, str]) -> bool:
 # register() adds DSPARK_CALIB_ to vLLM's two Ray copy lists; vLLM itself may turn
 # V1 multiprocessing off (external launcher). All restored, so a second profile in this
 # process (or a later engine the caller starts) begins from the caller's environment.
-TOUCHED_ENV = (ENV_TABLE, RAY_EXTRA_PREFIXES, RAY_EXTRA_VARS, "VLLM_ENABLE_V1_MULTIPROCESSING")
+TOUCHED_ENV = (E.TABLE, RAY_EXTRA_PREFIXES, RAY_EXTRA_VARS, "VLLM_ENABLE_V1_MULTIPROCESSING")
 
 
 def _env_snapshot(names: Any) -> dict[str, str | None]:
-    keys = {*names, *TOUCHED_ENV, *(k for k in os.environ if k.startswith(ENV_PREFIX))}
+    keys = {*names, *TOUCHED_ENV, *(k for k in os.environ if k.startswith(E.PREFIX))}
     return {k: os.environ.get(k) for k in keys}
 
 
 def _env_restore(saved: dict[str, str | None]) -> None:
-    for key in {*saved, *(k for k in os.environ if k.startswith(ENV_PREFIX))}:
+    for key in {*saved, *(k for k in os.environ if k.startswith(E.PREFIX))}:
         value = saved.get(key)
         if value is None:
             os.environ.pop(key, None)
@@ -343,7 +316,7 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
                report: Callable[[dict], None], log_path: str | None = None,
                note: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Start vLLM once (profiling happens during start-up), return rank 0's capture."""
-    from dspark_calib.vllm.profile_plan import expected, plan_of
+    from dspark_calib.vllm.profile.plan import expected, plan_of
 
     capture = CaptureDir(capture_dir)
     capture.write_plan(plan_of(opts))
@@ -358,7 +331,7 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
     llm = None
     try:
         os.environ.update(env)
-        os.environ.pop(ENV_TABLE, None)  # profiling must measure, never load
+        os.environ.pop(E.TABLE, None)  # profiling must measure, never load
         if in_process:
             try:
                 capture.lock()

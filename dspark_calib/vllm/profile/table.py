@@ -4,17 +4,15 @@ resolved it and as the worker ran it, and the fit checked against vLLM's own cur
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dspark_calib.errors import CalibError, first_line
-from dspark_calib.fingerprint import BACKEND_VLLM, KEYS, Fingerprint, config_hash
+from dspark_calib.fingerprint import BACKEND_VLLM, ENGINE_KEYS, KEYS, Fingerprint, config_hash
 from dspark_calib.samples import samples_from_dicts
-from dspark_calib.table import CostTable
+from dspark_calib.table.model import CostTable
 from dspark_calib.telemetry import Telemetry
 from dspark_calib.vllm.capture import CaptureError, check_same_curves
-
-if TYPE_CHECKING:
-    from dspark_calib.vllm.profile import ProfileOptions
+from dspark_calib.vllm.profile.plan import ProfileOptions
 
 
 def _schedule_of(capture: dict[str, Any]) -> tuple[int, int]:
@@ -40,7 +38,7 @@ def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) ->
     """The table's fingerprint: every registry key as the engine resolved it (not as typed),
     and the replays the worker actually ran (--replays rounded up to whole vLLM blocks)."""
     engine = {**capture.get("hardware", {}), **capture["engine"]}
-    read = {k.name: engine[k.name] for k in KEYS if k.read is not None and k.name in engine}
+    read = {k.name: engine[k.name] for k in KEYS if k.name in ENGINE_KEYS and k.name in engine}
     lacking = [k for k in ("vllm_version", "num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens",
                            "cudagraph_capture_sizes") if k not in read]
     if lacking:

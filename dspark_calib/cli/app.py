@@ -19,7 +19,7 @@ import typer.core
 
 from dspark_calib import __version__
 from dspark_calib.errors import CalibError
-from dspark_calib.vllm.env import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI  # standard library only
+from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI  # standard library only
 
 PROG = "dspark-calib"
 EXIT_ERROR = 2  # bad input; 1 is reserved for "diff threshold exceeded"
@@ -161,8 +161,8 @@ def _warn(message: str) -> None:
 
 def _write_table(table: Any, out: Any) -> str:
     """Write to a checked --out (paths.TableOut); a write failure names the user's path."""
-    from dspark_calib.paths import write_error
-    from dspark_calib.table import write_table
+    from dspark_calib.cli.paths import write_error
+    from dspark_calib.table.file import write_table
 
     path = out.file_for(table.default_filename())
     try:
@@ -172,7 +172,7 @@ def _write_table(table: Any, out: Any) -> str:
 
 
 def _plot(draw: Callable[..., str], path: str, *args: Any, **kwargs: Any) -> str:
-    from dspark_calib.paths import write_error
+    from dspark_calib.cli.paths import write_error
 
     try:
         return draw(*args, path, **kwargs)
@@ -217,11 +217,11 @@ def inspect_cmd(
     all_points: AllOpt = False,
 ) -> None:
     """Show a table's fingerprint, curves, draft budgets, warnings and notes."""
-    from dspark_calib.paths import plot_path
+    from dspark_calib.cli.paths import plot_path
 
     plot = plot_path(plot, [table])  # before any work: a bad path costs nothing
     from dspark_calib.inspection import inspect_table
-    from dspark_calib.table import read_table
+    from dspark_calib.table.file import read_table
 
     t = read_table(table)
     insp = inspect_table(t, context_len=context_len, path=table)
@@ -265,11 +265,11 @@ def diff_cmd(
 
     Default context: one both tables profiled (nearest to 8192), else each one's nearest to 8192.
     """
-    from dspark_calib.paths import plot_path
+    from dspark_calib.cli.paths import plot_path
 
     plot = plot_path(plot, [old, new])
     from dspark_calib.compare import compare_tables, threshold_verdict
-    from dspark_calib.table import read_table
+    from dspark_calib.table.file import read_table
 
     a, b = read_table(old), read_table(new)
     result = compare_tables(a, b, old_context=old_context, new_context=new_context, old_path=old, new_path=new,
@@ -314,7 +314,7 @@ def import_vllm_cmd(
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", callback=_not_blank)] = "auto",
 ) -> None:
     """Make a table from vLLM's own start-up profiling samples (saved as JSON)."""
-    from dspark_calib.paths import refuse_duplicate_inputs, table_out
+    from dspark_calib.cli.paths import refuse_duplicate_inputs, table_out
     from dspark_calib.reference import identity_warnings, table_from_startup_json
 
     refuse_duplicate_inputs(jsons, "profile")
@@ -344,8 +344,9 @@ def merge_cmd(
     out: Annotated[str, typer.Option("--out", metavar="FILE|DIR", help="Merged table file, or a directory for it.")],
 ) -> None:
     """Pool the raw samples of several runs of one engine and refit the curves."""
-    from dspark_calib.paths import refuse_duplicate_inputs, refuse_same_tables, table_out
-    from dspark_calib.table import merge_tables, read_table
+    from dspark_calib.cli.paths import refuse_duplicate_inputs, refuse_same_tables, table_out
+    from dspark_calib.table.model import merge_tables
+    from dspark_calib.table.file import read_table
 
     refuse_duplicate_inputs(tables, "table")
     target = table_out(out, tables)
@@ -428,31 +429,31 @@ def validate_cmd(
 
     Offline (no GPU, no torch, no vLLM). Exit 1 with --max-error exceeded (for CI and fleet monitoring).
     """
-    from dspark_calib.observe import observed_paths
-    from dspark_calib.paths import plot_path, refuse_duplicate_inputs
+    from dspark_calib.observe.file import observed_paths
+    from dspark_calib.cli.paths import plot_path, refuse_duplicate_inputs
 
     files = observed_paths(observed)  # directories expanded: --plot is checked against every input
     refuse_duplicate_inputs(files, "observe file")  # a file counted twice doubles its steps' weight
     plot = plot_path(plot, [table, *files])  # before any work
-    from dspark_calib.vllm.env import tail_to_milli  # standard library only
+    from dspark_calib.env import tail_to_milli  # standard library only
 
     tail_milli = None if tail is None else tail_to_milli(tail, f"--tail {tail:g}")
-    from dspark_calib.observe import read_observed
-    from dspark_calib.table import read_table
+    from dspark_calib.observe.file import read_observed
+    from dspark_calib.table.file import read_table
     from dspark_calib.validate import max_error_exceeded, validate
 
     t = read_table(table, samples=False)  # curves and metadata: raw samples are not needed here
     result = validate(t, read_observed(files), single_context=context, tail_milli=tail_milli, chunks=chunks)
     exceeded = max_error is not None and max_error_exceeded(result, max_error)
     if plot:
-        from dspark_calib.render_validate import plot_validation
+        from dspark_calib.render.validation import plot_validation
 
         plot = _plot(plot_validation, plot, result)
     if as_json:
         _print_json({**result.to_dict(), "max_error": None if max_error is None else
                      {"pct": max_error, "exceeded": exceeded}, "plot": plot})
     else:
-        from dspark_calib.render_validate import render_validation
+        from dspark_calib.render.validation import render_validation
 
         console = _console()
         render_validation(result, console, max_error=max_error, all_groups=all_groups)
@@ -524,7 +525,7 @@ def profile_cmd(
 ) -> None:
     """Profile vLLM's DSpark draft/verify steps on this machine's GPUs and write a cost table."""
     options = dict(locals())
-    from dspark_calib import profile_cmd
+    from dspark_calib.cli import profile as profile_cmd
 
     profile_cmd.main(**options)
 

@@ -17,7 +17,7 @@ Why here, and how, in vLLM 0.33's V2 runner:
   first decode), without a drafter run, and dummy runs are never rows.
 * Sampled steps only (every Nth priced step, DSPARK_CALIB_OBSERVE_EVERY) record
   events; they are resolved with ``query()`` on later sampled steps and at
-  shutdown (observe.PendingSteps, bounded): never a host sync per step.
+  shutdown (observe.step.PendingSteps, bounded): never a host sync per step.
 * TP rank 0 only: other ranks install nothing (no collective, no work). Files
   ``observed-dp{D}-{pid}-e{N}-*.parquet``, rolling and bounded (ObservedWriter).
 * Any failure inside observe is one WARNING line and observe turns off; vLLM's
@@ -37,11 +37,11 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
-from dspark_calib.vllm import env as E
-from dspark_calib.vllm.plugin import log_once
+from dspark_calib import env as E
+from dspark_calib.vllm.runtime import log_once
 
 if TYPE_CHECKING:
-    from dspark_calib.vllm.observe_step import Pricing
+    from dspark_calib.vllm.step_capture import Pricing
 
 _ATTR = "_dspark_calib_observer"
 _MARK = "_dspark_calib_original"
@@ -66,7 +66,7 @@ class Observer:
     def __init__(self, manager: Any, directory: str, *, every: int, event_factory: Callable[[], Any],
                  pricing: Callable[[Any], Pricing], metadata: dict | None = None, max_pending: int = 256,
                  name: str | None = None, writer_kwargs: dict | None = None):
-        from dspark_calib.observe import PendingSteps
+        from dspark_calib.observe.step import PendingSteps
 
         self.manager, self.directory, self.every = manager, directory, every
         self.event_factory, self._pricing_of = event_factory, pricing
@@ -86,13 +86,14 @@ class Observer:
         if self.priced % self.every or not self.on:
             return
         try:
-            from dspark_calib.vllm.observe_step import capture_step, last_context
+            from dspark_calib.vllm.step_capture import capture_step, last_context
 
             self.drain()
             if self.pricing is None:
                 self.pricing = self._pricing_of(self.manager)
             p = self.pricing
-            ctx = p.static_context if p.mode != "context-aware" else last_context(self.manager, p.static_context)
+            static = p.policy.static_context
+            ctx = last_context(self.manager, static) if p.policy.context_aware else static
             capture = capture_step(self.manager, num_tokens_per_req, draft_tokens, priced_context=ctx,
                                    alt_tables=p.alt_tables)
             self.current = _Step(self.priced, capture)
@@ -151,13 +152,13 @@ class Observer:
     # -- resolving and writing -------------------------------------------------------------
     def drain(self) -> int:
         """Write every step whose events are done (query() only); returns how many."""
-        from dspark_calib.vllm.observe_step import to_observed
+        from dspark_calib.vllm.step_capture import to_observed
 
         done = self.pending.resolve_ready()
         if not done:
             return 0
         writer = self.writer or self._open_writer()
-        aware = self.pricing is not None and self.pricing.mode == "context-aware"
+        aware = self.pricing is not None and self.pricing.policy.context_aware
         for forward_ms, drafter_ms, step in done:
             full_cudagraph, num_target_tokens, _ = step.batch
             writer.append(to_observed(step.capture, step=step.index, forward_ms=forward_ms, drafter_ms=drafter_ms,
@@ -166,16 +167,12 @@ class Observer:
         return len(done)
 
     def _open_writer(self) -> Any:
-        from dspark_calib.context import CHUNK_RULE
-        from dspark_calib.observe import ObservedWriter
+        from dspark_calib.observe.file import ObservedWriter
 
         p = self.pricing
         meta = {**self.metadata, "sample_every": self.every}
         if p is not None:
-            meta.update(mode=p.mode, static_context=p.static_context, table_hash=p.table_hash,
-                        context_tail_milli=p.tail_milli, context_chunks=p.chunks)
-            if p.chunks:  # which pair price (validate reproduces the engine; absent: the first rule)
-                meta["context_chunk_rule"] = CHUNK_RULE
+            meta.update(p.policy.metadata(), table_hash=p.table_hash)  # validate re-prices by it
         self.writer = ObservedWriter(self.directory, metadata=meta, name=self.name, **self.writer_kwargs)
         return self.writer
 
@@ -383,7 +380,7 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
         rs = manager.req_states
         meta = {"tp_rank": 0, "dp_rank": dp, "max_num_reqs": int(rs.max_num_reqs),
                 "max_num_batched_tokens": int(rs.max_num_batched_tokens)}
-        from dspark_calib.vllm.observe_step import pricing_for, stock_context
+        from dspark_calib.vllm.step_capture import pricing_for, stock_context
 
         obs = Observer(manager, directory, every=every, event_factory=event_factory,
                        pricing=pricing_for(stock_context(runner)), metadata=meta,

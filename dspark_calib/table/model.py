@@ -1,4 +1,4 @@
-"""The cost table: what a profile measured, as vLLM uses it (the file format is tablefile.py).
+"""The cost table: what a profile measured, as vLLM uses it (the file format is file.py).
 
 A CostTable is immutable and validated: the fingerprint of the engine it was profiled
 on, one curve pair per profiled context length, and the raw samples behind them
@@ -11,7 +11,7 @@ import datetime as _dt
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
@@ -20,7 +20,11 @@ from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import Fingerprint, merge_mismatches
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, CurvePair, fit_curves
 from dspark_calib.samples import SAMPLE_COLUMNS, Sample, Samples
+from dspark_calib.table.identity import content_hash
 from dspark_calib.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from dspark_calib.pricing.costs import DenseTables
 
 SCHEMA_VERSION = "1.2"  # what write_table writes; tablefile.py's header has the format history
 DEFAULT_CONTEXT = 8192  # vLLM's default profiling context length
@@ -94,8 +98,6 @@ class CostTable:
     @property
     def content_hash(self) -> str:
         """sha256 of what the table means, under its schema version's rule (see tablefile.py)."""
-        from dspark_calib.tablefile import content_hash
-
         found = content_hash(self)
         if self._read_hash is not None and self._read_hash[0] == found:
             return self._read_hash[1]  # the file's verified hash (the one a pin matches)
@@ -139,7 +141,7 @@ class CostTable:
         curves; above the range: the longest context's; below it: the line through the two
         shortest, extended towards 0 (context.ContextCosts); outside, ``.warning`` is set (OutOfRange).
         None: default_context(). Curve display uses pair()/nearest_context() instead."""
-        from dspark_calib.context import DenseTables, dense_tables
+        from dspark_calib.pricing.costs import DenseTables, dense_tables
 
         ctx = self.default_context() if context_len is None else int(context_len)
         return DenseTables(dense_tables(self, ctx, max_num_reqs=max_num_reqs,
@@ -253,41 +255,3 @@ def merge_tables(tables: Sequence[CostTable]) -> CostTable:
         extra=extra,
     )
     return CostTable.from_samples(Samples.concat(parts), fp)
-
-
-def prepare_out_path(out: str) -> str:
-    """--out: an existing directory, a path ending in '/', or a new name without .parquet are
-    directories (the table's default file name goes inside, see write_table); anything else is
-    the file. Directories are created now, so a bad --out fails before minutes of profiling."""
-    if out.endswith(("/", os.sep)) or (not os.path.exists(out) and not out.endswith(".parquet")):
-        os.makedirs(out, exist_ok=True)
-    elif not os.path.isdir(out):
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    return out
-
-
-# The file API lives in tablefile.py; these keep `from dspark_calib.table import read_table`
-# working for this session's callers (tablefile imports this module, so no import-time cycle).
-def read_table(source: str | os.PathLike, **kw: Any) -> CostTable:
-    from dspark_calib.tablefile import read_table as read
-
-    return read(source, **kw)
-
-
-def read_metadata(source: str | os.PathLike, **kw: Any) -> Any:
-    from dspark_calib.tablefile import read_metadata as read
-
-    return read(source, **kw)
-
-
-def write_table(table: CostTable, path: str | os.PathLike) -> str:
-    from dspark_calib.tablefile import write_table as write
-
-    return write(table, path)
-
-
-def to_arrow(table: CostTable) -> Any:
-    """The pyarrow table write_table writes (tablefile.to_arrow; kept for callers of the old name)."""
-    from dspark_calib.tablefile import to_arrow as build
-
-    return build(table)

@@ -13,8 +13,9 @@ from rich.console import Console
 from rich.table import Table
 
 from dspark_calib.atomic import atomic_write
-from dspark_calib.context import CHUNK_RULE
-from dspark_calib.vllm.env import CONTEXT_CHUNKS, CONTEXT_TAIL, DEFAULT_CONTEXT_CHUNKS  # standard library only
+from dspark_calib.pricing.policy import CHUNK_RULE
+from dspark_calib.env import CONTEXT_CHUNKS, CONTEXT_TAIL  # standard library only
+from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS
 from dspark_calib.validate import (AWARE, KINDS, MIN_TAIL_STEPS, MIXED_SPREAD, PRICINGS, SINGLE, VERDICT_KINDS,
                                    GroupErrors, ValidationResult)
 

@@ -37,36 +37,26 @@ their own spread) is refused: a file from shared storage is untrusted input.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dspark_calib import _arrow
+from dspark_calib.fileformat import arrow as _arrow
 from dspark_calib.atomic import atomic_write
 from dspark_calib.errors import CalibError, display_path, first_line
-from dspark_calib.fingerprint import KEYS
 from dspark_calib.fit import CURVE_COLUMNS, CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair
 from dspark_calib.samples import SAMPLE_COLUMNS, Samples
 from dspark_calib.safe_open import open_fs, open_local
-from dspark_calib.table import SCHEMA_VERSION, CostTable
+from dspark_calib.table.identity import content_hash, hash_1_0, hash_1_1, meta_1_1
+from dspark_calib.table.model import SCHEMA_VERSION, CostTable
 from dspark_calib.telemetry import Telemetry
-from dspark_calib.tablemeta import (  # noqa: F401 - re-exported: part of this module's API (contract C1)
-    CLI_LIMITS,
-    METADATA_KEY,
-    SERVE_LIMITS,
-    ReadLimits,
-    TableMeta,
-    check_limit,
-    parse_created_at,
-    parse_meta,
-    parse_version,
-)
+from dspark_calib.fileformat.version import Migrations, parse_version
+from dspark_calib.table.meta import CLI_LIMITS, METADATA_KEY, ReadLimits, TableMeta, check_limit, parse_created_at, parse_meta
 
 RECORD_SAMPLE = "sample"
 RECORD_KINDS = (DRAFT, VERIFY, RECORD_SAMPLE)
@@ -97,72 +87,9 @@ def columns_in(version: str) -> list[str]:
     return [c.name for c in COLUMN_LIST if parse_version(c.since) <= parse_version(version)]
 
 
-# -- content hash ----------------------------------------------------------------------
-_OPTIONAL_KEYS = frozenset(k.name for k in KEYS if k.optional)
-
-
-def _hash_1_0(fingerprint: dict[str, Any], curves: dict[int, CurvePair]) -> str:
-    """1.0 hashed the fingerprint keys its file holds. Keys added since (``Key.optional``) are
-    absent from a 1.0 file and None once read, so an unrecorded (None) optional key is left
-    out: a 1.0 table hashes the same before and after migration, whatever keys came later.
-    A recorded value (one set on a read 1.0 table) is hashed, so it cannot slip by."""
-    fp = {k: v for k, v in fingerprint.items()
-          if k != "extra" and not (v is None and k in _OPTIONAL_KEYS)}  # 1.0: notes were outside the hash
-    body = {"fingerprint": fp, "curves": {str(ctx): {kind: pair.curve(kind).as_vllm() for kind in CURVE_KINDS}
-                                          for ctx, pair in sorted(curves.items())}}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _hash_1_1(meta: dict[str, Any], curves: dict[int, CurvePair]) -> str:
-    """sha256 of the canonical JSON of every metadata key but content_hash, then every curve
-    column's little-endian bytes (NaN spreads included, as one canonical NaN)."""
-    body = {k: v for k, v in meta.items() if k != "content_hash"}
-    h = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-    for ctx, pair in sorted(curves.items()):
-        for kind in CURVE_KINDS:
-            curve = pair.curve(kind)
-            for c in CURVE_COLUMNS:
-                arr = getattr(curve, c)
-                h.update(f"/{ctx}/{kind}/{c}/{len(arr)}/".encode())
-                if arr.dtype.kind == "f":
-                    arr = np.where(np.isnan(arr), np.nan, arr)
-                h.update(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
-    return h.hexdigest()
-
-
-def _meta_1_1(table: CostTable, version: str = SCHEMA_VERSION) -> dict[str, Any]:
-    """The metadata as `version` writes it (1.1: no telemetry key, so a read 1.1 table keeps its hash)."""
-    curve_rows = sum(len(p.draft) + len(p.verify) for p in table.curves.values())
-    meta = {"schema_version": version, "tool_version": table.tool_version, "created_at": table.created_at,
-            "fingerprint": table.fingerprint.to_dict(), "curve_rows": curve_rows, "samples_digest": table.samples_digest}
-    if parse_version(version) >= (1, 2):
-        meta["telemetry"] = table.telemetry.to_json() if table.telemetry is not None else None
-    return meta
-
-
-def content_hash(table: CostTable) -> str:
-    """The hash under the rule of the table's own schema version (a read 1.0 table keeps its 1.0 hash)."""
-    if parse_version(table.schema_version) < (1, 1):
-        return _hash_1_0(table.fingerprint.to_dict(), table.curves)
-    return _hash_1_1(_meta_1_1(table, table.schema_version), table.curves)
-
-
 # -- migrations ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Migration:
-    from_version: str
-    to_version: str
-    apply: Callable[[pa.Table, dict], tuple[pa.Table, dict]]
-
-
-MIGRATIONS: list[Migration] = []  # append-only, in version order (llm's migrations.py style)
-
-
-def migration(from_version: str, to_version: str) -> Callable:
-    def register(fn: Callable[[pa.Table, dict], tuple[pa.Table, dict]]) -> Callable:
-        MIGRATIONS.append(Migration(from_version, to_version, fn))
-        return fn
-    return register
+MIGRATIONS = Migrations(SCHEMA_VERSION)
+migration = MIGRATIONS.add
 
 
 @migration("1.0", "1.1")
@@ -185,10 +112,7 @@ def migrate(arrow: pa.Table, meta: dict, path: str) -> tuple[pa.Table, dict]:
         raise CalibError(f"table schema {version[0]}.{version[1]} is {'newer' if version > current else 'older'} than "
                          f"this dspark-calib reads ({SCHEMA_VERSION}); "
                          f"{'upgrade' if version > current else 'use an older'} dspark-calib", path=path)
-    for m in MIGRATIONS:
-        if version < current and parse_version(m.from_version) == version:
-            arrow, meta = m.apply(arrow, meta)
-            version = parse_version(m.to_version)
+    arrow, meta, version = MIGRATIONS.apply(arrow, meta, path)
     names = arrow.column_names
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -292,7 +216,7 @@ class TableFile:
         try:
             table = _decode(arrow, meta, self.meta, samples, self.limits, path)
             table.validate()
-            found = _hash_1_0(raw["fingerprint"], table.curves) if version < (1, 1) else _hash_1_1(raw, table.curves)
+            found = hash_1_0(raw["fingerprint"], table.curves) if version < (1, 1) else hash_1_1(raw, table.curves)
             if found != self.meta.content_hash:
                 raise CalibError(f"content hash mismatch (metadata says {self.meta.content_hash[:12]}, contents "
                                  f"give {found[:12]}): the file was altered or corrupted")
@@ -398,7 +322,7 @@ def to_arrow(table: CostTable) -> pa.Table:
                     **{c: getattr(curve, c) for c in CURVE_COLUMNS}})
     s = table.samples
     add(len(s), {"record": [RECORD_SAMPLE] * len(s), **s.columns()})
-    meta = {**_meta_1_1(table), "content_hash": content_hash(table)}  # recomputed, never a read one
+    meta = {**meta_1_1(table, SCHEMA_VERSION), "content_hash": content_hash(table)}  # recomputed, never a read one
     return pa.Table.from_arrays([pa.concat_arrays(v) for v in arrays.values()],
                                 schema=SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta).encode()}))
 

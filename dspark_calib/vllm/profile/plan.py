@@ -9,11 +9,41 @@ own, from progress.json, once profiling starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 from dspark_calib.vllm.capture import Plan, Schedule
+from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S
+
+
+@dataclass
+class ProfileOptions:
+    model: str
+    draft: str
+    tp: int = 1
+    num_speculative_tokens: int | None = None  # default: the drafter's block_size
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    context_lens: tuple[int, ...] = (8192,)
+    replays: int = 20
+    warmup: int = 2
+    cooldown_s: float = DEFAULT_COOLDOWN_S  # the most rank 0 pauses before each block but the first
+    load_format: str = "dummy"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.85
+    distributed_executor_backend: str | None = None  # mp on one node, ray across nodes
+    max_model_len: int | None = None
+    quantization: str | None = None
+    seed: int = 0
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)  # --engine-arg / --engine-args-json
+    model_name: str | None = None  # what the user typed (a hub id), when `model` is its cache snapshot
+    draft_name: str | None = None
+
+
+# EngineArgs fields that `profile` sets from its own options: --engine-arg must not
+# contradict them silently. speculative_config is merged instead (see engine_kwargs).
 
 # Wall time of one profile step, fitted on a real run (Qwen3-8B + DSpark block 7, one
 # H200, tp 1, contexts 1024/8192/16384: within 7 % of each context's total). Other
@@ -42,10 +72,10 @@ def vllm_batches(opts: Any, capture_sizes: list[int] | None = None) -> list[dict
     """The installed vLLM's own, unpatched batches_to_profile for these sizes (tail included)."""
     from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
 
-    from dspark_calib.vllm.plugin import _MARK
+    from dspark_calib.vllm.runtime import MARK
 
     fn = av.AdaptiveVerificationManager.batches_to_profile
-    fn = getattr(fn, _MARK, fn)  # the plugin may have patched it in this process (tp 1)
+    fn = getattr(fn, MARK, fn)  # the plugin may have patched it in this process (tp 1)
     stand_in = SimpleNamespace(req_states=SimpleNamespace(max_num_batched_tokens=opts.max_num_batched_tokens))
     sizes = default_capture_sizes(opts) if capture_sizes is None else capture_sizes
     return list(fn(stand_in, list(sizes)))

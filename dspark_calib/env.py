@@ -14,6 +14,7 @@ import re
 from typing import Any, Mapping
 
 from dspark_calib.errors import CalibError, escape
+from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI
 
 PREFIX = "DSPARK_CALIB_"  # every name below; the plugin asks Ray to copy this prefix to its workers
 CAPTURE = "DSPARK_CALIB_CAPTURE"  # capture mode: the capture directory (used by `dspark-calib profile`)
@@ -35,18 +36,10 @@ ALL = (CAPTURE, TABLE, POLICY, CONTEXT_LEN, ALLOW_REFERENCE, LOAD_TIMEOUT, TABLE
 POLICIES = ("fallback", "strict", "warn")
 DEFAULT_LOAD_TIMEOUT_S = 5.0
 MAX_LOAD_TIMEOUT_S = 600.0  # an engine start waits on it; longer is a typo, not a wish
-# Every 4th priced step: a sampled step costs 26-149 us of host time on a 2-vCPU VM (capture, the
-# alternative budget, events, the later resolve; benchmarks/bench_observe.py), an unsampled one
-# under 1 us; 1 in 4 keeps the average at 7-37 us, under 0.5 % of a 10 ms step even on the host's
-# critical path, while a busy server still records thousands of steps a minute.
+# Every 4th priced step: a sampled step costs tens of microseconds of host time, an unsampled one
+# under 1 us (benchmarks/micro/bench_observe.py), so 1 in 4 keeps observing well under 1 % of a
+# step while a busy server still records thousands of steps a minute.
 DEFAULT_OBSERVE_EVERY = 4
-# On since 2026-12-01, when served steps confirmed them (H200, one host, the same workloads with and
-# without; benchmarks/results/h200/serve_context.md): with a tail of 0.2 the mixed-context decode
-# steps' verify median error went from 10.0 % to 1.4 % (validate's fit: 0.25 here, 0.15-0.25 before),
-# with chunk pricing the prefill-carrying steps' from 20.5 % to 3.6 %. Uniform batches are priced as
-# before (their max is their mean); decode-only steps never look for chunks.
-DEFAULT_CONTEXT_TAIL_MILLI = 200
-DEFAULT_CONTEXT_CHUNKS = True
 MAX_OBSERVE_EVERY = 1_000_000
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -141,7 +134,7 @@ def context_chunks_enabled(env: Mapping[str, str] | None = None) -> bool:
 
 
 def context_tail_milli(env: Mapping[str, str] | None = None) -> int:
-    """The mixed-context tail t in thousandths (context.tail_context_sum); the default when unset."""
+    """The mixed-context tail t in thousandths (pricing.rules.tail_context_sum); the default when unset."""
     value = _number(env, CONTEXT_TAIL, float, "a number")
     if value is None:
         return DEFAULT_CONTEXT_TAIL_MILLI

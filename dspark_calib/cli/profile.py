@@ -159,7 +159,8 @@ def main(*, model: str, draft: str, tp: int, num_speculative_tokens: int | None,
                  load_format=load_format, distributed_executor_backend=distributed_executor_backend,
                  cooldown=cooldown)
     extra = parse_engine_args(engine_arg, engine_args_json)
-    from dspark_calib.vllm.profile import ProfileOptions, resolve_model, resolve_options
+    from dspark_calib.vllm.profile.driver import resolve_model, resolve_options
+    from dspark_calib.vllm.profile.plan import ProfileOptions
 
     model_dir, model_id = resolve_model(model, "--model")
     draft_dir, draft_id = resolve_model(draft, "--draft")
@@ -195,8 +196,8 @@ def _run(opts: Any, out: str, log_path: str, keep_capture: str | None, strict_st
     from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.text import Text
 
-    from dspark_calib.table import write_table
-    from dspark_calib.vllm.profile import run_profile
+    from dspark_calib.table.file import write_table
+    from dspark_calib.vllm.profile.driver import run_profile
 
     class Count(ProgressColumn):  # "done/total" once the total is known, never "0/None"
         def render(self, task: Any) -> Text:

@@ -1,0 +1,266 @@
+"""Observed serving steps (observe mode) and their rolling parquet files.
+
+Format history (OBSERVED_SCHEMA_VERSION, "major.minor"):
+
+* 1.0 (dspark-calib 0.1.0): first format. One row per observed serving step,
+  columns ``COLUMNS`` in that order (the two ``budget_*`` columns may be null:
+  the engine did not price the step the other way). File metadata is JSON under
+  the parquet key-value key ``dspark_calib_observed``: schema_version,
+  tool_version, created_at (UTC, ISO 8601), plus what the writer was given
+  (e.g. table_hash, mode, tp_rank, sample_every, max_num_reqs,
+  max_num_batched_tokens).
+* 1.1 (dspark-calib 0.1.0): three nullable columns at the end, the step's prefill chunks
+  (requests with more than one non-draft token): ``prefill_tokens`` (their non-draft
+  tokens), ``prefill_context_sum`` (their computed tokens) and ``prefill_pairs`` (sum of
+  q x (c + q): the query-context pairs their attention does; pricing.rules.prefill_context_sum
+  prices by it). Migration (``MIGRATIONS``, the same toolkit as tables): a 1.0 file reads
+  with the three ABSENT (not recorded), and ``validate`` then leaves prefill-carrying
+  steps at the plain KV sum.
+
+Compatibility rules, as for tables: a reader accepts every minor of its major
+(columns a newer minor adds are ignored; a minor may only add columns); a newer
+major is refused naming both versions.
+
+Writing: rows are buffered and written as one file per ``rows_per_file`` rows
+(or ``max_buffer_s`` seconds) through ``atomic.atomic_write`` (temp file, then
+rename: a reader never sees half a file); a writer keeps at most ``max_files``
+of its own files, deleting the oldest, so a long-running server's disk use is
+bounded by rows_per_file * max_files rows. Reading validates every column and
+every row; a bad file is one CalibError naming it, never a traceback.
+
+What a row is, and the checks on rows and columns, live in step.py.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from dspark_calib import __version__
+from dspark_calib.atomic import atomic_write
+from dspark_calib.errors import CalibError, first_line
+from dspark_calib.fileformat.arrow import column
+from dspark_calib.fileformat.version import Migrations, parse_version
+from dspark_calib.observe.step import (ABSENT, BOOL, COLUMNS, FLOAT, INT, NULLABLE, PREFILL, ObservedStep, ObserveMeta,
+                                       column_problem)
+
+OBSERVED_SCHEMA_VERSION = "1.1"
+METADATA_KEY = b"dspark_calib_observed"
+FILE_PREFIX = "observed-"
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _arrow_types() -> dict[str, Any]:
+    import pyarrow as pa
+
+    return {INT: pa.int64(), FLOAT: pa.float64(), BOOL: pa.bool_()}
+
+
+class ObservedWriter:
+    """Buffers steps; writes rolling parquet files atomically, at most max_files of its own."""
+
+    def __init__(self, directory: str | os.PathLike, *, metadata: dict[str, Any] | None = None,
+                 rows_per_file: int = 4096, max_files: int = 64, max_buffer_s: float = 60.0,
+                 name: str | None = None, clock: Callable[[], float] = time.monotonic):
+        if rows_per_file < 1 or max_files < 1:
+            raise CalibError("observe: rows_per_file and max_files must be >= 1")
+        self.directory = os.fspath(directory)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:
+            raise CalibError(f"observe: cannot create the directory ({exc.strerror or first_line(exc)})",
+                             path=self.directory) from None
+        meta = dict(metadata or {})
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as exc:
+            raise CalibError(f"observe: metadata is not JSON ({first_line(exc)})") from None
+        self.metadata = meta
+        self.rows_per_file, self.max_files, self.max_buffer_s = rows_per_file, max_files, max_buffer_s
+        # One name per writer (rank and pid by default): writers sharing a directory never collide.
+        self.name = name or f"r{meta.get('tp_rank', 0)}-{os.getpid()}"
+        self._clock = clock
+        self._buffer: list[ObservedStep] = []
+        self._first_at = 0.0
+        self._seq = 0
+        self.files: deque[str] = deque()
+
+    def append(self, step: ObservedStep) -> str | None:
+        """Add a step; returns the path written if this filled a file (or the buffer aged out)."""
+        if not self._buffer:
+            self._first_at = self._clock()
+        self._buffer.append(step)
+        if len(self._buffer) >= self.rows_per_file or self._clock() - self._first_at >= self.max_buffer_s:
+            return self.flush()
+        return None
+
+    def flush(self) -> str | None:
+        if not self._buffer:
+            return None
+        rows, self._buffer = self._buffer, []
+        path = os.path.join(self.directory, f"{FILE_PREFIX}{self.name}-{self._seq:06d}.parquet")
+        self._seq += 1
+        try:
+            _write(path, rows, self.metadata)
+        except OSError as exc:  # disk full, directory removed...: the rows are dropped, the caller decides
+            raise CalibError(f"observe: cannot write ({exc.strerror or first_line(exc)}); "
+                             f"{len(rows)} observed steps dropped", path=path) from None
+        self.files.append(path)
+        while len(self.files) > self.max_files:
+            try:
+                os.unlink(self.files.popleft())
+            except FileNotFoundError:
+                pass
+        return path
+
+    def close(self) -> str | None:
+        return self.flush()
+
+    def __enter__(self) -> "ObservedWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _write(path: str, rows: Sequence[ObservedStep], metadata: dict[str, Any]) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    types = _arrow_types()
+    arrays = [pa.array([getattr(r, name) for r in rows], type=types[typ]) for name, typ in COLUMNS.items()]
+    meta = {**metadata, "schema_version": OBSERVED_SCHEMA_VERSION, "tool_version": __version__,
+            "created_at": _utc_now()}
+    schema = pa.schema([pa.field(n, types[t], nullable=n in NULLABLE) for n, t in COLUMNS.items()],
+                       metadata={METADATA_KEY: json.dumps(meta).encode()})
+    table = pa.Table.from_arrays(arrays, schema=schema)
+    return atomic_write(path, lambda fh: pq.write_table(table, fh, compression="zstd", write_page_checksum=True),
+                        durable=False)  # observation files may be lost on power failure, never torn
+
+
+# -- reading ---------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class ObservedSteps:
+    """Every row of one or more observed files, columnar (numpy); null budgets are ABSENT."""
+
+    columns: dict[str, np.ndarray]
+    files: tuple[str, ...]
+    metadata: tuple[ObserveMeta, ...]  # one per file
+
+    def __len__(self) -> int:
+        return len(self.columns["step"])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+
+def observed_paths(sources: Iterable[str | os.PathLike]) -> list[str]:
+    """Files as given; a directory stands for its observed-*.parquet files (temp files skipped)."""
+    out = []
+    for src in sources:
+        src = os.fspath(src)
+        if os.path.isdir(src):
+            names = sorted(n for n in os.listdir(src) if n.startswith(FILE_PREFIX) and n.endswith(".parquet"))
+            if not names:
+                raise CalibError("directory holds no observed-*.parquet files", path=src)
+            out.extend(os.path.join(src, n) for n in names)
+        else:
+            out.append(src)
+    return out
+
+
+def read_observed(sources: Iterable[str | os.PathLike]) -> ObservedSteps:
+    paths = observed_paths(sources)
+    if not paths:
+        raise CalibError("no observed files given")
+    parts, metas = [], []
+    for path in paths:
+        cols, meta = _read_one(path)
+        parts.append(cols)
+        metas.append(meta)
+    columns = {name: np.concatenate([p[name] for p in parts]) for name in COLUMNS}
+    for arr in columns.values():
+        arr.flags.writeable = False
+    return ObservedSteps(columns=columns, files=tuple(paths), metadata=tuple(ObserveMeta.from_dict(m) for m in metas))
+
+
+# -- migrations: a minor only adds columns; an older minor's file reads them as ABSENT ------------
+MIGRATIONS = Migrations(OBSERVED_SCHEMA_VERSION)
+migration = MIGRATIONS.add
+
+
+@migration("1.0", "1.1")
+def _m_1_0_to_1_1(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """1.1 added the prefill columns: a 1.0 engine recorded none (validate then leaves its
+    prefill-carrying steps at the plain KV sum)."""
+    rows = len(next(iter(cols.values()))) if cols else 0
+    return {**cols, **{name: np.full(rows, ABSENT, dtype=COLUMNS[name]) for name in PREFILL}}, \
+        {**meta, "schema_version": "1.1"}
+
+
+def _read_one(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    if not os.path.exists(path):
+        raise CalibError("no such file", path=path)
+    if not os.path.isfile(path):
+        raise CalibError("not a regular file", path=path)
+    try:
+        pf = pq.ParquetFile(path, page_checksum_verification=True)
+        raw = pf.schema_arrow.metadata or {}
+        if METADATA_KEY not in raw:
+            raise CalibError("parquet file without dspark-calib observed metadata (not an observe file)", path=path)
+        meta = _parse_meta(raw[METADATA_KEY], path)
+        arrow = pf.read()
+    except CalibError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
+        raise CalibError(f"not a readable parquet file ({first_line(exc)})", path=path) from None
+    if arrow.num_rows != pf.metadata.num_rows:
+        raise CalibError("row counts in the parquet footer disagree (damaged file)", path=path)
+    types = _arrow_types()
+    cols: dict[str, np.ndarray] = {}
+    for name, typ in COLUMNS.items():
+        if name not in arrow.column_names:
+            continue  # a column of a newer minor than the file's: its migration adds it, else refused below
+        col = arrow.column(name)
+        if col.type != types[typ]:
+            raise CalibError(f"column {name} has type {col.type}, expected {types[typ]}", path=path)
+        if col.null_count and name not in NULLABLE:
+            raise CalibError(f"column {name} has {col.null_count} null values", path=path)
+        values, valid = column(arrow, name)
+        values = values.copy() if typ != BOOL else values.astype(bool)
+        values[~valid] = ABSENT  # nullable budgets and prefill columns: ABSENT where null
+        cols[name] = values
+    cols, meta, _ = MIGRATIONS.apply(cols, meta, path)
+    missing = [name for name in COLUMNS if name not in cols]
+    if missing:
+        raise CalibError(f"column {missing[0]} is missing", path=path)
+    problem = column_problem(cols)
+    if problem:
+        raise CalibError(problem, path=path)
+    return cols, meta
+
+
+def _parse_meta(raw: bytes, path: str) -> dict[str, Any]:
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CalibError(f"malformed observed metadata JSON ({first_line(exc)})", path=path) from None
+    if not isinstance(meta, dict) or "schema_version" not in meta:
+        raise CalibError("observed metadata lacks schema_version", path=path)
+    version = parse_version(meta["schema_version"], path, what="observed schema_version")
+    if version[0] != parse_version(OBSERVED_SCHEMA_VERSION)[0]:
+        raise CalibError(f"observed schema {meta['schema_version']} is not readable by this dspark-calib "
+                         f"(reads {OBSERVED_SCHEMA_VERSION}); use a matching version", path=path)
+    return meta
+
+

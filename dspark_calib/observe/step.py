@@ -1,0 +1,216 @@
+"""One observed serving step: its columns, the checks on one row and on whole columns,
+what a file says of the engine that wrote it (``ObserveMeta``, with its pricing policy),
+and the steps whose timings are still on the device (``PendingSteps``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+import numpy as np
+
+from dspark_calib.errors import CalibError
+from dspark_calib.pricing.policy import STOCK, PricingPolicy
+
+INT, FLOAT, BOOL = "int64", "float64", "bool"
+# Column -> type, in file order. Every step the engine observed:
+COLUMNS: dict[str, str] = {
+    "step": INT,  # the engine's step counter (increasing per writer)
+    "forward_ms": FLOAT,  # StepTimingCollector: target forward (the verify step)
+    "drafter_ms": FLOAT,  # StepTimingCollector: drafter
+    "num_target_tokens": INT,  # tokens the target ran (after the budget trimmed drafts)
+    "num_reqs": INT,
+    "full_cudagraph": BOOL,  # replayed a full CUDA graph (vLLM prices drafts from these only)
+    "context_mean": FLOAT,  # num_computed_tokens over the scheduled requests
+    "context_max": INT,
+    "context_sum": INT,
+    "scheduled_drafts": INT,  # drafts scheduled before the budget
+    "draft_budget": INT,  # drafts verified (the budget chosen)
+    "priced_context": INT,  # the context the step's drafts were priced at (context-aware: the batch mean,
+    # raised by the tail when one is set: ceil(S' / n), context.tail_context_sum)
+    "predicted_draft_ms": FLOAT,  # the engine's cost tables for this step
+    "predicted_verify_ms": FLOAT,
+    "budget_static": INT,  # nullable: budget under the table's one-context pricing
+    "budget_context_aware": INT,  # nullable: budget under context-aware pricing
+    # 1.1: the prefill chunks (requests with more than one non-draft token); null: not recorded
+    "prefill_tokens": INT,
+    "prefill_context_sum": INT,
+    "prefill_pairs": INT,
+}
+BUDGETS = ("budget_static", "budget_context_aware")
+PREFILL = ("prefill_tokens", "prefill_context_sum", "prefill_pairs")
+NULLABLE = frozenset(BUDGETS + PREFILL)
+# Columns a minor added, and the minor: a file of an older minor reads them as ABSENT (migration).
+ADDED_IN_MINOR = {name: 1 for name in PREFILL}
+ABSENT = -1  # in memory, a null budget
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedStep:
+    """One observed serving step; checked on construction (sampled steps only: cheap enough)."""
+
+    step: int
+    forward_ms: float
+    drafter_ms: float
+    num_target_tokens: int
+    num_reqs: int
+    full_cudagraph: bool
+    context_mean: float
+    context_max: int
+    context_sum: int
+    scheduled_drafts: int
+    draft_budget: int
+    priced_context: int
+    predicted_draft_ms: float
+    predicted_verify_ms: float
+    budget_static: int | None = None
+    budget_context_aware: int | None = None
+    prefill_tokens: int | None = None
+    prefill_context_sum: int | None = None
+    prefill_pairs: int | None = None
+
+    def __post_init__(self) -> None:
+        problem = row_problem({f.name: getattr(self, f.name) for f in fields(self)})
+        if problem:
+            raise CalibError(f"bad observed step: {problem}")
+
+
+def row_problem(r: dict[str, Any]) -> str | None:
+    """The first thing wrong with one row (scalars), or None."""
+    for name in ("forward_ms", "drafter_ms", "predicted_draft_ms", "predicted_verify_ms", "context_mean"):
+        v = r[name]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            return f"{name} must be a finite number >= 0, got {v!r}"
+    for name, low in (("step", 0), ("num_target_tokens", 1), ("num_reqs", 1), ("context_max", 0),
+                      ("context_sum", 0), ("scheduled_drafts", 0), ("draft_budget", 0), ("priced_context", 0)):
+        v = r[name]
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < low:
+            return f"{name} must be an integer >= {low}, got {v!r}"
+    if not isinstance(r["full_cudagraph"], (bool, np.bool_)):
+        return f"full_cudagraph must be a bool, got {r['full_cudagraph']!r}"
+    n, total = r["num_reqs"], r["context_sum"]
+    if abs(r["context_mean"] - total / n) > 1e-9 * max(1.0, total / n) or r["context_max"] * n < total:
+        return f"context mean/max/sum disagree (mean {r['context_mean']}, max {r['context_max']}, sum {total}, {n} reqs)"
+    for name in ("draft_budget", "budget_static", "budget_context_aware"):
+        v = r[name]
+        if v is None and name in NULLABLE:
+            continue
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 0 <= v <= r["scheduled_drafts"]:
+            return f"{name} must be an integer in 0..scheduled_drafts ({r['scheduled_drafts']}), got {v!r}"
+    prefill = [r[name] for name in PREFILL]
+    if any(v is not None for v in prefill):
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in prefill):
+            return f"prefill_tokens/context_sum/pairs must be integers >= 0 (or all None), got {prefill!r}"
+        tokens, ctx_sum, pairs = prefill
+        # each chunk has q >= 2 non-draft tokens at c <= context_max: 2q <= q (c + q) <= q (max + q)
+        if tokens > r["num_target_tokens"] or ctx_sum > total or (tokens == 0 and ctx_sum) \
+                or not 2 * tokens <= pairs <= tokens * (r["context_max"] + tokens):
+            return (f"prefill columns disagree with the step (tokens {tokens}, context sum {ctx_sum}, pairs {pairs}; "
+                    f"step: {r['num_target_tokens']} tokens, context sum {total}, max {r['context_max']})")
+    return None
+
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+@dataclass(frozen=True)
+class ObserveMeta:
+    """What an observe file says of the engine that wrote it (the file's metadata, typed).
+
+    ``raw`` keeps every key as written (a newer minor's keys included). The pricing
+    policy is parsed when asked for (``policy()``): only ``validate`` needs it, and a
+    context-aware file's bad setting is its error, named then."""
+
+    schema_version: str
+    mode: str = STOCK
+    table_hash: str = ""
+    sample_every: int | None = None
+    max_num_reqs: int | None = None  # the engine's sizes, when recorded
+    max_num_batched_tokens: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "ObserveMeta":
+        mode = raw.get("mode", STOCK)
+        table_hash = raw.get("table_hash", "")
+        return cls(schema_version=str(raw.get("schema_version", "")), mode=mode if isinstance(mode, str) else STOCK,
+                   table_hash=table_hash if isinstance(table_hash, str) else "",
+                   sample_every=_positive_int(raw.get("sample_every")),
+                   max_num_reqs=_positive_int(raw.get("max_num_reqs")),
+                   max_num_batched_tokens=_positive_int(raw.get("max_num_batched_tokens")), raw=dict(raw))
+
+    def policy(self) -> PricingPolicy:
+        return PricingPolicy.from_metadata(self.raw)
+
+
+def column_problem(c: dict[str, np.ndarray]) -> str | None:
+    """Vectorised row_problem over whole columns: the first bad row, named."""
+    checks: list[tuple[np.ndarray, str]] = []
+    for name in ("forward_ms", "drafter_ms", "predicted_draft_ms", "predicted_verify_ms", "context_mean"):
+        checks.append((~np.isfinite(c[name]) | (c[name] < 0), f"{name} must be finite and >= 0"))
+    for name, low in (("step", 0), ("num_target_tokens", 1), ("num_reqs", 1), ("context_max", 0),
+                      ("context_sum", 0), ("scheduled_drafts", 0), ("priced_context", 0)):
+        checks.append((c[name] < low, f"{name} must be >= {low}"))
+    n = np.maximum(c["num_reqs"], 1)
+    mean = c["context_sum"] / n
+    checks.append((np.abs(c["context_mean"] - mean) > 1e-9 * np.maximum(1.0, mean), "context_mean != context_sum / num_reqs"))
+    checks.append((c["context_max"] * n < c["context_sum"], "context_max below the mean"))
+    checks.append(((c["draft_budget"] < 0) | (c["draft_budget"] > c["scheduled_drafts"]),
+                   "draft_budget outside 0..scheduled_drafts"))
+    for name in BUDGETS:
+        v = c[name]
+        checks.append(((v != ABSENT) & ((v < 0) | (v > c["scheduled_drafts"])), f"{name} outside 0..scheduled_drafts"))
+    tokens, ctx_sum, pairs = (c[name] for name in PREFILL)
+    known = tokens != ABSENT
+    checks.append(((known != (ctx_sum != ABSENT)) | (known != (pairs != ABSENT)), "prefill columns null in some, not all"))
+    checks.append((known & ((tokens < 0) | (tokens > c["num_target_tokens"]) | (ctx_sum < 0)
+                            | (ctx_sum > c["context_sum"]) | ((tokens == 0) & (ctx_sum != 0)) | (pairs < 2 * tokens)
+                            | (pairs > tokens * (c["context_max"] + tokens))),
+                   "prefill columns disagree with the step's tokens and contexts"))
+    for bad, what in checks:
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            return f"row {row}: {what} ({int(bad.sum())} bad rows)"
+    return None
+
+
+# -- the in-engine sampler's pure part ---------------------------------------------------------
+class PendingSteps:
+    """Sampled steps whose CUDA events may still be on device, oldest first.
+
+    ``events``: anything with forward_start/forward_end/drafter_start/drafter_end
+    events (vLLM's StepTimingEvents). Steps on one stream finish in issue order,
+    so resolution stops at the first step whose drafter_end is not done; nothing
+    here ever waits. When ``max_pending`` steps are in flight a new one is dropped
+    (and counted): observing must never hold events without bound.
+    """
+
+    def __init__(self, max_pending: int = 256):
+        self.max_pending = max_pending
+        self._queue: deque[tuple[Any, Any]] = deque()
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, events: Any, info: Any) -> bool:
+        if len(self._queue) >= self.max_pending:
+            self.dropped += 1
+            return False
+        self._queue.append((events, info))
+        return True
+
+    def resolve_ready(self) -> list[tuple[float, float, Any]]:
+        """(forward_ms, drafter_ms, info) of every finished step, in order; never blocks."""
+        done = []
+        queue = self._queue
+        while queue and queue[0][0].drafter_end.query():
+            events, info = queue.popleft()
+            done.append((events.forward_start.elapsed_time(events.forward_end),
+                         events.drafter_start.elapsed_time(events.drafter_end), info))
+        return done

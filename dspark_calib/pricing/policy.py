@@ -1,0 +1,84 @@
+"""How an engine prices its steps, as one value: what load mode decides, the context-aware
+wrapper prices with, observe mode writes into each file and ``validate`` reads back.
+
+Standard library only: the plugin entry point and the light commands import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from dspark_calib.errors import CalibError
+
+STOCK = "stock"  # vLLM's own start-up profile
+TABLE = "table"  # a loaded table's curves at one context
+CONTEXT_AWARE = "context-aware"  # each step priced for the context its batch has
+MODES = (STOCK, TABLE, CONTEXT_AWARE)
+
+MAX_TAIL_MILLI = 1000  # t = 1: every request priced at the batch's longest context
+CHUNK_RULE = "largest-step"  # a chunk's pair at R(N_max) / N_max KV tokens (docs/pricing.md)
+CHUNK_RULE_PER_STEP = "per-step"  # the first rule: R(N) / N at the step's own N
+CHUNK_RULES = (CHUNK_RULE, CHUNK_RULE_PER_STEP)
+
+# The plugin's defaults, chosen on served steps (docs/results): a tail of 0.2 for mixed-context
+# batches, and prefill chunks priced by their query-context pairs. Uniform batches are priced the
+# same either way (their max is their mean); decode-only steps never look for chunks.
+DEFAULT_CONTEXT_TAIL_MILLI = 200
+DEFAULT_CONTEXT_CHUNKS = True
+
+# What a context-aware file that predates a key was priced with: the engines before the key
+# existed had no tail, priced chunks as KV (no pairs), and priced pairs by the first rule.
+UNRECORDED_TAIL_MILLI = 0
+UNRECORDED_CHUNKS = False
+UNRECORDED_CHUNK_RULE = CHUNK_RULE_PER_STEP
+
+
+def valid_tail(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TAIL_MILLI
+
+
+@dataclass(frozen=True)
+class PricingPolicy:
+    """mode: STOCK / TABLE / CONTEXT_AWARE; static_context: the context of the static tables;
+    tail_milli, chunks and chunk_rule apply in context-aware mode only."""
+
+    mode: str = STOCK
+    static_context: int = 0
+    tail_milli: int = 0
+    chunks: bool = False
+    chunk_rule: str = CHUNK_RULE
+
+    @property
+    def context_aware(self) -> bool:
+        return self.mode == CONTEXT_AWARE
+
+    def metadata(self) -> dict[str, Any]:
+        """The keys observe mode writes into each file's metadata (from_metadata reads them)."""
+        meta: dict[str, Any] = {"mode": self.mode, "static_context": self.static_context,
+                                "context_tail_milli": self.tail_milli, "context_chunks": self.chunks}
+        if self.chunks:
+            meta["context_chunk_rule"] = self.chunk_rule
+        return meta
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> "PricingPolicy":
+        """The policy an observe file records; a key the file predates reads as what the engines
+        of that time did (UNRECORDED_*). Only context-aware files are checked for tail and chunks:
+        other modes price neither."""
+        mode = meta.get("mode", STOCK)
+        static = meta.get("static_context")
+        static = static if isinstance(static, int) and not isinstance(static, bool) else 0
+        if mode != CONTEXT_AWARE:
+            return cls(mode=mode if isinstance(mode, str) else STOCK, static_context=static)
+        tail = meta.get("context_tail_milli", UNRECORDED_TAIL_MILLI)
+        if not valid_tail(tail):
+            raise CalibError(f"an observe file records context_tail_milli={tail!r} (want 0..{MAX_TAIL_MILLI})")
+        chunks = meta.get("context_chunks", UNRECORDED_CHUNKS)
+        if not isinstance(chunks, bool):
+            raise CalibError(f"an observe file records context_chunks={chunks!r} (want true or false)")
+        rule = meta.get("context_chunk_rule", UNRECORDED_CHUNK_RULE) if chunks else CHUNK_RULE
+        if rule not in CHUNK_RULES:
+            raise CalibError(f"an observe file records context_chunk_rule={rule!r} (want one of "
+                             f"{', '.join(CHUNK_RULES)})")
+        return cls(CONTEXT_AWARE, static, tail, chunks, rule)

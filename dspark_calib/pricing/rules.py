@@ -1,0 +1,73 @@
+"""The integer rules that turn a serving step into the context its costs are read at.
+
+A table's point (N tokens, context L) was timed on vLLM's profiling dummy batch:
+R(N) = min(N, max_num_reqs) requests, each with L tokens of KV, so its attention
+read R(N) x L KV tokens. A serving step reads S, the sum of its requests' computed
+tokens, so its verify cost at N is the table's at S / R(N) (``verify_context``);
+drafts are keyed by requests and priced at the mean. Mixed contexts are priced at
+S + t (n max - S) (``tail_context_sum``), prefill chunks by their query-context
+pairs (``prefill_context_sum``, at a rule's pair price: ``chunk_kv_ratio``).
+docs/pricing.md gives the reasoning and the measurements behind each rule.
+
+Integers only where the engine uses them: every TP rank computes the same value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dspark_calib.errors import CalibError
+from dspark_calib.pricing.policy import CHUNK_RULE, CHUNK_RULE_PER_STEP, CHUNK_RULES, MAX_TAIL_MILLI
+
+
+def profile_requests(num_tokens: int, max_num_reqs: int) -> int:
+    """Requests in vLLM's profiling dummy batch of num_tokens tokens: ``_dummy_run``'s
+    ``min(num_tokens, self.max_num_reqs)`` (its speculator bound, max_num_batched_tokens //
+    num_query_per_req, is above max_num_reqs for DSpark)."""
+    return min(int(num_tokens), int(max_num_reqs))
+
+
+def verify_context(context_sum: int, num_tokens: int, max_num_reqs: int) -> int:
+    """The profiled context whose verify cost at num_tokens matches a step reading context_sum KV
+    tokens: ceil(S / R(N)) (see the module docstring). Integers only: identical on every rank."""
+    return -(-int(context_sum) // max(1, profile_requests(num_tokens, max_num_reqs)))
+
+
+def tail_context_sum(context_sum: Any, context_max: Any, num_reqs: Any, tail_milli: int) -> Any:
+    """The KV sum a step is priced at with the mixed-context tail (module docstring):
+    S + t (n max - S), t = tail_milli / 1000, rounded down. Integers only (identical on every
+    rank); scalars or numpy arrays alike; tail_milli 0 returns S unchanged."""
+    if not tail_milli:
+        return context_sum
+    return context_sum + (tail_milli * (context_max * num_reqs - context_sum)) // MAX_TAIL_MILLI
+
+
+def prefill_context_sum(context_sum: Any, chunk_context_sum: Any, chunk_pairs: Any, kv_reqs: Any,
+                        kv_tokens: Any) -> Any:
+    """The KV sum a step carrying prefill chunks is priced at (module docstring): the decode
+    requests' own KV plus the chunks' query-context pairs P at kv_reqs / kv_tokens KV tokens a
+    pair, (S - S_p) + ceil(kv_reqs P / kv_tokens); chunk_kv_ratio gives the two for a rule.
+    Integers only; scalars or numpy arrays alike; P = 0 returns S."""
+    out = context_sum - chunk_context_sum + -(-(kv_reqs * chunk_pairs) // kv_tokens)
+    if type(out) is int:  # the engine's plain integers (once per chunk step): no numpy call
+        return out
+    return int(out) if np.ndim(out) == 0 else out
+
+
+def chunk_kv_ratio(rule: str, profile_num_reqs: int, profile_num_tokens: int, num_tokens: Any = None) -> tuple[Any, Any]:
+    """(kv_reqs, kv_tokens) of prefill_context_sum under a chunk rule: the profile's largest step
+    (CHUNK_RULE; constants), or the step's own N (CHUNK_RULE_PER_STEP; num_tokens: the steps'
+    non-draft tokens, as the engines of that rule took them)."""
+    if rule == CHUNK_RULE:
+        return min(int(profile_num_tokens), int(profile_num_reqs)), int(profile_num_tokens)
+    if rule == CHUNK_RULE_PER_STEP:
+        tokens = np.maximum(np.asarray(num_tokens, dtype=np.int64), 1)
+        return np.minimum(tokens, int(profile_num_reqs)), tokens
+    raise CalibError(f"unknown chunk pricing rule {rule!r} (known: {', '.join(CHUNK_RULES)})")
+
+
+def ceil_mean(total: int, count: int) -> int:
+    """ceil(total / count) in integers: the batch's mean context, rounded up (exact, no floats)."""
+    return -(-int(total) // int(count))
