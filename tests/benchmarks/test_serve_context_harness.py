@@ -19,7 +19,7 @@ import pytest
 
 from dspark_calib.observe import ObservedStep, ObservedWriter, read_observed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCHEMA10 = REPO / "benchmarks" / "results" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
 
 

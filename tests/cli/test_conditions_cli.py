@@ -15,8 +15,8 @@ from dspark_calib.profile_cmd import stability_verdict
 from dspark_calib.samples import Samples
 from dspark_calib.table import CostTable, write_table
 from dspark_calib.telemetry import Telemetry
-from test_stability import synthetic
-from test_telemetry import TELEMETRY
+from tests.core.test_stability import synthetic
+from tests.core.test_telemetry import TELEMETRY
 
 runner = CliRunner()
 

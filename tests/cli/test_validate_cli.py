@@ -9,11 +9,11 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from conftest import assert_command_is_light, REPO, SCHEMA10, one_line_error
 from dspark_calib.cli import app
 from dspark_calib.observe import ObservedWriter
 from dspark_calib.table import read_table
-from test_validate import synthetic_steps
+from tests.core.test_validate import synthetic_steps
+from tests.helpers import SCHEMA10, assert_command_is_light, one_line_error
 
 runner = CliRunner()
 

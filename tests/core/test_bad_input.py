@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import CURVE_KINDS
 from dspark_calib.tablefile import CURVE_COLUMNS, METADATA_KEY, read_metadata, read_table, to_arrow, write_table
+from tests.helpers import REPO
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-REPO = Path(__file__).resolve().parents[1]
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -458,7 +458,6 @@ def _bad_files(tmp_path: Path, small, good_bytes: bytes) -> dict[str, Path]:
     return files
 
 
-@pytest.mark.skipif(not (REPO / "dspark_calib" / "cli.py").exists(), reason="the CLI is not written yet")
 def test_cli_inspect_bad_inputs(tmp_path, small, good_bytes):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for what, path in _bad_files(tmp_path, small, good_bytes).items():

@@ -21,13 +21,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import DATA_DIR, build_reference_table
 from dspark_calib import __version__
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import MERGE_KEYS, Fingerprint
 from dspark_calib.fit import CURVE_KINDS, Curve, CurvePair
 from dspark_calib import tablefile
 from dspark_calib.table import CostTable, merge_tables
+from tests.helpers import DATA_DIR, REPO, build_reference_table
 from dspark_calib.tablefile import (
     COLUMNS,
     CURVE_COLUMNS,
@@ -390,7 +390,7 @@ def big_tables(tmp_path_factory, reference_table_8192):
 
 
 def start_writer(mode: str, src: str, dest: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR.parent), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, "-c", CHILD, mode, src, str(dest)], stdout=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
 

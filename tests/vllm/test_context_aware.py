@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
 
-from dspark_calib.context import CHUNK_RULE, ContextCosts, ContextGrid, ceil_mean, tail_context_sum, verify_context
+from dspark_calib.context import (CHUNK_RULE, ContextCosts, ContextGrid, ceil_mean, profile_requests, tail_context_sum,
+                                  verify_context)
 from dspark_calib.fit import choose_draft_budget
 from dspark_calib.vllm import context_aware as ca
 
@@ -372,7 +373,7 @@ def two_context_load(tmp_path, monkeypatch):
     from vllm.v1.worker.gpu import model_runner
     from vllm.v1.worker.gpu.async_utils import StepTimingSample
 
-    from conftest import build_reference_table, fixture_json
+    from tests.helpers import build_reference_table, fixture_json
     from dspark_calib.tablefile import write_table
     from dspark_calib.vllm import plugin
 
@@ -730,3 +731,19 @@ def test_held_slot_path_equals_looking_every_id_up(grid_3ctx, data, tail, chunks
         want = grid_3ctx.step_tables(total, len(sched), None, verify_sum)
         assert all(np.array_equal(a, b) for a, b in zip(got_tables, want))
     assert fast_state.active.sum() == len(states.req_id_to_index)  # the mask still follows
+
+
+# -- the dummy-batch contract dspark_calib.context.verify_context rests on -------------------------
+def test_profile_requests_is_vllms_dummy_batch():
+    """The contract verify_context rests on: vLLM's profiling batch of N tokens has min(N,
+    max_num_reqs) requests, each given the same context_len (read from the installed vLLM)."""
+    import inspect
+
+    from vllm.v1.worker.gpu import input_batch
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    assert "num_reqs = min(num_tokens, self.max_num_reqs)" in inspect.getsource(GPUModelRunner._dummy_run)
+    assert "num_computed_tokens_np.fill(context_len)" in inspect.getsource(input_batch.set_dummy_context)
+    assert [profile_requests(n, 256) for n in (1, 255, 256, 8192)] == [1, 255, 256, 256]
+    assert verify_context(32 * 16384, 152, 256) == -(-32 * 16384 // 152)  # 3450: not the mean, 16384
+    assert verify_context(256 * 1000, 1024, 256) == 1000

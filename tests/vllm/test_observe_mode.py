@@ -29,7 +29,7 @@ from dspark_calib.vllm import context_aware as ca
 from dspark_calib.vllm import observe_mode as om
 from dspark_calib.vllm import plugin
 from dspark_calib.vllm.shape import observe_problem
-from test_context_aware import SingleRank, grid_3ctx, make_manager, schedule  # noqa: F401 - fixture reused
+from tests.vllm.test_context_aware import SingleRank, grid_3ctx, make_manager, schedule  # noqa: F401 - fixture reused
 
 
 class Clock:

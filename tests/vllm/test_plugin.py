@@ -27,11 +27,10 @@ from dspark_calib.table import write_table
 from dspark_calib.vllm import plugin, shape
 from dspark_calib.vllm.capture import Plan, samples_path, write_plan
 from dspark_calib.vllm.profile import ProfileOptions, table_from_capture
+from tests.helpers import DRAFT, MODEL, REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 FIXTURES = sorted(glob.glob(os.path.join(ROOT, "tests", "data", "*.json")))
-MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
-DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
 ENV_KEYS = ("DSPARK_CALIB_TABLE", "DSPARK_CALIB_CAPTURE", "DSPARK_CALIB_POLICY", "DSPARK_CALIB_CONTEXT_LEN",
             "DSPARK_CALIB_ALLOW_REFERENCE", "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN")
 

@@ -24,10 +24,9 @@ from vllm.v1.worker.gpu.async_utils import StepTimingCollector
 from dspark_calib.table import write_table
 from dspark_calib.vllm import loader, plugin
 from dspark_calib.vllm import probe as P
+from tests.helpers import DRAFT, MODEL, REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
-DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
+ROOT = str(REPO)
 POLICIES = ("fallback", "strict", "warn")
 LIMIT = 512
 

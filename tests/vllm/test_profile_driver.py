@@ -12,10 +12,9 @@ import pytest
 from dspark_calib.errors import CalibError
 from dspark_calib.vllm import profile as driver
 from dspark_calib.vllm.profile import ProfileOptions, engine_kwargs, explain_failure, resolve_options
+from tests.helpers import DRAFT, MODEL, REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
-DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
+ROOT = str(REPO)
 
 
 def opts(**kw):
@@ -266,7 +265,7 @@ def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
 
 def test_fingerprint_records_resolved_engine_values():
     """What the capture's engine dict says (read through the registry) is what the table records."""
-    from test_fingerprint import HARDWARE, build_config
+    from tests.vllm.test_engine_info import HARDWARE, build_config
 
     from dspark_calib.vllm.engine_info import describe_engine
 
@@ -335,7 +334,7 @@ from dspark_calib.vllm.capture import CaptureDir, vllm_curves  # noqa: E402
 def engine_stand_in(monkeypatch):
     """vllm.LLM replaced by what an in-process engine does at start-up: vLLM's own (patched)
     batches_to_profile and set_initial_cost_curves on a manager, timings made up per batch."""
-    import test_capture as tc
+    import tests.vllm.test_capture as tc
     from vllm.v1.worker.gpu import model_runner  # imported: register() patches at once
 
     for key in list(os.environ):
@@ -396,7 +395,7 @@ def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_p
         assert (fp.replays, fp.warmup_replays, fp.extra["replays_asked"]) == (5, 0, 3)
         assert fp.extra["vllm_curves_equal"] is True and table.context_lens() == [1024, 8192]
         assert all(n == 5 for n in table.curves[8192].verify.n)
-        import test_capture as tc
+        import tests.vllm.test_capture as tc
 
         for ctx in (1024, 8192):  # vLLM's own set_initial_cost_curves on the samples the table holds
             theirs = vllm_curves(tc.VLLM_ORIGINAL["set_initial_cost_curves"],
@@ -444,7 +443,7 @@ def test_driver_does_not_take_the_lock_when_workers_are_other_processes(engine_s
 
 def test_expected_schedule_is_the_workers(tmp_path):
     """The driver's plan line and progress come from capture.Schedule over vLLM's own sequence."""
-    import test_capture as tc
+    import tests.vllm.test_capture as tc
 
     from dspark_calib.vllm.capture import Plan, Schedule
     from dspark_calib.vllm.profile_plan import default_capture_sizes, expected
@@ -464,7 +463,7 @@ def test_expected_schedule_is_the_workers(tmp_path):
 
 
 def test_estimate_includes_the_cooldown(tmp_path):
-    import test_capture as tc
+    import tests.vllm.test_capture as tc
 
     from dspark_calib.vllm.profile_plan import expected
 
