@@ -486,6 +486,7 @@ def test_revalidate_adds_the_chunk_pricing_row_when_chunks_are_recorded(sc, tmp_
     assert chunk[0]["context_aware_median_signed_pct"] < prefill_all["context_aware_median_signed_pct"]
 
 
+@pytest.mark.slow
 def test_a_dry_run_aware_arm_records_the_tail_and_chunks_it_ran_with(sc, tmp_path):
     """The summary's env is the child's as run, not one rebuilt without the arm's options."""
     args = ["arm", "aware", "--table", str(SCHEMA10), "--out", str(tmp_path), "--work", str(tmp_path / "w"),

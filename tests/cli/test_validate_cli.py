@@ -88,6 +88,7 @@ def test_bad_inputs_are_one_line(shipped_observed, tmp_path):
     assert invoke("validate", SCHEMA10).exit_code == 2  # OBSERVED is required
 
 
+@pytest.mark.slow
 def test_validate_command_imports_no_torch_or_vllm(shipped_observed):
     assert_command_is_light('validate', str(SCHEMA10), str(shipped_observed), '--json')
     assert_command_is_light('validate', str(SCHEMA10), str(shipped_observed), '--tail', '0.2')  # the rendering too

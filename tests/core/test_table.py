@@ -442,6 +442,7 @@ def test_writer_killed_mid_write_leaves_old_table(tmp_path, big_tables, mode):
             read_table(temp)
 
 
+@pytest.mark.slow
 def test_writer_killed_at_random_times_never_leaves_a_partial_table(tmp_path, big_tables):
     old_path, old_hash = big_tables["old"]
     new_path, new_hash = big_tables["new"]

@@ -595,6 +595,7 @@ def test_context_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(
     assert getattr(ca.installed_state(wrong), attr) == default  # context-aware stays on, at the default
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(num_reqs=st.integers(4, 200), seed=st.integers(0, 2**31 - 1))
 def test_chunk_pricing_of_the_engine_is_what_validate_reprices(grid_3ctx, reference_table, tmp_path_factory, num_reqs,
@@ -647,6 +648,7 @@ class VllmSlots(SimpleNamespace):
         return slot
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(data=st.data(), tail=st.sampled_from([0, 200, 1000]), chunks=st.booleans(),
        start=st.integers(0, 200))

@@ -150,6 +150,7 @@ def test_capture_mode_records_vllms_refusal(monkeypatch, tmp_path):
     assert (tmp_path / "refusal.txt").read_text().startswith("Adaptive verification replays")
 
 
+@pytest.mark.slow
 def test_register_patches_only_when_the_model_runner_is_imported(tmp_path):
     """In a process that has not imported vLLM's model runner (the API server), register()
     imports nothing heavy; the patch lands when the worker imports the runner."""

@@ -107,6 +107,7 @@ def run_cli(*args, env=None):
                           env={**os.environ, **(env or {})}, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_profile_without_gpu_is_one_line(tmp_path):
     out = tmp_path / "t.parquet"
     res = run_cli("profile", "--model", MODEL, "--draft", DRAFT, "--out", str(out))
@@ -313,6 +314,7 @@ def test_cli_profile_early_errors_are_one_line_and_fast(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written, no log left
 
 
+@pytest.mark.slow
 def test_cli_profile_unknown_engine_arg_and_missing_hub_model(tmp_path):
     res = run_cli("profile", "--model", MODEL, "--draft", DRAFT, "--out", str(tmp_path), "--engine-arg", "blok_size=3")
     assert res.returncode == 2 and "--engine-arg blok_size: not a vLLM EngineArgs field" in res.stderr
@@ -374,6 +376,7 @@ def _profile_in_process(tmp_path, monkeypatch, **kw):
     return o, cap, lines, d
 
 
+@pytest.mark.slow
 def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "FOO_")  # the user's own
     monkeypatch.setenv("DSPARK_CALIB_TABLE", "/some/table.parquet")  # profiling never loads it
@@ -405,6 +408,7 @@ def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_p
             assert table.curves[ctx].as_vllm() == theirs
 
 
+@pytest.mark.slow
 def test_driver_checks_the_table_against_vllms_curves(engine_stand_in, tmp_path, monkeypatch):
     o, cap, _, _ = _profile_in_process(tmp_path, monkeypatch, replays=5, warmup=5)
     assert driver.table_from_capture(o, cap).fingerprint.warmup_replays == 5
@@ -474,6 +478,7 @@ def test_estimate_includes_the_cooldown(tmp_path):
     assert on.seconds == pytest.approx(off.seconds + on.cooldown_s) and "18 s of it cool-down" in on.line(20)
 
 
+@pytest.mark.slow
 def test_cooldown_reaches_the_plan_and_the_table(engine_stand_in, tmp_path, monkeypatch):
     """--cooldown through typer, profile_cmd and ProfileOptions; run_engine writes it into plan.json;
     the table's fingerprint extra records it and what the worker spent."""
