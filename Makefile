@@ -5,11 +5,15 @@ BIN := $(VENV)/bin
 HASH := $(shell sha256sum pyproject.toml | cut -c1-12)
 FULL := $(VENV)/.installed-full-$(HASH)
 CORE := $(VENV)/.installed-core-$(HASH)
+# A second venv with the light install only (no vllm, no torch): tests/core and tests/cli must pass there.
+LIGHT_VENV ?= .venv-light
+LIGHT_BIN := $(LIGHT_VENV)/bin
+LIGHT := $(LIGHT_VENV)/.installed-light-$(HASH)
 SHIPPED := profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet
 RESULTS := benchmarks/results/h200
 DEMO_OUT ?= out/demo
 
-.PHONY: test install demo bench clean
+.PHONY: test test-light install demo bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +29,23 @@ $(CORE): pyproject.toml | $(VENV)/bin/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(CORE)
 
+$(LIGHT_VENV)/bin/python:
+	$(PYTHON) -m venv $(LIGHT_VENV)
+	$(LIGHT_BIN)/python -m pip install -q -U pip
+
+$(LIGHT): pyproject.toml | $(LIGHT_VENV)/bin/python
+	$(LIGHT_BIN)/python -m pip install -q -e '.[dev]'
+	touch $(LIGHT)
+
 install: $(FULL)
 
-test: $(FULL)
+# The light install's tests (what a user of inspect/diff/check/validate gets), in a venv that must not have vllm.
+test-light: $(LIGHT)
+	$(LIGHT_BIN)/python -c "import importlib.util as u, sys; sys.exit('vllm is installed in $(LIGHT_VENV)' if u.find_spec('vllm') else 0)"
+	$(LIGHT_BIN)/python -m pytest -q tests/core tests/cli
+
+# Light first (no vllm), then everything with vllm.
+test: test-light $(FULL)
 	$(BIN)/python -m pytest -q
 
 # The README's main job: review the shipped H200 tables (no GPU needed, seconds once installed).
@@ -46,4 +64,4 @@ bench: $(CORE)
 	$(BIN)/python benchmarks/bench_table.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info out
+	rm -rf $(VENV) $(LIGHT_VENV) build dist *.egg-info out

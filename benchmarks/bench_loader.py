@@ -37,7 +37,7 @@ from dataclasses import replace
 from dspark_calib.table.sources import SERVE_LIMITS
 source, engine, policy, deadline = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 import pyarrow, pyarrow.parquet, numpy  # imported by any real decision: not part of the case's cost
-from dspark_calib.table import model as table  # noqa
+from dspark_calib.table.model import model as table  # noqa
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 tracemalloc.start()
 t = time.perf_counter()
@@ -154,7 +154,7 @@ def main() -> None:
                 shown = {k: r.get(k) for k in ("wall_s", "tracemalloc_peak_mb", "maxrss_mb", "load", "refuse")}
                 print(f"{name:34} {policy:8} {json.dumps(shown)}")
         doc = {"host": host(), "deadline_s": DEADLINE_S, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "limits": __import__("dataclasses").asdict(__import__("dspark_calib.table.sources", fromlist=["x"]).SERVE_LIMITS),
+               "limits": __import__("dataclasses").asdict(__import__("dspark_calib.table.model.sources", fromlist=["x"]).SERVE_LIMITS),
                "results": results}
         with open(args.out, "w") as fh:
             json.dump(doc, fh, indent=1)

@@ -8,7 +8,7 @@ loader.install_hooks() is called in the child before the engine starts: the one 
 plugin.py must add (until it does, this script stands in for it). In-process engine
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the hook reaches the worker.
 """
-import json, os, subprocess, sys, time
+import json, os, subprocess, sys
 
 CHILD = r'''
 import json, logging, os, sys, time

@@ -7,7 +7,6 @@ both curves have.
 """
 import json
 import os
-import sys
 
 import numpy as np
 

@@ -78,6 +78,19 @@ class TableOut:
     inputs: tuple[str, ...]
     option: str = "--out"
 
+    @property
+    def directory(self) -> str:
+        return self.given if self.is_dir else os.path.dirname(os.path.abspath(self.given))
+
+    def make_directory(self) -> str:
+        """Creates the --out directory itself (never its parents) if it is new; returns it."""
+        if self.is_dir and not os.path.isdir(self.given):
+            try:
+                os.mkdir(self.given)
+            except OSError as exc:
+                raise CalibError(f"{self.option}: cannot make the directory ({exc.strerror})", path=self.given) from None
+        return self.directory
+
     def file_for(self, default_name: str) -> str:
         """The file to write, once the table (and so its default name) is known; still before
         anything is written. Creates the --out directory itself (never its parents)."""
@@ -87,19 +100,21 @@ class TableOut:
         refuse_inputs(path, self.inputs, self.option)
         if os.path.exists(path) and not os.path.isfile(path):
             raise CalibError(f"{self.option}: exists and is not a regular file", path=path)
-        if not os.path.isdir(self.given):
-            try:
-                os.mkdir(self.given)
-            except OSError as exc:
-                raise CalibError(f"{self.option}: cannot make the directory ({exc.strerror})", path=self.given) from None
+        self.make_directory()
         return path
 
 
 def table_out(out: str, inputs: Sequence[str], option: str = "--out") -> TableOut:
-    """--out FILE|DIR: an existing directory, a path ending in '/', or a new name without
-    .parquet is a directory (the table's default file name goes inside); anything else is
-    the file. The directory itself may be new; its parent must exist."""
+    """--out FILE|DIR, the one rule of every command that writes a table: an existing
+    directory, a path ending in '/', or a new name without .parquet is a directory (the
+    table's default file name goes inside); a name ending in .parquet is the file; any other
+    existing file is refused (a table must not land in a file of another kind). The
+    directory itself may be new; its parent must exist."""
     _not_empty(out, option)
+    if os.path.lexists(out) and not os.path.isdir(out):
+        refuse_inputs(out, inputs, option)  # first: the worst mistake gets the clearest message
+    if os.path.lexists(out) and not os.path.isdir(out) and not out.endswith(TABLE_SUFFIX):
+        raise CalibError(f"{option}: must be a directory or a {TABLE_SUFFIX} file", path=out)
     inputs = tuple(inputs)
     is_dir = out.endswith(("/", os.sep)) or os.path.isdir(out) or (
         not os.path.lexists(out) and not out.endswith(TABLE_SUFFIX))

@@ -19,6 +19,7 @@ import tempfile
 import time
 from typing import Any, Iterator, Sequence
 
+from dspark_calib.cli.paths import TABLE_SUFFIX, TableOut, table_out
 from dspark_calib.errors import CalibError, display_path
 
 
@@ -63,37 +64,20 @@ def check_keep_capture(keep: str | None) -> None:
         raise CalibError(f"--keep-capture {keep}: directory {parent} does not exist (parents are not created)")
 
 
-def check_out(out: str) -> tuple[str, str]:
-    """(what to hand write_table, the log file beside it), refusing an unwritable --out now.
-
-    A path ending in .parquet is the table file; anything else is a directory for the
-    default name (created if its parent exists; parents are not created). A probe file
-    proves the directory is writable, and every message names the user's path.
-    """
-    if not out:
-        raise CalibError("--out is empty")
-    is_file = out.endswith(".parquet") and not os.path.isdir(out)
-    directory = os.path.dirname(os.path.abspath(out)) if is_file else out
-    if os.path.exists(out) and not os.path.isdir(out) and not is_file:
-        raise CalibError(f"--out {out}: must be a directory or a .parquet file")
-    if is_file and os.path.exists(out) and not os.path.isfile(out):
-        raise CalibError(f"--out {out}: exists and is not a regular file")
-    if not os.path.isdir(directory):
-        parent = os.path.dirname(os.path.abspath(directory))
-        if is_file or not os.path.isdir(parent):
-            raise CalibError(f"--out {out}: directory {directory} does not exist (parents are not created)")
-        try:
-            os.mkdir(directory)
-        except OSError as exc:
-            raise CalibError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
+def check_out(out: str) -> tuple[TableOut, str]:
+    """(the checked --out, the log file beside it), refusing an unwritable --out now: the
+    --out rule of every command (paths.table_out), then the directory made (never its
+    parents) and proved writable by a probe file, before minutes of profiling."""
+    target = table_out(out, [])
+    directory = target.make_directory()
     try:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".dspark-calib-probe-"):
             pass
     except OSError as exc:
-        raise CalibError(f"--out {out}: cannot write there ({exc.strerror})") from None
+        raise CalibError(f"--out: cannot write there ({exc.strerror})", path=out) from None
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    log = out[: -len(".parquet")] + ".vllm.log" if is_file else os.path.join(directory, f"profile-{stamp}.vllm.log")
-    return out, log
+    log = out[: -len(TABLE_SUFFIX)] + ".vllm.log" if not target.is_dir else os.path.join(directory, f"profile-{stamp}.vllm.log")
+    return target, log
 
 
 def parse_engine_args(pairs: Sequence[str], as_json: str | None) -> dict[str, Any]:
@@ -191,7 +175,7 @@ def stability_verdict(table: Any, strict: bool) -> list[str]:
     return [f"level shift: {f}" for f in flags]
 
 
-def _run(opts: Any, out: str, log_path: str, keep_capture: str | None, strict_stability: bool = False) -> None:
+def _run(opts: Any, out: TableOut, log_path: str, keep_capture: str | None, strict_stability: bool = False) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.text import Text
@@ -249,7 +233,7 @@ def _run(opts: Any, out: str, log_path: str, keep_capture: str | None, strict_st
             raise
         shifts = stability_verdict(table, strict_stability)
         phase("writing table")
-        path = write_table(table, out)
+        path = write_table(table, out.file_for(table.default_filename()))
         phase("done")
     extra = table.fingerprint.extra
     fp = table.fingerprint

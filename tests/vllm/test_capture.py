@@ -23,10 +23,9 @@ from dspark_calib.vllm import capture, plugin
 from dspark_calib.vllm import runtime
 from dspark_calib.vllm.capture import CaptureDir, CaptureError, Plan
 from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S
+from tests.helpers import DRAFT, MODEL, REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
-DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
+ROOT = str(REPO)
 SIZES = [1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512]  # captured graph sizes; tail 768..8192 follows
 VLLM_ORIGINAL = {name: getattr(av.AdaptiveVerificationManager, name)
                  for name in ("batches_to_profile", "set_initial_cost_curves")}

@@ -25,11 +25,10 @@ from dspark_calib.table.file import write_table
 from dspark_calib.vllm import load as loader, plugin
 from dspark_calib.vllm import runtime
 from dspark_calib.vllm import probe as P
+from tests.helpers import DRAFT, MODEL, REPO
 from dspark_calib.selection import decide
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
-DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
+ROOT = str(REPO)
 POLICIES = ("fallback", "strict", "warn")
 LIMIT = 512
 

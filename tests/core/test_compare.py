@@ -16,7 +16,7 @@ from dspark_calib.fit import decision_map
 from dspark_calib.inspection import CONFIDENCE_GRID
 from dspark_calib.table.model import CostTable
 
-from conftest import build_reference_table, fixture_json
+from tests.helpers import build_reference_table, fixture_json
 
 
 def _fixture(*ctxs: int) -> CostTable:

@@ -21,13 +21,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import DATA_DIR, build_reference_table
 from dspark_calib import __version__
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import MERGE_KEYS, Fingerprint
 from dspark_calib.fit import CURVE_KINDS, Curve, CurvePair
 from dspark_calib.table import file as tablefile
 from dspark_calib.table.model import CostTable, merge_tables
+from tests.helpers import DATA_DIR, REPO, build_reference_table
 from dspark_calib.table.file import COLUMNS, CURVE_COLUMNS, SCHEMA_VERSION, read_metadata, read_table, to_arrow, write_table
 from dspark_calib.table.meta import METADATA_KEY
 
@@ -382,7 +382,7 @@ def big_tables(tmp_path_factory, reference_table_8192):
 
 
 def start_writer(mode: str, src: str, dest: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR.parent), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, "-c", CHILD, mode, src, str(dest)], stdout=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
 
@@ -434,6 +434,7 @@ def test_writer_killed_mid_write_leaves_old_table(tmp_path, big_tables, mode):
             read_table(temp)
 
 
+@pytest.mark.slow
 def test_writer_killed_at_random_times_never_leaves_a_partial_table(tmp_path, big_tables):
     old_path, old_hash = big_tables["old"]
     new_path, new_hash = big_tables["new"]

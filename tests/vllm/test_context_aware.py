@@ -19,20 +19,17 @@ import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
 from dspark_calib.pricing.policy import CHUNK_RULE
 from dspark_calib.pricing.costs import ContextCosts
 from dspark_calib.pricing.grid import ContextGrid
-from dspark_calib.pricing.rules import ceil_mean, tail_context_sum, verify_context
+from dspark_calib.pricing.rules import ceil_mean, profile_requests, tail_context_sum, verify_context
 from dspark_calib.fit import choose_draft_budget
 from dspark_calib.vllm import context_aware as ca
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                              HealthCheck.function_scoped_fixture])
 MAX_REQS, MAX_TOKENS, STEPS = 256, 8192, 7
-from dspark_calib.pricing.policy import CONTEXT_AWARE, PricingPolicy
+from tests.helpers import aware
 
 
 
-def aware(tail_milli: int = 0, chunks: bool = False) -> PricingPolicy:
-    """A context-aware pricing policy with this tail and chunk setting."""
-    return PricingPolicy(CONTEXT_AWARE, tail_milli=tail_milli, chunks=chunks)
 
 
 class SingleRank:
@@ -382,7 +379,7 @@ def two_context_load(tmp_path, monkeypatch):
     from vllm.v1.worker.gpu import model_runner
     from vllm.v1.worker.gpu.async_utils import StepTimingSample
 
-    from conftest import build_reference_table, fixture_json
+    from tests.helpers import build_reference_table, fixture_json
     from dspark_calib.table.file import write_table
     from dspark_calib.vllm import plugin
 
@@ -604,6 +601,7 @@ def test_context_env_reaches_the_installed_wrapper_and_a_bad_one_is_one_warning(
     assert getattr(ca.installed_state(wrong), attr) == default  # context-aware stays on, at the default
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(num_reqs=st.integers(4, 200), seed=st.integers(0, 2**31 - 1))
 def test_chunk_pricing_of_the_engine_is_what_validate_reprices(grid_3ctx, reference_table, tmp_path_factory, num_reqs,
@@ -656,6 +654,7 @@ class VllmSlots(SimpleNamespace):
         return slot
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(data=st.data(), tail=st.sampled_from([0, 200, 1000]), chunks=st.booleans(),
        start=st.integers(0, 200))
@@ -740,3 +739,19 @@ def test_held_slot_path_equals_looking_every_id_up(grid_3ctx, data, tail, chunks
         want = grid_3ctx.step_tables(total, len(sched), None, verify_sum)
         assert all(np.array_equal(a, b) for a, b in zip(got_tables, want))
     assert fast_state.active.sum() == len(states.req_id_to_index)  # the mask still follows
+
+
+# -- the dummy-batch contract dspark_calib.context.verify_context rests on -------------------------
+def test_profile_requests_is_vllms_dummy_batch():
+    """The contract verify_context rests on: vLLM's profiling batch of N tokens has min(N,
+    max_num_reqs) requests, each given the same context_len (read from the installed vLLM)."""
+    import inspect
+
+    from vllm.v1.worker.gpu import input_batch
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    assert "num_reqs = min(num_tokens, self.max_num_reqs)" in inspect.getsource(GPUModelRunner._dummy_run)
+    assert "num_computed_tokens_np.fill(context_len)" in inspect.getsource(input_batch.set_dummy_context)
+    assert [profile_requests(n, 256) for n in (1, 255, 256, 8192)] == [1, 255, 256, 256]
+    assert verify_context(32 * 16384, 152, 256) == -(-32 * 16384 // 152)  # 3450: not the mean, 16384
+    assert verify_context(256 * 1000, 1024, 256) == 1000

@@ -84,6 +84,7 @@ def test_ansi_and_newlines_in_table_metadata(tmp_path, reference_table, engine, 
             clean(text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_ten_thousand_junk_files_make_one_short_line(tmp_path, reference_table, engine, policy):
     for i in range(10_000):

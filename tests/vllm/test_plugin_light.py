@@ -21,9 +21,10 @@ from vllm.ray import ray_env
 from vllm.v1.worker.gpu import model_runner
 
 from dspark_calib.vllm import plugin, shape
+from tests.helpers import REPO
 from dspark_calib.vllm import runtime
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 

@@ -18,12 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 from packaging.requirements import Requirement
 
-from conftest import DATA_DIR, REPO, SCHEMA10, build_reference_table
 from dspark_calib.compare import choose_contexts
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import CURVE_KINDS, Curve, CurvePair
 from dspark_calib.inspection import inspect_table
 from dspark_calib.table.model import CostTable, merge_tables, nearest
+from tests.helpers import DATA_DIR, REPO, SCHEMA10, build_reference_table
 from dspark_calib.table.file import COLUMNS, CURVE_COLUMNS, MIGRATIONS, SCHEMA_VERSION, TableFile, columns_in, migration, read_metadata, read_table, to_arrow, write_table
 from dspark_calib.table.meta import METADATA_KEY, ReadLimits
 

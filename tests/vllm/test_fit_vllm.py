@@ -21,11 +21,11 @@ from hypothesis.extra.numpy import arrays
 import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
 from vllm.v1.worker.gpu.async_utils import StepTimingSample
 
-from conftest import DATA_DIR, FIXTURE_JSONS, load_fixture_json
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import build_cost_tables, choose_draft_budget, fit_curves, fit_pair
 from dspark_calib.samples import Sample
 from dspark_calib.table.model import CostTable
+from tests.helpers import DATA_DIR, FIXTURE_JSONS, load_fixture_json
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -9,11 +9,11 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from conftest import assert_command_is_light, REPO, SCHEMA10, one_line_error
 from dspark_calib.cli.app import app
 from dspark_calib.observe.file import ObservedWriter
 from dspark_calib.table.file import read_table
-from test_validate import synthetic_steps
+from tests.core.test_validate import synthetic_steps
+from tests.helpers import SCHEMA10, assert_command_is_light, one_line_error
 
 runner = CliRunner()
 
@@ -88,6 +88,7 @@ def test_bad_inputs_are_one_line(shipped_observed, tmp_path):
     assert invoke("validate", SCHEMA10).exit_code == 2  # OBSERVED is required
 
 
+@pytest.mark.slow
 def test_validate_command_imports_no_torch_or_vllm(shipped_observed):
     assert_command_is_light('validate', str(SCHEMA10), str(shipped_observed), '--json')
     assert_command_is_light('validate', str(SCHEMA10), str(shipped_observed), '--tail', '0.2')  # the rendering too

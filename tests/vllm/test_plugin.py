@@ -27,13 +27,12 @@ from dspark_calib.table.file import write_table
 from dspark_calib.vllm import plugin, shape
 from dspark_calib.vllm import runtime
 from dspark_calib.vllm.capture import Plan, samples_path, write_plan
+from tests.helpers import DRAFT, MODEL, REPO
 from dspark_calib.vllm.profile.plan import ProfileOptions
 from dspark_calib.vllm.profile.table import table_from_capture
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 FIXTURES = sorted(glob.glob(os.path.join(ROOT, "tests", "data", "*.json")))
-MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
-DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
 ENV_KEYS = ("DSPARK_CALIB_TABLE", "DSPARK_CALIB_CAPTURE", "DSPARK_CALIB_POLICY", "DSPARK_CALIB_CONTEXT_LEN",
             "DSPARK_CALIB_ALLOW_REFERENCE", "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN")
 
@@ -153,6 +152,7 @@ def test_capture_mode_records_vllms_refusal(monkeypatch, tmp_path):
     assert (tmp_path / "refusal.txt").read_text().startswith("Adaptive verification replays")
 
 
+@pytest.mark.slow
 def test_register_patches_only_when_the_model_runner_is_imported(tmp_path):
     """In a process that has not imported vLLM's model runner (the API server), register()
     imports nothing heavy; the patch lands when the worker imports the runner."""

@@ -20,7 +20,7 @@ import pytest
 from dspark_calib.observe.step import ObservedStep
 from dspark_calib.observe.file import ObservedWriter, read_observed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCHEMA10 = REPO / "benchmarks" / "results" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
 
 
@@ -487,6 +487,7 @@ def test_revalidate_adds_the_chunk_pricing_row_when_chunks_are_recorded(sc, tmp_
     assert chunk[0]["context_aware_median_signed_pct"] < prefill_all["context_aware_median_signed_pct"]
 
 
+@pytest.mark.slow
 def test_a_dry_run_aware_arm_records_the_tail_and_chunks_it_ran_with(sc, tmp_path):
     """The summary's env is the child's as run, not one rebuilt without the arm's options."""
     args = ["arm", "aware", "--table", str(SCHEMA10), "--out", str(tmp_path), "--work", str(tmp_path / "w"),

@@ -31,14 +31,8 @@ from dspark_calib.vllm import observer as om
 from dspark_calib.vllm import plugin
 from dspark_calib.vllm import runtime
 from dspark_calib.vllm.shape import observe_problem
-from test_context_aware import SingleRank, grid_3ctx, make_manager, schedule  # noqa: F401 - fixture reused
-from dspark_calib.pricing.policy import CONTEXT_AWARE, PricingPolicy
-
-
-
-def aware(tail_milli: int = 0, chunks: bool = False) -> PricingPolicy:
-    """A context-aware pricing policy with this tail and chunk setting."""
-    return PricingPolicy(CONTEXT_AWARE, tail_milli=tail_milli, chunks=chunks)
+from tests.vllm.test_context_aware import SingleRank, grid_3ctx, make_manager, schedule  # noqa: F401 - fixture reused
+from tests.helpers import aware
 
 
 class Clock:

@@ -25,9 +25,9 @@ from dspark_calib.errors import CalibError
 from dspark_calib.fit import CURVE_KINDS
 from dspark_calib.table.file import CURVE_COLUMNS, read_metadata, read_table, to_arrow, write_table
 from dspark_calib.table.meta import METADATA_KEY
+from tests.helpers import REPO
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-REPO = Path(__file__).resolve().parents[1]
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -159,6 +159,7 @@ def test_truncated_random(scratch, good_bytes, data):
     expect_error(scratch_file(scratch, good_bytes[:length]))
 
 
+@pytest.mark.slow
 def test_bit_flip_sweep(scratch, good_bytes, small):
     """One flipped bit at ~600 positions spread over the whole file, the footer densely."""
     n = len(good_bytes)
@@ -181,6 +182,7 @@ def _zigzag_varint(n: int) -> bytes:
             return bytes(out)
 
 
+@pytest.mark.slow
 def test_row_count_damage_in_footer(scratch, good_bytes, small):
     """Page checksums do not cover the footer's row counts: one flipped bit there once made
     pyarrow read one sample fewer, silently. Flip every bit of every encoded row count."""
@@ -459,7 +461,7 @@ def _bad_files(tmp_path: Path, small, good_bytes: bytes) -> dict[str, Path]:
     return files
 
 
-@pytest.mark.skipif(not (REPO / "dspark_calib" / "cli.py").exists(), reason="the CLI is not written yet")
+@pytest.mark.slow
 def test_cli_inspect_bad_inputs(tmp_path, small, good_bytes):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for what, path in _bad_files(tmp_path, small, good_bytes).items():

@@ -11,13 +11,12 @@ import pytest
 
 from dspark_calib.errors import CalibError
 from dspark_calib.vllm.profile import driver
-from dspark_calib.vllm.profile import table as profile_table
 from dspark_calib.vllm.profile.driver import engine_kwargs, explain_failure, resolve_options
+from tests.helpers import DRAFT, MODEL, REPO
+from dspark_calib.vllm.profile import table as profile_table
 from dspark_calib.vllm.profile.plan import ProfileOptions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
-DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
+ROOT = str(REPO)
 
 
 def opts(**kw):
@@ -110,6 +109,7 @@ def run_cli(*args, env=None):
                           env={**os.environ, **(env or {})}, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_profile_without_gpu_is_one_line(tmp_path):
     out = tmp_path / "t.parquet"
     res = run_cli("profile", "--model", MODEL, "--draft", DRAFT, "--out", str(out))
@@ -163,9 +163,10 @@ def test_ranges_refused_naming_the_option(change, option):
 
 
 def test_out_checked_at_once(tmp_path):
-    assert profile_cmd.check_out(str(tmp_path)) == (str(tmp_path), profile_cmd.check_out(str(tmp_path))[1])
-    table, log = profile_cmd.check_out(str(tmp_path / "t.parquet"))
-    assert log == str(tmp_path / "t.vllm.log")
+    target, _ = profile_cmd.check_out(str(tmp_path))
+    assert target.is_dir and target.given == str(tmp_path)  # the table's default name goes inside
+    target, log = profile_cmd.check_out(str(tmp_path / "t.parquet"))
+    assert not target.is_dir and log == str(tmp_path / "t.vllm.log")
     new = tmp_path / "new"
     profile_cmd.check_out(str(new))
     assert new.is_dir()  # the directory itself is made; parents are not
@@ -268,7 +269,7 @@ def test_hub_id_resolves_from_the_local_cache(tmp_path, monkeypatch):
 
 def test_fingerprint_records_resolved_engine_values():
     """What the capture's engine dict says (read through the registry) is what the table records."""
-    from test_fingerprint import HARDWARE, build_config
+    from tests.vllm.test_engine_info import HARDWARE, build_config
 
     from dspark_calib.vllm.engine_info import describe_engine
 
@@ -316,6 +317,7 @@ def test_cli_profile_early_errors_are_one_line_and_fast(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written, no log left
 
 
+@pytest.mark.slow
 def test_cli_profile_unknown_engine_arg_and_missing_hub_model(tmp_path):
     res = run_cli("profile", "--model", MODEL, "--draft", DRAFT, "--out", str(tmp_path), "--engine-arg", "blok_size=3")
     assert res.returncode == 2 and "--engine-arg blok_size: not a vLLM EngineArgs field" in res.stderr
@@ -338,7 +340,7 @@ from dspark_calib.vllm.capture import CaptureDir, vllm_curves  # noqa: E402
 def engine_stand_in(monkeypatch):
     """vllm.LLM replaced by what an in-process engine does at start-up: vLLM's own (patched)
     batches_to_profile and set_initial_cost_curves on a manager, timings made up per batch."""
-    import test_capture as tc
+    import tests.vllm.test_capture as tc
     from vllm.v1.worker.gpu import model_runner  # imported: register() patches at once
 
     for key in list(os.environ):
@@ -378,6 +380,7 @@ def _profile_in_process(tmp_path, monkeypatch, **kw):
     return o, cap, lines, d
 
 
+@pytest.mark.slow
 def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "FOO_")  # the user's own
     monkeypatch.setenv("DSPARK_CALIB_TABLE", "/some/table.parquet")  # profiling never loads it
@@ -399,7 +402,7 @@ def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_p
         assert (fp.replays, fp.warmup_replays, fp.extra["replays_asked"]) == (5, 0, 3)
         assert fp.extra["vllm_curves_equal"] is True and table.context_lens() == [1024, 8192]
         assert all(n == 5 for n in table.curves[8192].verify.n)
-        import test_capture as tc
+        import tests.vllm.test_capture as tc
 
         for ctx in (1024, 8192):  # vLLM's own set_initial_cost_curves on the samples the table holds
             theirs = vllm_curves(tc.VLLM_ORIGINAL["set_initial_cost_curves"],
@@ -409,6 +412,7 @@ def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_p
             assert table.curves[ctx].as_vllm() == theirs
 
 
+@pytest.mark.slow
 def test_driver_checks_the_table_against_vllms_curves(engine_stand_in, tmp_path, monkeypatch):
     o, cap, _, _ = _profile_in_process(tmp_path, monkeypatch, replays=5, warmup=5)
     assert profile_table.table_from_capture(o, cap).fingerprint.warmup_replays == 5
@@ -447,7 +451,7 @@ def test_driver_does_not_take_the_lock_when_workers_are_other_processes(engine_s
 
 def test_expected_schedule_is_the_workers(tmp_path):
     """The driver's plan line and progress come from capture.Schedule over vLLM's own sequence."""
-    import test_capture as tc
+    import tests.vllm.test_capture as tc
 
     from dspark_calib.vllm.capture import Plan, Schedule
     from dspark_calib.vllm.profile.plan import default_capture_sizes, expected
@@ -467,7 +471,7 @@ def test_expected_schedule_is_the_workers(tmp_path):
 
 
 def test_estimate_includes_the_cooldown(tmp_path):
-    import test_capture as tc
+    import tests.vllm.test_capture as tc
 
     from dspark_calib.vllm.profile.plan import expected
 
@@ -478,6 +482,7 @@ def test_estimate_includes_the_cooldown(tmp_path):
     assert on.seconds == pytest.approx(off.seconds + on.cooldown_s) and "18 s of it cool-down" in on.line(20)
 
 
+@pytest.mark.slow
 def test_cooldown_reaches_the_plan_and_the_table(engine_stand_in, tmp_path, monkeypatch):
     """--cooldown through typer, profile_cmd and ProfileOptions; run_engine writes it into plan.json;
     the table's fingerprint extra records it and what the worker spent."""
@@ -514,8 +519,8 @@ def test_terminal_shows_the_plan_line_and_the_schedule_in_the_bar(tmp_path, monk
         return shipped
 
     monkeypatch.setattr(driver, "run_profile", fake_run_profile)
-    profile_cmd._run(resolve_options(opts(context_lens=(8192,))), str(tmp_path / "t.parquet"),
-                     str(tmp_path / "t.vllm.log"), None)
+    out, log = profile_cmd.check_out(str(tmp_path / "t.parquet"))
+    profile_cmd._run(resolve_options(opts(context_lens=(8192,))), out, log, None)
     err = capfd.readouterr().err
     assert seen and "profile plan: 1 context(s)" in err
     assert f"{shipped.fingerprint.replays} samples per size" in err and "curves equal vLLM's own" in err

@@ -15,7 +15,7 @@ from dspark_calib.inspection import (
 from dspark_calib.samples import Sample
 from dspark_calib.table.model import CostTable
 
-from conftest import build_reference_table, fixture_json
+from tests.helpers import SCHEMA10, build_reference_table, fixture_json
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +172,6 @@ def test_cost_against_context_for_tables_with_several_contexts(real):
     vLLM would build, in text and JSON; a one-context table has no such view."""
     from typer.testing import CliRunner
 
-    from conftest import SCHEMA10
     from dspark_calib.cli.app import app
     from dspark_calib.inspection import cost_by_context
 

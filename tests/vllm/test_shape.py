@@ -16,8 +16,9 @@ import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
 from vllm.v1.worker.gpu import async_utils, model_runner
 
 from dspark_calib.vllm import shape
+from tests.helpers import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 def test_installed_vllm_is_supported_and_tested():

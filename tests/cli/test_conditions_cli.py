@@ -16,8 +16,8 @@ from dspark_calib.samples import Samples
 from dspark_calib.table.model import CostTable
 from dspark_calib.table.file import write_table
 from dspark_calib.telemetry import Telemetry
-from test_stability import synthetic
-from test_telemetry import TELEMETRY
+from tests.core.test_stability import synthetic
+from tests.core.test_telemetry import TELEMETRY
 
 runner = CliRunner()
 

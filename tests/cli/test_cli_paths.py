@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import DRAFT, MODEL, fixture_json, one_line_error
 from dspark_calib.errors import CalibError
 from dspark_calib.cli.app import app
+from tests.helpers import DRAFT, MODEL, REPO, fixture_json, one_line_error
 
 runner = CliRunner()
 IMPORT = ("--model", MODEL, "--draft", DRAFT, "--gpu-name", "NVIDIA H200", "--vllm-version", "0.33.0",
@@ -261,7 +261,7 @@ def test_usage_error_from_the_console_script():
 
     code = "import sys; sys.argv = ['dspark-calib', 'inspect', '--bogus']; from dspark_calib.cli.app import main; main()"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parents[1])
+                       cwd=REPO)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == ["dspark-calib: error: inspect: No such option: --bogus (see 'dspark-calib inspect -h')"]
 
@@ -279,7 +279,7 @@ def _sh(command: str, **env: str):
     import sys
 
     return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PY": sys.executable, **env})
+                          cwd=REPO, env={**os.environ, "PY": sys.executable, **env})
 
 
 SHIPPED_TABLE = "profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet"
@@ -334,7 +334,7 @@ def test_profile_checks_keep_capture_and_creates_no_out_dir_for_a_bad_model(tmp_
     out = tmp_path / "new"
     one_line_error(invoke("profile", "--model", "/nonexistent", "--draft", "/nonexistent", "--out", out), "--model")
     assert not out.exists()
-    model = Path(__file__).resolve().parents[1] / "profiles" / "configs"
+    model = REPO / "profiles" / "configs"
     model = next(p for p in model.iterdir() if (p / "config.json").exists())
     (tmp_path / "afile").write_text("x")
     for keep, fragment in ((tmp_path / "afile", "exists and is not a directory"),

@@ -247,21 +247,6 @@ def test_cost_table_dense_tables_prices_any_context(reference_table, costs):
 
 
 # -- a serving step's pricing: verify at the context whose dummy batch read as much KV ------------
-def test_profile_requests_is_vllms_dummy_batch():
-    """The contract verify_context rests on: vLLM's profiling batch of N tokens has min(N,
-    max_num_reqs) requests, each given the same context_len (read from the installed vLLM)."""
-    import inspect
-
-    from vllm.v1.worker.gpu import input_batch
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-
-    assert "num_reqs = min(num_tokens, self.max_num_reqs)" in inspect.getsource(GPUModelRunner._dummy_run)
-    assert "num_computed_tokens_np.fill(context_len)" in inspect.getsource(input_batch.set_dummy_context)
-    assert [profile_requests(n, 256) for n in (1, 255, 256, 8192)] == [1, 255, 256, 256]
-    assert verify_context(32 * 16384, 152, 256) == -(-32 * 16384 // 152)  # 3450: not the mean, 16384
-    assert verify_context(256 * 1000, 1024, 256) == 1000
-
-
 def test_step_tables_price_verify_by_the_kv_read(grid):
     costs = grid.costs
     reqs = costs.max_num_reqs

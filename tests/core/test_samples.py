@@ -1,4 +1,6 @@
-"""Sample (one record) and Samples (columnar): validation on construction, vLLM conversion, immutability."""
+"""Sample (one record) and Samples (columnar): validation on construction, immutability.
+
+Conversion from vLLM's StepTimingSample: tests/vllm/test_sample_from_vllm.py."""
 
 from __future__ import annotations
 
@@ -7,14 +9,10 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from vllm.v1.worker.gpu.async_utils import StepTimingSample
 
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import fit_pair
-from dspark_calib.samples import SAMPLE_COLUMNS, VLLM_SAMPLE_FIELDS, Sample, Samples, samples_from_dicts
+from dspark_calib.samples import SAMPLE_COLUMNS, Sample, Samples, samples_from_dicts
 
 GOOD = dict(forward_ms=5.0, drafter_ms=1.5, num_target_tokens=8, num_reqs=8, full_cudagraph=True, context_len=8192)
 
@@ -85,37 +83,6 @@ def test_rejects_non_bool_full_cudagraph(value):
 def test_accepts_bools_for_full_cudagraph(value):
     s = make(full_cudagraph=value)
     assert type(s.full_cudagraph) is bool and s.full_cudagraph == bool(value)
-
-
-def test_from_vllm_converts_a_real_step_timing_sample():
-    v = StepTimingSample(forward_ms=12.25, drafter_ms=1.75, num_target_tokens=768, num_reqs=256, full_cudagraph=False)
-    s = Sample.from_vllm(v, context_len=16384, replay=3)
-    assert s == Sample(12.25, 1.75, 768, 256, False, 16384, 3)
-    assert tuple(f.name for f in dataclasses.fields(StepTimingSample)) == VLLM_SAMPLE_FIELDS
-
-
-def test_from_vllm_validates_and_rejects_other_objects():
-    with pytest.raises(CalibError, match="forward_ms"):
-        Sample.from_vllm(StepTimingSample(math.nan, 1.0, 1, 1, True), context_len=8192)
-    with pytest.raises(CalibError, match="num_reqs"):
-        Sample.from_vllm(StepTimingSample(1.0, 1.0, 1, 0, True), context_len=8192)
-    with pytest.raises(CalibError, match="not a vLLM StepTimingSample"):
-        Sample.from_vllm(object(), context_len=8192)
-    with pytest.raises(CalibError, match="context_len"):
-        Sample.from_vllm(StepTimingSample(1.0, 1.0, 1, 1, True), context_len=0)
-
-
-finite_costs = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
-
-
-@settings(max_examples=50, deadline=None)
-@given(forward=finite_costs, drafter=finite_costs, tokens=st.integers(1, 1 << 20), reqs=st.integers(1, 4096),
-       graph=st.booleans(), ctx=st.integers(1, 1 << 20), replay=st.integers(0, 1000))
-def test_from_vllm_round_trips_every_valid_sample(forward, drafter, tokens, reqs, graph, ctx, replay):
-    s = Sample.from_vllm(StepTimingSample(forward, drafter, tokens, reqs, graph), context_len=ctx, replay=replay)
-    assert (s.forward_ms, s.drafter_ms, s.num_target_tokens, s.num_reqs, s.full_cudagraph) == (
-        forward, drafter, tokens, reqs, graph)
-    assert samples_from_dicts([s.to_dict()]) == [s]
 
 
 def test_samples_are_immutable_and_hashable():

@@ -9,12 +9,13 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from conftest import assert_command_is_light, DRAFT, MODEL, REPO, SCHEMA10, build_reference_table, fixture_json, one_line_error
 from dspark_calib.check import LOADS, MISMATCH, check_tables, describe, parse_engine_pairs
 from dspark_calib.cli.app import app
 from dspark_calib.fingerprint import BLOCKING, EQUAL, KEYS, LOAD_RULES, RECORDED, unchecked_keys
 from dspark_calib.table.file import read_metadata, read_table, write_table
 from dspark_calib.selection import decide
+from tests.helpers import (DRAFT, MODEL, REPO, SCHEMA10, SHIPPED, assert_command_is_light, build_reference_table,
+                           fixture_json, one_line_error)
 
 runner = CliRunner()
 _GIVEN = {"target_config_hash": "x", "draft_config_hash": "x", "max_num_batched_tokens": 1, "num_speculative_tokens": 1,
@@ -193,7 +194,6 @@ def test_the_shipped_directory_picks_the_table_of_the_engines_tp_with_every_key_
     """profiles/h200/ as an operator points DSPARK_CALIB_TABLE at it: a tp 1 engine gets the tp 1
     table (schema 1.2 since 2026-12-01: no key 'not recorded', so none is waved through), a tp 2
     engine the tp 2 one, and each names the other's tensor_parallel_size as its misfit."""
-    from conftest import SHIPPED
 
     shelf = REPO / "profiles" / "h200"
     for tp, want in (("1", SHIPPED.name), ("2", "__tp2__")):

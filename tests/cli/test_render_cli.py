@@ -18,7 +18,7 @@ from dspark_calib.cli.app import app
 from dspark_calib.reference import table_from_startup_json
 from dspark_calib.table.file import read_table, write_table
 
-from conftest import DRAFT, MODEL, REFERENCE_KWARGS as KW, REPO, fixture_json as _json, one_line_error
+from tests.helpers import DRAFT, MODEL, REFERENCE_KWARGS as KW, REPO, fixture_json as _json, one_line_error
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
