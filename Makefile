@@ -6,7 +6,7 @@ HASH := $(shell sha256sum pyproject.toml | cut -c1-12)
 FULL := $(VENV)/.installed-full-$(HASH)
 CORE := $(VENV)/.installed-core-$(HASH)
 SHIPPED := profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet
-RESULTS := benchmarks/results/h200
+RESULTS := benchmarks/results/h200/2026-11-30-morning
 DEMO_OUT ?= out/demo
 
 .PHONY: test install demo bench clean
@@ -43,7 +43,7 @@ demo: $(CORE)
 	@echo "plots in $(DEMO_OUT)/"
 
 bench: $(CORE)
-	$(BIN)/python benchmarks/bench_table.py
+	$(BIN)/python benchmarks/micro/bench_table.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info out

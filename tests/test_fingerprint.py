@@ -27,7 +27,7 @@ from dspark_calib.fit import profile_context_len
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
 DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
-SCHEMA10 = os.path.join(ROOT, "benchmarks", "results", "h200", "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
+SCHEMA10 = os.path.join(ROOT, "benchmarks", "results", "h200", "2026-11-30-morning", "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
 README = os.path.join(ROOT, "README.md")
 HARDWARE = {"gpu_name": "NVIDIA H200", "gpu_compute_capability": "9.0", "gpu_memory_mib": 143771,
             "driver_version": "580.159.04", "cuda_version": "13.0", "torch_version": "2.14.0+cu130"}

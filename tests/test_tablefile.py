@@ -40,7 +40,7 @@ from dspark_calib.tablefile import (
     write_table,
 )
 
-RESULTS = REPO / "benchmarks" / "results" / "h200"
+RESULTS = REPO / "benchmarks" / "results" / "h200" / "2026-11-30-morning"
 BENCH_RESULTS = sorted(RESULTS.glob("h200-tp1-ctx8192-*.parquet"))  # the morning's tables (schema 1.0)
 SHIPPED_NEWER = sorted(p for p in (REPO / "profiles" / "h200").glob("*.parquet") if p != SCHEMA10)
 

@@ -2,7 +2,7 @@
 
 Context-aware mode (dspark_calib/vllm/context_aware.py) runs before vLLM's
 get_num_tokens on every serving step: it sums num_computed_tokens over the
-scheduled requests and swaps in the grid's tables. Goal (issue 9): <= 5 us
+scheduled requests and swaps in the grid's tables. Goal: <= 5 us
 median overhead. Measured here, per batch size (1, 32, 256 requests of 7 drafts
 each, contexts spread over 1k..16k so lookups hit different grid rows):
 
@@ -28,13 +28,13 @@ each, contexts spread over 1k..16k so lookups hit different grid rows):
 The grid is the real H200 one (tests/data, three contexts). GC is off while
 timing.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_context_aware.py [--name NAME] [--calls N] [--tail T] [--chunks]
+    PYTHONPATH=. .venv/bin/python benchmarks/micro/bench_context_aware.py [--name NAME] [--calls N] [--tail T] [--chunks]
 
 --tail T: the same with the mixed-context tail on (the batch's max as well as its sum).
 --chunks: with chunk pricing on (DSPARK_CALIB_CONTEXT_CHUNKS=1; decode steps pay one length
 comparison), plus the chunk step above.
 
-Writes benchmarks/results/context_aware_bench_<NAME>.json with the host's CPU
+Writes benchmarks/results/micro/context_aware_bench_<NAME>.json with the host's CPU
 model, Python and numpy versions and the load average before and after.
 """
 
@@ -54,8 +54,9 @@ from unittest import mock
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "tests"))
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 
 import vllm  # noqa: E402
 import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av  # noqa: E402
@@ -208,7 +209,7 @@ def main():
         "chunks": args.chunks,
         "by_num_reqs": sizes,
     }
-    out = HERE / "results" / f"context_aware_bench_{args.name}.json"
+    out = REPO / "benchmarks" / "results" / "micro" / f"context_aware_bench_{args.name}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"grid: {len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, max error {grid.max_rel_error:.4%}, "
           f"built in {grid_s:.2f} s")

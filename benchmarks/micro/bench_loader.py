@@ -1,11 +1,11 @@
-"""Load-decision time and peak memory on hostile table sources (issue 12 item 9).
+"""Load-decision time and peak memory on hostile table sources .
 
 Each case runs in a fresh subprocess (so ru_maxrss is that case's own): it builds
 nothing there, only times `decide_within(deadline, policy, source, decide)` as the
 plugin runs it, with tracemalloc on (Python-level peak) and ru_maxrss before/after
 (process-level peak, pyarrow's C++ allocations included).
 
-    PYTHONPATH=. python benchmarks/bench_loader.py [--out benchmarks/results/loader_bench_<host>.json]
+    PYTHONPATH=. python benchmarks/micro/bench_loader.py [--out benchmarks/results/micro/loader_bench_<host>.json]
 
 The cases are generated in a temporary directory: a directory of 10,000 tables,
 10,000 junk files, a FIFO, a huge sparse file, a row bomb (millions of constant
@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEADLINE_S = 5.0
 
 CHILD = r"""
@@ -141,7 +141,7 @@ def host() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "loader_bench_vm-2cpu.json"))
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "micro", "loader_bench_vm-2cpu.json"))
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="bench-loader-")
     try:

@@ -18,9 +18,9 @@ record(): the cost of cudaEventRecord on a real GPU is NOT in these numbers (thi
 has none). ``flush_4096_rows_ms``: one rolling file written (zstd parquet), which a
 sampled step pays once per ObservedWriter.rows_per_file rows. GC is off while timing.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_observe.py [--name NAME] [--steps N]
+    PYTHONPATH=. .venv/bin/python benchmarks/micro/bench_observe.py [--name NAME] [--steps N]
 
-Writes benchmarks/results/observe_bench_<NAME>.json with the host's CPU model, versions
+Writes benchmarks/results/micro/observe_bench_<NAME>.json with the host's CPU model, versions
 and load average before and after.
 """
 
@@ -40,8 +40,10 @@ from unittest import mock
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "tests"))
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))  # bench_context_aware, beside this file
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 
 import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av  # noqa: E402
 from vllm.distributed import parallel_state  # noqa: E402
@@ -170,7 +172,7 @@ def main():
         "by_num_reqs": results,
         "flush_4096_rows_ms": flush,
     }
-    out = HERE / "results" / f"observe_bench_{args.name}.json"
+    out = REPO / "benchmarks" / "results" / "micro" / f"observe_bench_{args.name}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'reqs':>5} {'case':<22} {'added p50':>10} {'added p99':>10} {'plain step p50':>15}")
     for n, cases in results.items():

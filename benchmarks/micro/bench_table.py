@@ -6,9 +6,9 @@ token count 1..8192 (what an exhaustive profile of max_num_batched_tokens=8192
 gives). Goals: read_table < 50 ms (median of 20), `dspark-calib inspect` < 0.5 s
 (median of 5, a fresh process each time, as users run it).
 
-    .venv/bin/python benchmarks/bench_table.py [--name NAME]
+    .venv/bin/python benchmarks/micro/bench_table.py [--name NAME]
 
-Writes benchmarks/results/table_bench_<NAME>.json (NAME: host name and CPU count by default).
+Writes benchmarks/results/micro/table_bench_<NAME>.json (NAME: host name and CPU count by default).
 Timings on a shared machine are only as good as its load: the load average before
 and after is recorded with them.
 """
@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))
 
 from dspark_calib import __version__  # noqa: E402
 from dspark_calib.fingerprint import BACKEND_REFERENCE, Fingerprint  # noqa: E402
@@ -188,7 +189,7 @@ def main() -> int:
         "load_average_1_5_15": {"before": [round(x, 2) for x in load_before],
                                 "after": [round(x, 2) for x in os.getloadavg()]},
     }
-    out = HERE / "results" / f"table_bench_{args.name}.json"
+    out = REPO / "benchmarks" / "results" / "micro" / f"table_bench_{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -211,7 +212,7 @@ def main() -> int:
         value = med(values)
         verdict = "" if goal is None else ("  ok" if value < goal else f"  MISSES goal {goal * 1000:.0f} ms")
         print(f"{name:<40} {value * 1000:6.1f} ms {min(values) * 1000:6.1f} ms  ({len(values)}){verdict}")
-    print(f"wrote {out.relative_to(HERE.parent)}")
+    print(f"wrote {out.relative_to(REPO)}")
     return 0
 
 

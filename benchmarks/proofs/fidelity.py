@@ -1,4 +1,4 @@
-"""Issue 8's fidelity proof: does `dspark-calib profile` measure what vLLM itself measures?
+"""Fidelity proof: does `dspark-calib profile` measure what vLLM itself measures?
 
 One idle H200, one lease, nothing else on the GPU, runs one after another:
   two stock vLLM start-up profiles (context 8192, vLLM's own 5 replays per size), then
@@ -6,10 +6,10 @@ One idle H200, one lease, nothing else on the GPU, runs one after another:
   (Qwen3-8B + DSpark block-7 configs, dummy weights, max_num_seqs 256,
   max_num_batched_tokens 8192, max_model_len 32768, gpu_memory_utilization 0.85).
 
-  python3 benchmarks/h200/fidelity.py stock OUTDIR    # on the host, after setup.sh: stock_a.json, stock_b.json
-  bash benchmarks/h200/run_fidelity.sh product         # on the host: the two profile runs (profile.sh)
-  python3 benchmarks/h200/fidelity.py report DIR [OUT] # anywhere: DIR holds what came back; writes OUT
-                                                       # (default benchmarks/results/h200/fidelity.json)
+  python3 benchmarks/proofs/fidelity.py stock DIR       # GPU host: stock_a.json, stock_b.json
+  for ab in a b; do OUT=DIR bash benchmarks/proofs/profile.sh fid-product-$ab \
+      --tp 1 --context-len 8192 --replays 20 --max-model-len 32768; done   # GPU host: the two profile runs
+  python3 benchmarks/proofs/fidelity.py report DIR [OUT]  # anywhere: writes OUT (default DIR/fidelity.json)
 
 Stock runs use serve_one.py (a fresh process each; its hooks record the curves vLLM
 fits at start-up, unpatched by dspark-calib). `profile` runs the engine core in a child
@@ -174,6 +174,6 @@ if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "stock":
         stock(sys.argv[2])
     elif len(sys.argv) >= 3 and sys.argv[1] == "report":
-        report(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else os.path.join(ROOT, "benchmarks/results/h200/fidelity.json"))
+        report(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else os.path.join(sys.argv[2], "fidelity.json"))
     else:
         raise SystemExit(__doc__)

@@ -1,12 +1,13 @@
-"""H200: the load-time probe against real vLLM 0.33 (issue 7 item 3 / 9b), one engine start per case.
+"""The load-time probe against real vLLM 0.33, one engine start per case.
 
-Usage (on the GPU host, after setup.sh): python3 benchmarks/h200/probe_proof.py TABLE OUTDIR
+Usage (GPU host, from the repository root): python3 benchmarks/proofs/probe_proof.py TABLE OUTDIR
 Cases: the matching table under strict (expect a load, ratios ~1.0); the same table with
 every cost x1.3 (content hash recomputed: a plausible forgery) under fallback (expect the
 probe to fail and vLLM's own full profile to run) and under strict (expect a refusal).
-loader.install_hooks() is called in the child before the engine starts: the one hook
-plugin.py must add (until it does, this script stands in for it). In-process engine
-(VLLM_ENABLE_V1_MULTIPROCESSING=0), so the hook reaches the worker.
+The child calls loader.install_hooks() before the engine starts (idempotent: the plugin
+installs the same hook when it patches vLLM), so the probe's timing hook is in place
+before any engine code runs. In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the
+hook reaches the worker.
 """
 import json, os, subprocess, sys, time
 

@@ -1,6 +1,6 @@
-"""Serve-time proof on the H200: stock start vs a loaded table vs a mismatching table under each policy.
+"""Serve-time proof: stock start vs a loaded table vs a mismatching table under each policy.
 
-Usage (on the host, after setup.sh): python3 benchmarks/h200/serve_proof.py TABLE.parquet OUTDIR
+Usage (GPU host, from the repository root): python3 benchmarks/proofs/serve_proof.py TABLE.parquet OUTDIR
 Writes OUTDIR/serve_proof.json and prints a short table last.
 """
 import json, os, sys

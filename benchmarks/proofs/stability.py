@@ -1,7 +1,11 @@
-"""Pointwise relative differences between independent profiles of the same engine (H200 results).
+"""Pointwise relative differences between independent profiles of the same engine.
 
-Reads the committed tables and serve_proof.json under benchmarks/results/h200 and the shipped
-table; writes benchmarks/results/h200/stability.json and prints a short table.
+    python3 benchmarks/proofs/stability.py [RUN_DIR]
+
+RUN_DIR (default: the committed 2026-11-30 morning run, benchmarks/results/h200/2026-11-30-morning)
+holds the two context-8192 tables h200-tp1-ctx8192-{a,b}.parquet, the three-context table
+and serve_proof.json (serve_proof.py's stock and fallback starts); writes RUN_DIR/stability.json
+and prints a short table.
 Relative difference at a size = |b - a| / a of the two medians (vLLM's cost), over the sizes
 both curves have.
 """
@@ -14,8 +18,8 @@ import numpy as np
 from dspark_calib.table import read_table
 
 here = os.path.dirname(os.path.abspath(__file__))
-res_dir = os.path.join(here, "..", "results", "h200")
-# the schema-1.0 table, shipped in profiles/ until 2026-12-01
+res_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "results", "h200", "2026-11-30-morning")
+# the three-context table profiled on GPU 0 in the same run (schema 1.0; shipped in profiles/ until 2026-12-01)
 shipped = os.path.join(res_dir, "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
 
 

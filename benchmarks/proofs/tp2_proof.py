@@ -1,6 +1,6 @@
-"""Issue 7 item 9(c) on the two-GPU host: tp 2 serving with a table, and DP 2 starting with one.
+"""Multi-GPU proof on a two-GPU host: tp 2 serving with a table, and DP 2 starting with one.
 
-  python3 benchmarks/h200/tp2_proof.py TP2_TABLE TP1_TABLE OUTDIR [tp,dp]
+  python3 benchmarks/proofs/tp2_proof.py TP2_TABLE TP1_TABLE OUTDIR [tp,dp]
 
 Cases, one fresh engine each, one after another (nothing else on the GPUs):
   tp2_stock         tp 2, vLLM's own start-up profile (context 8192)
@@ -96,8 +96,8 @@ results = []
 
 
 def save():
-    """After every case: a call cut by the device's time limit still brings back what ran
-    (2026-11-30: a run piped through `tail` and saved only at the end lost three cases)."""
+    """After every case: a run cut short (a time limit, a lost host) still leaves every case
+    that finished on disk."""
     json.dump({"tp2_table": os.path.basename(tp2_table), "tp1_table": os.path.basename(tp1_table), "results": results},
               open(os.path.join(out_dir, "tp2_proof.json"), "w"), indent=1)
 

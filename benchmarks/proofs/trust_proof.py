@@ -1,7 +1,7 @@
-"""H200 proof for the trust issue (7, item 9): tables that must not load are caught, one line each,
+"""Trust proof: tables that must not load are caught, one line each,
 and the load-time probe measures what the table predicts.
 
-Usage (on the GPU host, after setup.sh): python3 benchmarks/h200/trust_proof.py TABLE OUTDIR CASE[,CASE...]
+Usage (GPU host, from the repository root): python3 benchmarks/proofs/trust_proof.py TABLE OUTDIR CASE[,CASE...]
 TABLE is a table `profile` just made on this host for the serve_one.py engine. One fresh
 process per case (serve_one.py: in-process engine, so its timers see the worker); results are
 merged into OUTDIR/trust_proof.json by case name, so the cases can be split over several calls.

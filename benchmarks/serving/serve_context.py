@@ -1,9 +1,10 @@
-"""Issue 9 item 6: the H200 serving harness for context-aware costs (real vLLM 0.33, one arm per call).
+"""The serving harness for context-aware costs: real vLLM 0.33 serving four workloads, one arm per engine.
 
-Usage (on the GPU host, after setup.sh; run_context.sh wraps all of it):
-    python3 serve_context.py plan                                  # the workloads, concurrency and time estimates
-    python3 serve_context.py arm stock|static|aware --table T --out DIR [--deadline-epoch S] [--dry-run]
-    python3 serve_context.py report [--results DIR] [--json F] [--md F]   # anywhere, no GPU
+Usage (from the repository root; arms and workloads are the named configs in arms.json beside this file):
+    python3 benchmarks/serving/serve_context.py plan               # the workloads, concurrency and time estimates
+    python3 benchmarks/serving/serve_context.py arm NAME --table T --out DIR [--deadline-epoch S] [--dry-run]
+    python3 benchmarks/serving/serve_context.py report --results DIR [--json F] [--md F]   # anywhere, no GPU
+benchmarks/serving/run.sh runs a whole comparison (every arm of one, then the report).
 
 What runs
 ---------
@@ -11,11 +12,11 @@ One fresh engine per arm (vLLM's AsyncLLM in a child process of this script, V2 
 runner): Qwen3-8B target + DSpark block-7 drafter from profiles/configs, dummy weights,
 skip_tokenizer_init, K=7, adaptive verification on, max_num_seqs 256,
 max_num_batched_tokens 8192, max_model_len 32768, gpu_memory_utilization 0.85 (the
-engine the tables are profiled for). Arms:
+engine the tables are profiled for). Arms (named in arms.json by pricing and settings):
   stock   no table: vLLM's own start-up profile at VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN=8192
   static  the multi-context table, DSPARK_CALIB_CONTEXT_AWARE=0, DSPARK_CALIB_CONTEXT_LEN=8192
   aware   the multi-context table, context-aware pricing per step, at tail 0 and chunks by the KV sum
-          unless --context-tail / --context-chunks (the plugin's defaults since 2026-12-01: tail
+          unless the arm sets context_tail / context_chunks (the plugin's defaults: tail
           0.2, chunks by pairs; the harness always sets both, so the label says what ran)
 Every arm: DSPARK_CALIB_POLICY=warn (the table loads even if a detail differs: the
 benchmark must not silently turn into stock; the plugin's lines are kept in the summary),
@@ -73,7 +74,7 @@ a multiple of 8: no preemption by construction.
 (16k prompts cannot run 256 at once: 256 x 16,656 = 4.3 M tokens, 6.8x the cache.) The mix
 is sized as if all were 16k: a closed loop keeps long requests in flight longer, so its
 in-flight mix drifts towards them. `python3 serve_context.py plan` prints this table from
-`plan_workloads` (the source of truth; tests pin it).
+`plan_workloads` over arms.json's workloads (the source of truth; tests pin it).
 Requests per workload = 2 x concurrency (two waves in a closed loop), 256 output tokens,
 ignore_eos, temperature 0. At run time the engine's real KV capacity
 (cache_config.num_gpu_blocks x block_size) is recorded; a workload whose worst case does
@@ -98,7 +99,7 @@ Observe rows are attributed to workloads by marker batches: before each workload
 after the last, 3 requests of 17-token prompts and 64 output tokens run alone; steps with
 <= 3 requests all below 100 tokens of context occur only there.
 
-Time (one arm = one device call <= 600 s, run_context.sh gives the script 570 s):
+Time (one arm, one engine; --deadline-epoch bounds it, by default DEFAULT_BUDGET_S after the start):
 engine start 30-60 s warm (230 s cold), import ~15 s, warm-up + markers ~10 s, workloads
 ~150-190 s (estimate_seconds), post-processing ~15 s. A workload that would end past the
 deadline is skipped (recorded); the engine child is killed 35 s before the deadline so the
@@ -144,7 +145,7 @@ KV_HEADS, HEAD_DIM, DTYPE_BYTES = 8, 128, 2
 GPU_MIB = 143_771
 WEIGHTS_GIB = 17.37  # "Model loading took 17.37 GiB" (H200 log, both models)
 OTHER_GIB = 4.09  # activations + CUDA graphs: what makes 97.86 GiB of KV at 0.85
-KV_TOKENS_MEASURED = 625_680  # "GPU KV cache size: 625,680 tokens" (benchmarks/results/h200/h200-tp1.log)
+KV_TOKENS_MEASURED = 625_680  # "GPU KV cache size: 625,680 tokens" (benchmarks/results/h200/2026-11-30-morning/h200-tp1.log)
 KV_HEADROOM = 0.90
 ACCEPTANCE_LENGTH = 4.0  # 3 of 7 drafts + the bonus token
 ARMS = ("stock", "static", "aware")
@@ -156,6 +157,8 @@ KILL_MARGIN_S = 65.0  # the engine child is stopped this long before the deadlin
 # (AsyncLLM.shutdown(timeout=30) + 5 s, so observe's last file is written), 10 s of group kill,
 # then ~15 s of post-processing and writing the results
 LOG_CAP = 4 << 20
+DEFAULT_BUDGET_S = 1200.0  # an arm takes 4-6 min (engine start up to 230 s cold): the deadline only
+# bounds an engine that hangs, so that the summary and the observe files are still written
 GPU_SAMPLE_S = 0.2  # the parent's GPU readings while the engine serves (GpuSampler)
 GPU_MAX_SAMPLES = 6000  # 20 minutes at 5 Hz: bounds the summary's memory, never reached in one arm
 
@@ -210,17 +213,48 @@ class Workload:
         return sum(self.prompt_len(i) for i in range(self.num_requests))
 
 
-WORKLOAD_SPECS = (  # name, prompt lengths, wanted concurrency; most telling first (a late one may be skipped)
-    ("ctx1k", (1024,), 256),  # furthest below the 8192 that stock prices at: verify 16.8 vs 73.5 ms at 256 tokens
-    ("ctx16k", (16384,), 32),  # furthest above
-    ("mix", (1024, 8192, 16384), 32),  # contexts mixed within a batch: priced at the batch's mean
-    ("ctx8k", (8192,), 64),  # the control: every pricing is right here
-)
+# -- the named configs (arms.json) -----------------------------------------------------------------
+CONFIG_PATH = os.path.join(HERE, "arms.json")
+ARM_DEFAULTS = {"observe_every": 4, "context_tail": 0.0, "context_chunks": False, "rerun": False}
+
+
+def load_config(path: str = CONFIG_PATH) -> dict[str, Any]:
+    """arms.json: the workloads (in run order) and the named arms, each checked to be what its name says."""
+    with open(path) as fh:
+        cfg = json.load(fh)
+    for name, arm in cfg["arms"].items():
+        s = {**ARM_DEFAULTS, **arm}
+        if s["pricing"] not in ARMS:
+            raise ValueError(f"{path}: arm {name}: pricing must be one of {', '.join(ARMS)}, got {s['pricing']!r}")
+        label = arm_label(s["pricing"], s["observe_every"], s["context_tail"], s["context_chunks"], s["rerun"])
+        if label != name:
+            raise ValueError(f"{path}: arm {name}: its settings make the label {label!r}; name it so")
+    for runs in cfg.get("comparisons", {}).values():
+        unknown = [a for a in runs if a not in cfg["arms"]]
+        if unknown:
+            raise ValueError(f"{path}: a comparison names unknown arms {unknown}")
+    return cfg
+
+
+def workload_specs(cfg: dict[str, Any]) -> tuple[tuple[str, tuple[int, ...], int], ...]:
+    """(name, prompt lengths, wanted concurrency) per workload, most telling first (a late one may be skipped)."""
+    return tuple((w["name"], tuple(w["prompt_lens"]), w["concurrency"]) for w in cfg["workloads"])
+
+
+def apply_arm_config(args: argparse.Namespace) -> None:
+    """`arm NAME`: the named arm's settings, under any option given on the command line; args.arm
+    becomes the pricing (stock / static / aware) and the files are named by the settings' label."""
+    s = {**ARM_DEFAULTS, **CONFIG["arms"][args.arm]}
+    for key in ARM_DEFAULTS:
+        if getattr(args, key) is None:
+            setattr(args, key, s[key])
+    args.arm = s["pricing"]
 
 
 def plan_workloads(kv_tokens: int = KV_TOKENS_MEASURED, *, waves: int = 2, output_len: int = OUTPUT_LEN,
-                   specs: Iterable[tuple[str, tuple[int, ...], int]] = WORKLOAD_SPECS,
+                   specs: Iterable[tuple[str, tuple[int, ...], int]] | None = None,
                    only: Iterable[str] | None = None) -> list[Workload]:
+    specs = WORKLOAD_SPECS if specs is None else specs
     keep = set(only) if only else None
     out = []
     for name, lens, wanted in specs:
@@ -499,7 +533,7 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
             env.update({"DSPARK_CALIB_CONTEXT_AWARE": "0", "DSPARK_CALIB_CONTEXT_LEN": "8192"})
         else:
             # both always set: the label names them (aware = tail 0, chunks by the KV sum), whatever
-            # the plugin's defaults are (tail 0.2 and chunks on since 2026-12-01)
+            # the plugin's defaults are (tail 0.2 and chunks by pairs)
             env.update({"DSPARK_CALIB_CONTEXT_AWARE": "1", "DSPARK_CALIB_CONTEXT_TAIL": f"{tail:g}",
                         "DSPARK_CALIB_CONTEXT_CHUNKS": "1" if chunks else "0"})
     return env
@@ -510,6 +544,10 @@ def arm_label(arm: str, observe_every: int, tail: float = 0.0, chunks: bool = Fa
     (the same arm again on the same host: the run-to-run spread the other differences are judged by)."""
     return (arm + (f"-tail{round(tail * 100)}" if tail else "") + ("-chunks" if chunks else "")
             + ("" if observe_every > 0 else "-noobs") + ("-rerun" if rerun else ""))
+
+
+CONFIG = load_config()
+WORKLOAD_SPECS = workload_specs(CONFIG)
 
 
 def speculative_config(acceptance_length: float | None = ACCEPTANCE_LENGTH,
@@ -852,7 +890,7 @@ def run_arm(args: argparse.Namespace) -> int:
     plan = plan_workloads(only=args.workloads.split(",") if args.workloads else None,
                           waves=args.waves)
     env = arm_env(arm, table, obs, every=args.observe_every, tail=args.context_tail, chunks=args.context_chunks)
-    deadline = args.deadline_epoch or (t_start + 570)
+    deadline = args.deadline_epoch or (t_start + DEFAULT_BUDGET_S)
     child_deadline = deadline - KILL_MARGIN_S
     cmd = [sys.executable, os.path.abspath(__file__), "_engine", "--results", results_path,
            "--plan", json.dumps([asdict(w) for w in plan]), "--child-deadline", str(child_deadline),
@@ -1193,7 +1231,7 @@ def build_report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def observe_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Observe mode's own cost (issue 9 item 4): per workload, each observing arm against the same
+    """Observe mode's own cost: per workload, each observing arm against the same
     pricing with observe off (ARM-noobs), as ratios (> 1: observing is slower); a -rerun arm of the
     same pricing gives the run-to-run spread to read them against."""
     by = {(r["arm"], r["workload"]): r for r in rows}
@@ -1377,21 +1415,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-tokens", type=int)
     p.add_argument("--waves", type=int, default=2)
     a = sub.add_parser("arm")
-    a.add_argument("arm", choices=ARMS)
+    a.add_argument("arm", choices=sorted(CONFIG["arms"]), help="a named arm of arms.json")
     a.add_argument("--table", help="the multi-context table (static/aware load it; every arm validates with it)")
     a.add_argument("--out", required=True)
     a.add_argument("--work", help="scratch dir (default /tmp/serve-context-ARM, emptied first)")
     a.add_argument("--deadline-epoch", type=float, help="unix time by which everything must be written")
     a.add_argument("--workloads", help="comma list (default all: ctx1k,ctx8k,ctx16k,mix)")
     a.add_argument("--waves", type=int, default=2)
-    a.add_argument("--observe-every", type=int, default=4)
-    a.add_argument("--context-tail", type=float, default=0.0,
-                   help="aware arm: DSPARK_CALIB_CONTEXT_TAIL (files context-aware-tailNN.*); default 0, not the "
-                        "plugin's 0.2")
-    a.add_argument("--context-chunks", action="store_true",
-                   help="aware arm: DSPARK_CALIB_CONTEXT_CHUNKS=1 (files context-aware[-tailNN]-chunks.*); without "
-                        "it 0 (the KV sum), not the plugin's default")
-    a.add_argument("--rerun", action="store_true",
+    # each option overrides the named arm's setting; the files are named by the settings (arm_label)
+    a.add_argument("--observe-every", type=int, default=None, help="0: observe off (files context-ARM-noobs.*)")
+    a.add_argument("--context-tail", type=float, default=None,
+                   help="aware arm: DSPARK_CALIB_CONTEXT_TAIL (files context-aware-tailNN.*); 0 unless the arm "
+                        "sets it, not the plugin's 0.2")
+    a.add_argument("--context-chunks", action="store_true", default=None,
+                   help="aware arm: DSPARK_CALIB_CONTEXT_CHUNKS=1 (files context-aware[-tailNN]-chunks.*); 0 "
+                        "(the KV sum) unless the arm sets it, not the plugin's default")
+    a.add_argument("--rerun", action="store_true", default=None,
                    help="the same arm a second time on this host (files context-ARM...-rerun.*): the spread")
     a.add_argument("--acceptance-length", type=float, default=ACCEPTANCE_LENGTH)
     a.add_argument("--acceptance-rates", help="comma list of K non-increasing unconditional rates (instead)")
@@ -1405,10 +1444,15 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--dry-run", action="store_true")
     e.add_argument("--table")
     r = sub.add_parser("report")
-    r.add_argument("--results", nargs="+", default=[os.path.join(ROOT, "benchmarks", "results", "h200")])
-    r.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "h200", "serve_context.json"))
-    r.add_argument("--md", default=os.path.join(ROOT, "benchmarks", "results", "h200", "serve_context.md"))
+    r.add_argument("--results", nargs="+", required=True, help="run folders holding context-ARM.json files")
+    r.add_argument("--json", help="default: serve_context.json in the first --results folder")
+    r.add_argument("--md", help="default: serve_context.md in the first --results folder")
     args = ap.parse_args(argv)
+    if args.cmd == "report":
+        args.json = args.json or os.path.join(args.results[0], "serve_context.json")
+        args.md = args.md or os.path.join(args.results[0], "serve_context.md")
+    if args.cmd == "arm":
+        apply_arm_config(args)
     return {"plan": run_plan, "arm": run_arm, "_engine": engine_child, "report": run_report}[args.cmd](args)
 
 
