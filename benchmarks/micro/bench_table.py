@@ -72,7 +72,7 @@ def synthetic_table(seed: int = 0) -> CostTable:
         tensor_parallel_size=1, pipeline_parallel_size=1, dtype="bfloat16", kv_cache_dtype="auto", quantization=None,
         num_speculative_tokens=7, max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS,
         cudagraph_capture_sizes=CAPTURE, cudagraph_limit=LIMIT, context_lens=(CONTEXT,), replays=REPLAYS,
-        warmup_replays=0, extra={"synthetic": "benchmarks/bench_table.py"},
+        warmup_replays=0, extra={"synthetic": "benchmarks/micro/bench_table.py"},
     )
     return CostTable.from_samples(samples, fp)
 

@@ -19,7 +19,7 @@ from dspark_calib.table import read_table
 
 here = os.path.dirname(os.path.abspath(__file__))
 res_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "results", "h200", "2026-11-30-morning")
-# the three-context table profiled on GPU 0 in the same run (schema 1.0; shipped in profiles/ until 2026-12-01)
+# the three-context table profiled on GPU 0 in the same run (schema 1.0)
 shipped = os.path.join(res_dir, "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
 
 

@@ -940,10 +940,9 @@ def run_arm(args: argparse.Namespace) -> int:
 class GpuSampler:
     """The GPU's clocks, power and throttle reasons every period seconds, from this (parent)
     process while the engine child serves: NVML reads ~1 ms on the host and none on the GPU, so
-    it does not touch the timed steps. Why: serving steps measured 3-8 % slower than the
-    profile said even at a profiled context (2026-11-30); sustained-load clocks against the
-    profile's short blocks is one suspect, and these readings (beside the table's own block
-    telemetry) test it."""
+    it does not touch the timed steps. Why: serving steps can run slower than the profile says
+    even at a profiled context; sustained-load clocks against the profile's short blocks are
+    one cause, and these readings (beside the table's own block telemetry) show it."""
 
     def __init__(self, period: float):
         import threading
