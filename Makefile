@@ -10,7 +10,7 @@ LIGHT_VENV ?= .venv-light
 LIGHT_BIN := $(LIGHT_VENV)/bin
 LIGHT := $(LIGHT_VENV)/.installed-light-$(HASH)
 SHIPPED := profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet
-RESULTS := benchmarks/results/h200
+RESULTS := benchmarks/results/h200/2026-11-30-morning
 DEMO_OUT ?= out/demo
 
 .PHONY: test test-light install demo bench clean
@@ -61,7 +61,7 @@ demo: $(CORE)
 	@echo "plots in $(DEMO_OUT)/"
 
 bench: $(CORE)
-	$(BIN)/python benchmarks/bench_table.py
+	$(BIN)/python benchmarks/micro/bench_table.py
 
 clean:
 	rm -rf $(VENV) $(LIGHT_VENV) build dist *.egg-info out

@@ -1,4 +1,4 @@
-"""The H200 serving harness's pure parts (benchmarks/h200/serve_context.py), on CPU.
+"""The H200 serving harness's pure parts (benchmarks/serving/serve_context.py), on CPU.
 
 Workload sizing against KV capacity, metrics from timestamps, observe-file segmentation,
 budget distributions, prediction errors, compaction + validate round trip, the arms'
@@ -21,12 +21,12 @@ from dspark_calib.observe.step import ObservedStep
 from dspark_calib.observe.file import ObservedWriter, read_observed
 
 REPO = Path(__file__).resolve().parents[2]
-SCHEMA10 = REPO / "benchmarks" / "results" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
+SCHEMA10 = REPO / "benchmarks" / "results" / "h200" / "2026-11-30-morning" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
 
 
 @pytest.fixture(scope="module")
 def sc():
-    spec = importlib.util.spec_from_file_location("serve_context", REPO / "benchmarks" / "h200" / "serve_context.py")
+    spec = importlib.util.spec_from_file_location("serve_context", REPO / "benchmarks" / "serving" / "serve_context.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["serve_context"] = mod  # dataclasses resolve their module
     spec.loader.exec_module(mod)
@@ -337,7 +337,7 @@ def test_report(sc, tmp_path):
         (tmp_path / f"context-{name}.json").write_text(json.dumps(doc))
     (tmp_path / "context-stock-requests.json").write_text("{}")  # not an arm
     js, md = tmp_path / "r.json", tmp_path / "r.md"
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "h200" / "serve_context.py"), "report",
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serving" / "serve_context.py"), "report",
                         "--results", str(tmp_path), "--json", str(js), "--md", str(md)],
                        capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0, p.stderr
@@ -397,7 +397,7 @@ def test_report_sets_an_arm_without_observe_beside_stock(sc, tmp_path):
     import argparse
     import shutil
 
-    src = REPO / "benchmarks" / "results" / "h200" / "context-stock.json"
+    src = REPO / "benchmarks" / "results" / "h200" / "2026-12-01-0438-context" / "context-stock.json"
     shutil.copy(src, tmp_path / "context-stock.json")
     noobs = json.loads(src.read_text())
     noobs.update(arm="stock-noobs", observe_every=0, observed={"rows": 0, "off": True})
@@ -415,7 +415,7 @@ def test_report_prices_observe_mode_against_its_noobs_arm_with_a_rerun_beside(sc
     import argparse
     import shutil
 
-    src = REPO / "benchmarks" / "results" / "h200" / "context-stock.json"
+    src = REPO / "benchmarks" / "results" / "h200" / "2026-12-01-0438-context" / "context-stock.json"
     shutil.copy(src, tmp_path / "context-stock.json")
     on = json.loads(src.read_text())
     noobs = json.loads(src.read_text())
@@ -454,7 +454,7 @@ def test_an_aware_arm_with_a_context_tail(sc, tmp_path):
     with pytest.raises(ValueError, match="arm aware only"):
         sc.arm_env("static", "/t.parquet", "/o", chunks=True, base={})
     assert sc.arm_label("aware", 4, 0.2, True) == "aware-tail20-chunks"
-    src = REPO / "benchmarks" / "results" / "h200"
+    src = REPO / "benchmarks" / "results" / "h200" / "2026-12-01-0438-context"
     shutil.copy(src / "context-stock.json", tmp_path / "context-stock.json")
     tail = json.loads((src / "context-aware.json").read_text())
     tail.update(arm="aware-tail20")

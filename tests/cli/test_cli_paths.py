@@ -326,7 +326,7 @@ def test_a_threshold_that_can_never_be_exceeded_is_refused(args, tmp_path):
 
 
 def test_validate_refuses_the_same_observe_file_twice():
-    obs = "benchmarks/results/h200/context-stock-observed.parquet"
+    obs = "benchmarks/results/h200/2026-12-01-0438-context/context-stock-observed.parquet"
     one_line_error(invoke("validate", SHIPPED_TABLE, obs, "./" + obs), "is the same file as", "observe file once")
 
 

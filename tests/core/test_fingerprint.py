@@ -19,7 +19,7 @@ from dspark_calib.fingerprint import (
 from tests.helpers import REPO
 
 ROOT = str(REPO)
-SCHEMA10 = os.path.join(ROOT, "benchmarks", "results", "h200", "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
+SCHEMA10 = os.path.join(ROOT, "benchmarks", "results", "h200", "2026-11-30-morning", "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
 README = os.path.join(ROOT, "README.md")
 
 

@@ -27,7 +27,7 @@ from tests.helpers import DATA_DIR, REPO, SCHEMA10, build_reference_table
 from dspark_calib.table.file import COLUMNS, CURVE_COLUMNS, MIGRATIONS, SCHEMA_VERSION, TableFile, columns_in, migration, read_metadata, read_table, to_arrow, write_table
 from dspark_calib.table.meta import METADATA_KEY, ReadLimits
 
-RESULTS = REPO / "benchmarks" / "results" / "h200"
+RESULTS = REPO / "benchmarks" / "results" / "h200" / "2026-11-30-morning"
 BENCH_RESULTS = sorted(RESULTS.glob("h200-tp1-ctx8192-*.parquet"))  # the morning's tables (schema 1.0)
 SHIPPED_NEWER = sorted(p for p in (REPO / "profiles" / "h200").glob("*.parquet") if p != SCHEMA10)
 

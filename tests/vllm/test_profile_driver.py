@@ -458,7 +458,7 @@ def test_expected_schedule_is_the_workers(tmp_path):
 
     o = resolve_options(opts(context_lens=(1024, 8192), replays=20, warmup=2))
     # vLLM's own resolution on the H200 (Qwen3-8B, 256 seqs, k 7, 8192 tokens), as the capture recorded it
-    with open(os.path.join(ROOT, "benchmarks", "results", "h200", "h200-tp1-samples-rank0.json")) as fh:
+    with open(os.path.join(ROOT, "benchmarks", "results", "h200", "2026-11-30-fidelity", "fid-product-a-samples-rank0.json")) as fh:
         assert default_capture_sizes(o) == json.load(fh)["engine"]["cudagraph_capture_sizes"]
     e = expected(o, tc.SIZES)
     want = Schedule.build(Plan((1024, 8192), 20, 2), tc.vllm_sequence())
