@@ -1,4 +1,4 @@
-"""The key registry: its readers on real vLLM config objects, its rules, its README table.
+"""The key registry: its readers on real vLLM config objects, its rules, its docs table.
 
 vLLM's EngineArgs.create_engine_config() needs a GPU platform, so the VllmConfig
 here is assembled from the same config classes on CPU (vLLM's own constructors and
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
 DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
 SCHEMA10 = os.path.join(ROOT, "benchmarks", "results", "h200", "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
-README = os.path.join(ROOT, "README.md")
+COMPATIBILITY_DOC = os.path.join(ROOT, "docs", "compatibility.md")
 HARDWARE = {"gpu_name": "NVIDIA H200", "gpu_compute_capability": "9.0", "gpu_memory_mib": 143771,
             "driver_version": "580.159.04", "cuda_version": "13.0", "torch_version": "2.14.0+cu130"}
 
@@ -292,9 +292,9 @@ def test_display_rows_cover_every_key():
     assert len(rows) == len(KEYS) and rows["attention backend"] == "-" and rows["GPU"] == "NVIDIA H200"
 
 
-# -- README and light paths ---------------------------------------------------------------------
+# -- docs table and light paths -----------------------------------------------------------------
 def test_readme_holds_exactly_the_registry_table():
-    text = open(README, encoding="utf-8").read()
+    text = open(COMPATIBILITY_DOC, encoding="utf-8").read()
     assert "## Compatibility: what must match" in text
     start, end = "<!-- compatibility-table:start -->\n", "<!-- compatibility-table:end -->"
     assert start in text and end in text, "markers missing"
