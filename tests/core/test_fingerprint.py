@@ -1,4 +1,4 @@
-"""The key registry: its rules, its comparisons, its README table (no vLLM needed).
+"""The key registry: its rules, its comparisons, its docs table (no vLLM needed).
 
 The readers on real vLLM config objects are tests/vllm/test_engine_info.py."""
 
@@ -20,7 +20,7 @@ from tests.helpers import REPO
 
 ROOT = str(REPO)
 SCHEMA10 = os.path.join(ROOT, "benchmarks", "results", "h200", "2026-11-30-morning", "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet")
-README = os.path.join(ROOT, "README.md")
+COMPATIBILITY_DOC = os.path.join(ROOT, "docs", "compatibility.md")
 
 
 # -- the registry itself ----------------------------------------------------------------------
@@ -115,9 +115,9 @@ def test_display_rows_cover_every_key():
     assert len(rows) == len(KEYS) and rows["attention backend"] == "-" and rows["GPU"] == "NVIDIA H200"
 
 
-# -- README and light paths ---------------------------------------------------------------------
+# -- the docs table and light paths------------------------------------------------------------------
 def test_readme_holds_exactly_the_registry_table():
-    text = open(README, encoding="utf-8").read()
+    text = open(COMPATIBILITY_DOC, encoding="utf-8").read()
     assert "## Compatibility: what must match" in text
     start, end = "<!-- compatibility-table:start -->\n", "<!-- compatibility-table:end -->"
     assert start in text and end in text, "markers missing"

@@ -362,7 +362,7 @@ def test_readme_env_table_lists_every_variable_with_the_default_the_parser_retur
 
     from dspark_calib import env
 
-    readme = (pathlib.Path(env.__file__).parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(env.__file__).parents[1] / "docs" / "serving.md").read_text()
     section = readme.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| `(DSPARK_CALIB_[A-Z0-9_]+)` \| (.+?) \|", section, re.M))
     assert set(rows) == set(env.ALL)
