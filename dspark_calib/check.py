@@ -1,7 +1,7 @@
 """`check`: which table the plugin would load for an engine described offline, and why not the others.
 
 No running engine, no torch, no vllm import: the engine is described by options, and the
-decision is the plugin's own (dspark_calib.vllm.loader.decide, importable without either),
+decision is the plugin's own (dspark_calib.selection.decide, importable without either),
 read from its ``Decision.chosen`` / ``Decision.candidates`` records, never from its log text.
 Which keys exist, how a value is typed and which keys block is the fingerprint registry's
 (fingerprint.KEYS): a key added there is accepted by --engine and compared here unchanged.
@@ -22,7 +22,7 @@ LOADS = "loads"
 FITS = "fits"  # fits, but the plugin picks another (newer) one
 MISMATCH = "mismatch"
 UNREADABLE = "unreadable"
-# The loader's candidate statuses, as check reports them.
+# The load decision's candidate statuses, as check reports them.
 _STATUS = {"chosen": LOADS, "fits": FITS, "mismatch": MISMATCH, "unpinned": MISMATCH, "refused": UNREADABLE,
            "unreadable": UNREADABLE}
 
@@ -78,7 +78,7 @@ def _typed(key: Any, raw: str) -> Any:
 
 def describe(*, model: str | None = None, draft: str | None = None, extra: dict[str, Any] | None = None,
              **keys: Any) -> dict[str, Any]:
-    """The engine dict the loader checks, from what the user gave (None: not given, not checked).
+    """The engine dict the load decision checks, from what the user gave (None: not given, not checked).
     Model directories become their config hashes, computed as the fingerprint does."""
     from dspark_calib.fingerprint import config_hash, resolve_config_dir
 
@@ -91,7 +91,7 @@ def describe(*, model: str | None = None, draft: str | None = None, extra: dict[
 
 
 def unchecked_keys(engine: dict[str, Any]) -> list[str]:
-    """Keys the loader compares (blocking or warning) that were not given."""
+    """Keys the load decision compares (blocking or warning) that were not given."""
     from dspark_calib import fingerprint
 
     return list(fingerprint.unchecked_keys(engine))
@@ -123,7 +123,7 @@ class TableReport:
 class CheckResult:
     source: str
     engine: dict[str, Any]
-    unchecked: tuple[str, ...]  # compared by the loader, not given
+    unchecked: tuple[str, ...]  # compared by the load decision, not given
     ignored: tuple[str, ...]  # given, but never blocking
     tables: tuple[TableReport, ...]
     lines: tuple[str, ...]  # what the plugin would log, word for word

@@ -61,7 +61,7 @@ def is_active(env: Mapping[str, str] | None = None) -> bool:
 
 
 def observe_dir(env: Mapping[str, str] | None = None) -> str | None:
-    """The observe directory as given (None when unset or blank); observe_mode checks it."""
+    """The observe directory as given (None when unset or blank); observer.py checks it."""
     raw = _get(env, OBSERVE)
     return raw if raw and raw.strip() else None
 

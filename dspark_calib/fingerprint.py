@@ -10,7 +10,7 @@ a key touches this module (the entry and the Fingerprint field), its reader and
 its tests, nothing else.
 
 Tables older than a key lack it: a key a table did not record (None, or "" for
-strings) is not compared; the loader names it "not recorded" at WARNING and goes
+strings) is not compared; the load decision names it "not recorded" at WARNING and goes
 on, so the shipped 1.0 tables keep loading under ``fallback``.
 
 Nothing here imports torch or vllm.
@@ -300,7 +300,7 @@ def load_mismatches(table: Fingerprint, engine: Mapping[str, Any]) -> list[Misma
 
 
 def recorded_differences(table: Fingerprint, engine: Mapping[str, Any]) -> list[Mismatch]:
-    """RECORDED keys that differ: the loader logs them at WARNING and loads anyway."""
+    """RECORDED keys that differ: the load decision logs them at WARNING and loads anyway."""
     return [Mismatch(k.name, have, want, RECORDED) for k, have, want in _compared(table, engine, (RECORDED,))
             if not _same(k, have, want)]
 

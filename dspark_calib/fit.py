@@ -48,7 +48,7 @@ class CurvePoint:
         return (self.p75_ms - self.p25_ms) / self.cost_ms if self.cost_ms > 0 else 0.0
 
 
-# Curve columns, in file order (the table file stores exactly these, see tablefile.COLUMNS).
+# Curve columns, in file order (the table file stores exactly these, see table.file.COLUMNS).
 CURVE_COLUMNS = ("size", "cost_ms", "n", "min_ms", "p25_ms", "p75_ms", "max_ms", "mad_ms")
 
 

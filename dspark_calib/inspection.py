@@ -193,7 +193,7 @@ CONTEXT_VIEW_SIZES = (1, 16, 64, 256, 1024, 4096, 8192)
 @dataclass(frozen=True, eq=False)
 class CostByContext:
     """Verify cost vLLM would charge (its dense table) at a few step sizes, per profiled context:
-    how much context moves the price (issue 9). Only for tables with 2+ contexts."""
+    how much context moves the price. Only for tables with 2+ contexts."""
 
     contexts: tuple[int, ...]
     sizes: tuple[int, ...]

@@ -48,7 +48,7 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class CandidateReport:
-    """One file the decision looked at: C3's per-candidate record (first blocking problem)."""
+    """One file the decision looked at, and its first blocking problem."""
 
     path: str  # escaped for display
     content_hash: str = ""
@@ -142,13 +142,13 @@ def _judge(tf: Any, shown: str, engine: dict, *, allow_reference: bool, pins: fr
         problems.append(f"context_len: table's nearest profiled context {ctx} is {abs(ctx - effective) / effective:.0%}"
                         f" from the effective context {effective}" + (f" (engine max_model_len {mml})" if mml else ""))
     status = "mismatch" if problems else "fits"
-    # created_at is parsed and sanity-bounded by C1 (not before 2025, not over a day ahead):
+    # created_at is parsed and sanity-bounded by the table reader (not before 2025, not over a day ahead):
     # a forged "9999-..." is unreadable, never the newest.
     ex = _Examined(CandidateReport(**base, status=status, reason=problems[0] if problems else ""), problems,
                    (-len(problems), meta.created_at.timestamp()), None, ctx, fp, tuple(mismatches))
     if not read or (beat is not None and ex.sort_key <= beat):
         return ex  # metadata only, or cannot be chosen: its curves are never read
-    try:  # the same handle; verifies the content hash and C1's plausibility checks on what was read
+    try:  # the same handle; verifies the content hash and the reader's plausibility checks on what was read
         ex.table = tf.read(samples=False)
     except Exception as exc:  # noqa: BLE001
         ex.table = None
@@ -282,7 +282,7 @@ def _others(reports: list[CandidateReport], skipped: int, limits: Limits) -> str
 
 def _key_report(fp: Any, engine: dict) -> tuple[list[str], list[str], list[str]]:
     """(keys the engine did not report, blocking keys the table did not record, recorded-only
-    keys that differ): said in the load line, never a reason to refuse (C2)."""
+    keys that differ): said in the load line, never a reason to refuse."""
     try:
         return (F.unchecked_keys(engine), F.unrecorded_keys(fp, engine),
                 [escape(m, 160) for m in F.recorded_differences(fp, engine)])

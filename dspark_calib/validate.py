@@ -8,7 +8,7 @@ table's curves and compares with what the step measured:
   every step at; by default the context nearest vLLM's profile default 8192);
 * context-aware: ``ContextGrid.price``, exactly what context-aware mode installs
   for that step (drafts at the mean context, verify at the context whose
-  profiled dummy batch read as much KV: context.verify_context).
+  profiled dummy batch read as much KV: rules.verify_context).
 
 Step kinds follow vLLM's fit: "draft" = drafter_ms against the draft table at
 num_reqs (full-CUDA-graph steps only, as vLLM prices drafts from graph replays
@@ -26,7 +26,7 @@ a budget needs the step's draft confidences, which only the engine has).
 
 Mixed contexts (``TailFit``): decode steps whose longest request is at least
 MIXED_SPREAD x the mean are re-priced with the mixed-context tail t of
-context.tail_context_sum over 0, 0.05, ..., 1; the t with the smallest median
+rules.tail_context_sum over 0, 0.05, ..., 1; the t with the smallest median
 verify error is reported, with the steps it rests on, for the operator to set
 (DSPARK_CALIB_CONTEXT_TAIL). Context-aware pricing here uses the tail the files
 record (the engine's; 0 for a context-aware file from before the tail), the plugin's
@@ -35,7 +35,7 @@ default for files of stock engines (what context-aware mode would have done), or
 
 Prefill chunks (``PrefillCheck``): where the files record the chunks (observe schema
 1.1), the prefill-carrying steps' verify is priced both by the KV sum and by
-query-context pairs (context.prefill_context_sum), so served steps say which to serve
+query-context pairs (rules.prefill_context_sum), so served steps say which to serve
 with. Context-aware pricing itself prices chunks as the files' context-aware engines did
 (DSPARK_CALIB_CONTEXT_CHUNKS, recorded as context_chunks; the KV sum for files from before
 it), as the plugin's default for stock engines' files, or as ``chunks`` says.
@@ -146,7 +146,7 @@ class PrefillCheck:
     kv_sum: ErrorStats | None  # context-aware, chunks priced by the KV sum (as decode requests)
     pairs: ErrorStats | None  # context-aware, chunks priced by query-context pairs
     by_pairs: bool = False  # context-aware pricing here (the engines', or --chunks) priced recorded chunks by pairs
-    pair_rule: str = CHUNK_RULE  # the pair price of `pairs` (context.CHUNK_RULES)
+    pair_rule: str = CHUNK_RULE  # the pair price of `pairs` (policy.CHUNK_RULES)
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "recorded": self.recorded, "by_pairs": self.by_pairs, "pair_rule": self.pair_rule,
@@ -278,7 +278,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
                          profile_num_reqs=min(int(fp.max_num_seqs), max_tokens))
     grid = ContextGrid(costs, tolerance=grid_tolerance)
     wanted = VLLM_DEFAULT_CONTEXT if single_context is None else int(single_context)
-    single = min(costs.contexts, key=lambda x: (abs(x - wanted), -x))  # ties: the longer, as the loader
+    single = min(costs.contexts, key=lambda x: (abs(x - wanted), -x))  # ties: the longer, as the load decision
     single_draft, single_verify = costs.tables[single]
 
     num_reqs, num_tokens = c["num_reqs"], c["num_target_tokens"]
@@ -373,7 +373,7 @@ def _agreement(observed: ObservedSteps, as_recorded: bool, draft: np.ndarray, ve
 def _check_prefill(priced: Any, tail: int, chunks: bool, steps: np.ndarray, single: np.ndarray,
                    aware: np.ndarray, c: dict, pair_rule: str) -> PrefillCheck:
     """The prefill-carrying steps whose chunks are recorded, priced single-context, by the KV sum
-    and by query-context pairs (context.prefill_context_sum), the tail in use under both (aware:
+    and by query-context pairs (rules.prefill_context_sum), the tail in use under both (aware:
     the context-aware verify already priced, chunks as in use; only the other pricing is new)."""
     sel = steps & (c["prefill_tokens"] != ABSENT)
     if not sel.any():  # no chunk recorded: whatever the setting, the KV sum is what priced them

@@ -1,6 +1,6 @@
 """`dspark-calib profile`: check every option, run the profiler, show one progress bar, write the table.
 
-cli.py registers the command and calls ``main`` once. Everything that can be
+app.py registers the command and calls ``main`` once. Everything that can be
 checked without a GPU is checked before the engine starts (ranges, the output
 path, engine arguments, vLLM's dtype choices, the context vLLM would profile), so
 a typo costs a second, not a 7-minute run. vLLM's own output (its log, worker

@@ -1,9 +1,9 @@
-"""Arrow columns to numpy, straight from their buffers (private to tablefile.py).
+"""Arrow columns to numpy, straight from their buffers (shared by the table and observe file readers).
 
 Not ChunkedArray.to_numpy(): even a zero-copy conversion imports pandas, which
 would triple `inspect`'s start-up; and a Python string per row for the `record`
 column would cost more than the rest of a load. Types are checked by the caller
-(tablefile.COLUMNS) before anything here runs.
+(table.file.COLUMNS, observe.step.COLUMNS) before anything here runs.
 """
 
 from __future__ import annotations

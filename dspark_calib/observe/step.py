@@ -30,7 +30,7 @@ COLUMNS: dict[str, str] = {
     "scheduled_drafts": INT,  # drafts scheduled before the budget
     "draft_budget": INT,  # drafts verified (the budget chosen)
     "priced_context": INT,  # the context the step's drafts were priced at (context-aware: the batch mean,
-    # raised by the tail when one is set: ceil(S' / n), context.tail_context_sum)
+    # raised by the tail when one is set: ceil(S' / n), rules.tail_context_sum)
     "predicted_draft_ms": FLOAT,  # the engine's cost tables for this step
     "predicted_verify_ms": FLOAT,
     "budget_static": INT,  # nullable: budget under the table's one-context pricing

@@ -222,7 +222,7 @@ def curves_for_broadcast(curves: Mapping[int, Any]) -> dict[int, tuple[list, lis
 
 
 def dense_tables(table: Any, context_len: int, **sizes: int | None) -> PricedTables:
-    """``CostTable.dense_tables(context_len=L)`` with interpolation (issue 9 item 2). Only the
+    """``CostTable.dense_tables(context_len=L)`` with interpolation. Only the
     one or two bracketing contexts' tables are built (a CLI prices one context at a time)."""
     ctxs = sorted(table.curves)
     lo, hi, _ = ContextCosts.bracket_of(ctxs, int(context_len))

@@ -97,7 +97,7 @@ def _plot_cost_by_context(table: "CostTable", axes: Any) -> None:
 def plot_table(table: "CostTable", path: str | os.PathLike, *, context_len: int | None = None) -> str:
     """Both curves per context length: raw samples as dots, medians, vLLM's dense cost, capture limit."""
     ctxs = table.context_lens() if context_len is None else [table.nearest_context(context_len)]
-    by_context = len(ctxs) >= 2  # a last row: cost against context (issue 9)
+    by_context = len(ctxs) >= 2  # a last row: cost against context
     rows = len(ctxs) + by_context
     fig, axes = _new_figure(rows, 2, 3.8 * rows)
     fp = table.fingerprint

@@ -287,7 +287,7 @@ def _decode(arrow: pa.Table, meta: dict, tm: TableMeta, samples: bool, limits: R
                      telemetry=Telemetry.from_json(meta.get("telemetry")))
 
 
-# -- the public API (contract C1) ---------------------------------------------------------------
+# -- the public API ---------------------------------------------------------------------------
 def read_table(source: str | os.PathLike, *, filesystem: Any = None, samples: bool = True,
                limits: ReadLimits | None = None) -> CostTable:
     """Read and fully check a table. Every problem is one CalibError naming the file."""

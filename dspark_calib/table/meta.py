@@ -49,7 +49,7 @@ def check_limit(what: str, value: int, limit: int, name: str, path: str) -> None
 # -- metadata ---------------------------------------------------------------------------
 def parse_created_at(text: Any, path: str | None = None, *, now: dt.datetime | None = None) -> dt.datetime:
     """ISO 8601 with a UTC offset ("Z" or +00:00), not before 2025 nor more than a day ahead:
-    the loader picks the newest table by it, so "9999-..." must not win."""
+    the load decision picks the newest table by it, so "9999-..." must not win."""
     if not isinstance(text, str) or not re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?(Z|[+-]\d\d:\d\d)", text):
         raise CalibError(f"created_at {str(text)[:40]!r} is not an ISO 8601 UTC timestamp", path=path)
     try:
@@ -76,13 +76,6 @@ class TableMeta:
     samples_digest: str | None  # None: a 1.0 file
     curve_rows: int | None  # None: a 1.0 file (curves and samples share one row group)
     raw: dict[str, Any] = dataclasses.field(repr=False, compare=False)
-
-    # Transitional: callers written against the old dict (loader.examine) keep working.
-    def __getitem__(self, key: str) -> Any:
-        return self.raw[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.raw.get(key, default)
 
 
 def parse_meta(raw: dict | None, path: str, limits: ReadLimits) -> TableMeta:

@@ -26,7 +26,7 @@ from dspark_calib.telemetry import Telemetry
 if TYPE_CHECKING:
     from dspark_calib.pricing.costs import DenseTables
 
-SCHEMA_VERSION = "1.2"  # what write_table writes; tablefile.py's header has the format history
+SCHEMA_VERSION = "1.2"  # what write_table writes; file.py's header has the format history
 DEFAULT_CONTEXT = 8192  # vLLM's default profiling context length
 # Physical bounds of one step (ms): below a microsecond or above a minute no GPU step is real.
 MIN_STEP_MS = 1e-3
@@ -97,7 +97,7 @@ class CostTable:
     # -- identity -----------------------------------------------------------------
     @property
     def content_hash(self) -> str:
-        """sha256 of what the table means, under its schema version's rule (see tablefile.py)."""
+        """sha256 of what the table means, under its schema version's rule (see identity.py; file.py has the format history)."""
         found = content_hash(self)
         if self._read_hash is not None and self._read_hash[0] == found:
             return self._read_hash[1]  # the file's verified hash (the one a pin matches)
@@ -139,7 +139,7 @@ class CostTable:
         profiled on (or the given limits). Between profiled contexts: per size, linear in
         context (dspark_calib.context); at a profiled context: exactly vLLM's tables from its
         curves; above the range: the longest context's; below it: the line through the two
-        shortest, extended towards 0 (context.ContextCosts); outside, ``.warning`` is set (OutOfRange).
+        shortest, extended towards 0 (costs.ContextCosts); outside, ``.warning`` is set (OutOfRange).
         None: default_context(). Curve display uses pair()/nearest_context() instead."""
         from dspark_calib.pricing.costs import DenseTables, dense_tables
 

@@ -1,7 +1,7 @@
 """Listing and bounded reading of the table files a load decision may consider.
 
 Tables come from shared directories and buckets that other people can write to
-(issue 12), so everything here is bounded and nothing trusts a name or a byte:
+so everything here is bounded and nothing trusts a name or a byte:
 
 * only regular files are opened: stat before opening, open with O_NONBLOCK and
   fstat the handle (a FIFO or device named x.parquet is refused, never waited on);
@@ -9,13 +9,13 @@ Tables come from shared directories and buckets that other people can write to
   at most `max_candidates` curve reads per decision (the best candidates by their
   checked metadata first), the rest skipped with a count; at most `max_scan`
   directory entries looked at;
-* each file is opened once (C1's TableFile): its metadata and its curves come from
+* each file is opened once (file.TableFile): its metadata and its curves come from
   that one handle and the curve read verifies the content hash the checked metadata
   states, so what is checked is what is loaded; raw samples are never read;
 * footer limits (metadata bytes, rows, row groups, curve points) are checked before
   the rows are decoded, so a small file cannot decompress into gigabytes;
 * object stores get connect/request timeouts and no retries; the caller also
-  bounds the whole decision with a deadline (loader.decide_within).
+  bounds the whole decision with a deadline (selection.decide_within).
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from typing import Any
 
 from dspark_calib.errors import CalibError, escape
 from dspark_calib.safe_open import os_reason  # standard library only
-from dspark_calib.table.meta import SERVE_LIMITS as _READ  # C1's read limits (tablemeta imports no pyarrow)
+from dspark_calib.table.meta import SERVE_LIMITS as _READ  # the reader's limits (meta.py imports no pyarrow)
 from dspark_calib.table.meta import ReadLimits
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Serve-time bounds: the listing's own, plus C1's ReadLimits (defaults: tablemeta.SERVE_LIMITS)."""
+    """Serve-time bounds: the listing's own, plus the reader's ReadLimits (defaults: meta.SERVE_LIMITS)."""
 
     max_candidates: int = 64  # curve reads per decision (metadata checks: max_scan and the deadline)
     max_scan: int = 100_000  # directory entries looked at
@@ -159,14 +159,14 @@ def _list_local(path: str, limits: Limits) -> Listing:
 
 def _cap(found: list[tuple[int, str]], refused: list, limits: Limits, unscanned: int) -> Listing:
     # No cap by modification time here (64 newer junk or mismatching files would hide the
-    # engine's table): the loader caps the curve reads, the expensive part, instead.
+    # engine's table): the load decision caps the curve reads, the expensive part, instead.
     found.sort(key=lambda item: (-item[0], item[1]))
     return Listing(tuple(p for _, p in found), tuple(refused), unscanned)
 
 
 # -- one bounded read -------------------------------------------------------------------
 def open_table(path: str, fs: Any, limits: Limits = SERVE_LIMITS) -> Any:
-    """C1's TableFile over ONE handle: its .meta (checked by the loader) and its
+    """The TableFile over ONE handle: its .meta (checked by the load decision) and its
     .read(samples=False) (the curves loaded) come from that handle, and the read verifies the
     content hash the metadata states, so what is checked is what is loaded. Local files are
     stat'ed, opened O_NONBLOCK and fstat'ed (a FIFO is refused, never waited on); the footer

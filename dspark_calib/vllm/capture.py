@@ -41,7 +41,6 @@ from dspark_calib.atomic import atomic_write, atomic_write_json
 from dspark_calib import env as E
 from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S, Cooldown, check_cooldown
 
-ENV_CAPTURE = E.CAPTURE  # env.py is the home of every DSPARK_CALIB_* name
 PLAN_FILE = "plan.json"
 PROGRESS_FILE = "progress.json"
 REFUSAL_FILE = "refusal.txt"
@@ -123,7 +122,7 @@ class CaptureDir:
                         warmup=int(data["warmup"]),  # an older plan.json has no cool-down: the default
                         cooldown_s=float(data.get("cooldown_s", DEFAULT_COOLDOWN_S)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CaptureError(f"dspark-calib: {ENV_CAPTURE}={self.path}: no usable {PLAN_FILE} ({exc}); "
+            raise CaptureError(f"dspark-calib: {E.CAPTURE}={self.path}: no usable {PLAN_FILE} ({exc}); "
                                "capture mode is set by `dspark-calib profile` only") from None
 
     # -- progress, samples, refusal -----------------------------------------------
@@ -181,7 +180,7 @@ class CaptureDir:
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as exc:
-            raise CaptureError(f"dspark-calib: {ENV_CAPTURE}={self.path}: cannot create {LOCK_FILE} "
+            raise CaptureError(f"dspark-calib: {E.CAPTURE}={self.path}: cannot create {LOCK_FILE} "
                                f"({exc.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -189,7 +188,7 @@ class CaptureDir:
             holder = os.read(fd, 32).decode(errors="replace").strip()
             os.close(fd)
             who = f" (pid {holder})" if holder.isdigit() else ""
-            raise CaptureError(f"dspark-calib: {ENV_CAPTURE}={self.path}: another engine is capturing into this "
+            raise CaptureError(f"dspark-calib: {E.CAPTURE}={self.path}: another engine is capturing into this "
                                f"directory{who}; give each profile run its own directory") from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
@@ -203,19 +202,6 @@ class CaptureDir:
     @property
     def locked(self) -> bool:
         return os.path.realpath(self.path) in _HELD
-
-
-# Thin aliases kept for profile.py until it switches to CaptureDir.
-def write_plan(directory: str, plan: Plan) -> None:
-    CaptureDir(directory).write_plan(plan)
-
-
-def read_plan(directory: str) -> Plan:
-    return CaptureDir(directory).read_plan()
-
-
-def samples_path(directory: str, rank: int) -> str:
-    return CaptureDir(directory).samples_path(rank)
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,14 @@ step, sums ``num_computed_tokens`` over the scheduled requests (the manager's
 ``req_states`` holds them; vLLM's rule reads the same array), sets
 ``manager.cost_tables`` to the grid's tables for that step (drafts at the mean
 context, verify at the context whose profiled batch read as much KV:
-context.ContextGrid.step_tables, two row lookups) and then calls vLLM's own
+grid.ContextGrid.step_tables, two row lookups) and then calls vLLM's own
 get_num_tokens, so the budget rule itself stays vLLM's. With a tail (``install(...,
 tail_milli=)``, DSPARK_CALIB_CONTEXT_TAIL) the sum is raised towards the batch's
-longest context first (context.tail_context_sum: mixed batches run slower than their
+longest context first (rules.tail_context_sum: mixed batches run slower than their
 mean says); that needs the max as well, one more reduction over the same slots. With
 chunk pricing (``install(..., chunks=True)``, DSPARK_CALIB_CONTEXT_CHUNKS) a step whose
 batch holds a request without drafts looks for prefill chunks (chunk_verify_sum) and
-prices its verify by their query-context pairs (context.prefill_context_sum); drafts stay
+prices its verify by their query-context pairs (rules.prefill_context_sum); drafts stay
 at the mean. Decode steps (every request drafted) pay one length comparison.
 
 Tensor parallelism: every rank's req_states holds the same scheduler state, so
@@ -67,7 +67,7 @@ class ContextAwareState:
         # the policy's two settings the step reads, as plain attributes (one lookup each per step)
         self.tail = int(self.policy.tail_milli)  # the mixed-context tail in thousandths (0: the mean)
         self.chunks = bool(self.policy.chunks)  # price prefill chunks by their query-context pairs
-        # a pair's KV tokens (context.CHUNK_RULE: the profile's largest step), constants per grid
+        # a pair's KV tokens (policy.CHUNK_RULE: the profile's largest step), constants per grid
         self.chunk_ratio = _chunk_ratio(grid)
         self.base_tables = base_tables
         self.original = original
@@ -111,7 +111,7 @@ def batch_context_sum(req_states: Any, num_tokens_per_req: Mapping[str, int]) ->
 
 def chunk_verify_sum(context_sum: int, num_tokens_per_req: Mapping[str, int], draft_tokens: Mapping[str, Any],
                      index: Callable[[str], int], computed: np.ndarray, kv_reqs: int, kv_tokens: int) -> int | None:
-    """The verify KV sum of a step with prefill chunks (context.prefill_context_sum at the rule's
+    """The verify KV sum of a step with prefill chunks (rules.prefill_context_sum at the rule's
     kv_reqs / kv_tokens), None when it has none. A chunk is a scheduled request with more than one
     non-draft token, split as vLLM's get_num_tokens splits (q - len(draft_tokens.get(r, ()))), so
     the engine and observe's columns (and validate) see the same chunks. Integers only: every
@@ -354,7 +354,7 @@ def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, broadcast: bool
                      tolerance: float = DEFAULT_TOLERANCE, max_bytes: int = DEFAULT_MAX_BYTES) -> ContextGrid:
     """The grid for this engine: curves from TP rank 0, sizes from the manager.
 
-    Call it where the loader installs curves (after batches_to_profile has set
+    Call it where the load decision installs curves (after batches_to_profile has set
     ``_cudagraph_limit``): a profiled context's grid row then equals what vLLM's
     set_cost_curves builds from that context's curves, bit for bit. With
     broadcast (a collective: every TP rank must call it) the curves are rank 0's;

@@ -33,7 +33,7 @@ from dspark_calib.vllm import probe as P
 from dspark_calib.vllm.runtime import log, state_of
 
 def engine_description(manager: Any, capture_sizes: list[int]) -> dict[str, Any]:
-    """describe_engine (C2: every registry key, max_model_len included) on the vLLM config
+    """describe_engine (every registry key, max_model_len included) on the vLLM config
     the plugin kept for this manager."""
     from dspark_calib.vllm.engine_info import describe_engine
 

@@ -12,7 +12,7 @@ Why here, and how, in vLLM 0.33's V2 runner:
   ever called through, so its ``collect()`` window behaves as before.
 * The step is joined by construction, not by counting: execute_model starts a
   step (dropping a sampled step that never reached propose), get_num_tokens picks
-  the sample and captures the budget (observe_step.capture_step), the other
+  the sample and captures the budget (step_capture.capture_step), the other
   points fill that same step. Steps without drafts (no get_num_tokens: prefill,
   first decode), without a drafter run, and dummy runs are never rows.
 * Sampled steps only (every Nth priced step, DSPARK_CALIB_OBSERVE_EVERY) record
@@ -38,13 +38,11 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from dspark_calib import env as E
-from dspark_calib.vllm.runtime import log_once
+from dspark_calib.vllm.runtime import MARK, log_once, peek_state, state_of
 
 if TYPE_CHECKING:
     from dspark_calib.vllm.step_capture import Pricing
 
-_ATTR = "_dspark_calib_observer"
-_MARK = "_dspark_calib_original"
 _engines = itertools.count()  # per process: a second engine start in one process writes new names
 
 
@@ -200,7 +198,7 @@ def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
     """owner.name = make(what is there now), as an instance attribute remembering the original."""
     inner = getattr(owner, name)
     wrapper = functools.wraps(inner)(make(inner))
-    setattr(wrapper, _MARK, (inner, name in owner.__dict__))
+    setattr(wrapper, MARK, (inner, name in owner.__dict__))
     setattr(owner, name, wrapper)
 
 
@@ -272,7 +270,7 @@ def attach(runner: Any, obs: Observer) -> Observer:
     _wrap(runner.speculator, "propose", propose)
     if callable(getattr(runner, "shutdown", None)):
         _wrap(runner, "shutdown", shutdown)
-    setattr(runner, _ATTR, obs)
+    state_of(runner).observer = obs
     obs.at_exit = functools.partial(_close_if_alive, weakref.ref(obs))  # exit flushes; never keeps obs alive
     atexit.register(obs.at_exit)
     return obs
@@ -286,9 +284,11 @@ def _close_if_alive(ref: Callable[[], Observer | None]) -> None:
 
 def detach(runner: Any) -> Observer | None:
     """Undo attach (tests): each wrapper still on top goes; one under another wrapper stays, inert."""
-    obs = runner.__dict__.pop(_ATTR, None)
+    state = peek_state(runner)
+    obs = state.observer if state is not None else None
     if obs is None:
         return None
+    state.observer = None
     obs.close()
     obs.on = False
     atexit.unregister(obs.at_exit)
@@ -298,7 +298,7 @@ def detach(runner: Any) -> Observer | None:
                          (runner.speculator, ("propose",))):
         for name in names:
             current = owner.__dict__.get(name)
-            mark = getattr(current, _MARK, None)
+            mark = getattr(current, MARK, None)
             if mark is None:
                 continue
             inner, was_own = mark
@@ -310,7 +310,8 @@ def detach(runner: Any) -> Observer | None:
 
 
 def observer_of(runner: Any) -> Observer | None:
-    return runner.__dict__.get(_ATTR)
+    state = peek_state(runner)
+    return state.observer if state is not None else None
 
 
 # -- engine start ---------------------------------------------------------------------------
@@ -404,7 +405,7 @@ def hook_runner(model_runner: Any) -> None:
         if E.observe_dir():
             log_once(logging.WARNING, "dspark-calib: observe off: GPUModelRunner.initialize_kv_cache not found")
         return
-    if hasattr(orig, _MARK):
+    if hasattr(orig, MARK):
         return
 
     @functools.wraps(orig)
@@ -416,12 +417,12 @@ def hook_runner(model_runner: Any) -> None:
             maybe_observe(self)
         return out
 
-    setattr(initialize_kv_cache, _MARK, orig)
+    setattr(initialize_kv_cache, MARK, orig)
     cls.initialize_kv_cache = initialize_kv_cache
 
 
 def unhook_runner(model_runner: Any) -> None:
     cls = getattr(model_runner, "GPUModelRunner", None)
-    orig = getattr(getattr(cls, "initialize_kv_cache", None), _MARK, None)
+    orig = getattr(getattr(cls, "initialize_kv_cache", None), MARK, None)
     if orig is not None:
         cls.initialize_kv_cache = orig

@@ -2,7 +2,7 @@
 
 A fingerprint proves a table was made for this kind of engine, and a content hash
 proves it was not damaged; neither proves the costs are true (a copied fingerprint
-and a recomputed hash make a valid forgery, issue 12). So load mode times, after
+and a recomputed hash make a valid forgery). So load mode times, after
 the warm-ups, at most two steps at the table's chosen context:
 
 * the capture limit: a full CUDA-graph step, so both the verify (forward_ms) and
@@ -15,7 +15,7 @@ the IQR being the table's own spread at that point: 5 % because host noise in th
 timed window is a few percent (VLLM_FACTS), 3 x IQR because a noisy point must
 not fail a genuine table. PR #52233 accepts 0.4-2.5x; this is far tighter.
 
-Timings come from vLLM's own StepTimingCollector: hook_collector() lets the loader
+Timings come from vLLM's own StepTimingCollector: hook_collector() lets the load decision
 find the collector whose collect() block is running (the one timing the dummy
 runs); the events of the probe steps are resolved right after their last step,
 behind one synchronize, as vLLM does on leaving the block.

@@ -38,7 +38,7 @@ class StepCapture:
     predicted_verify_ms: float
     alt_budget: int | None  # the budget under the other pricing (None: not computed)
     # the prefill chunks (requests with more than one non-draft token): tokens, computed tokens,
-    # query-context pairs sum q (c + q) (context.prefill_context_sum prices by them)
+    # query-context pairs sum q (c + q) (rules.prefill_context_sum prices by them)
     prefill_tokens: int = 0
     prefill_context_sum: int = 0
     prefill_pairs: int = 0

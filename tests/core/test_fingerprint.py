@@ -76,7 +76,7 @@ def test_fingerprint_validates_new_keys():
 def _shipped_fingerprint() -> dict:
     from dspark_calib.table.file import read_metadata
 
-    return dict(read_metadata(SCHEMA10)["fingerprint"])
+    return dict(read_metadata(SCHEMA10).raw["fingerprint"])
 
 
 def test_recorded_differences_do_not_block():

@@ -159,7 +159,6 @@ def test_metadata_is_typed(path8192, t8192):
     meta = read_metadata(path8192)
     assert meta.created_at.utcoffset().total_seconds() == 0 and meta.content_hash == t8192.content_hash
     assert meta.fingerprint == t8192.fingerprint and meta.samples_digest == t8192.samples_digest
-    assert meta["content_hash"] == meta.content_hash  # the dict view older callers use
 
 
 # -- schema 1.0 and migrations ---------------------------------------------------------------------

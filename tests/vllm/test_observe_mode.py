@@ -394,10 +394,10 @@ def test_plugin_patch_hooks_the_real_runner(monkeypatch, tmp_path):
     monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
     plugin.patch(av.AdaptiveVerificationManager, model_runner)
     try:
-        assert hasattr(model_runner.GPUModelRunner.initialize_kv_cache, om._MARK)
+        assert hasattr(model_runner.GPUModelRunner.initialize_kv_cache, runtime.MARK)
     finally:
         plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
-    assert not hasattr(model_runner.GPUModelRunner.initialize_kv_cache, om._MARK)
+    assert not hasattr(model_runner.GPUModelRunner.initialize_kv_cache, runtime.MARK)
 
 
 def test_files_round_trip_through_validate(engine, table_files):

@@ -26,7 +26,7 @@ from dspark_calib.reference import table_from_startup_json
 from dspark_calib.table.file import write_table
 from dspark_calib.vllm import plugin, shape
 from dspark_calib.vllm import runtime
-from dspark_calib.vllm.capture import Plan, samples_path, write_plan
+from dspark_calib.vllm.capture import CaptureDir, Plan
 from tests.helpers import DRAFT, MODEL, REPO
 from dspark_calib.vllm.profile.plan import ProfileOptions
 from dspark_calib.vllm.profile.table import table_from_capture
@@ -342,7 +342,7 @@ def test_missing_table_path(monkeypatch, tmp_path, recorded, caplog):
 
 # -- capture mode ---------------------------------------------------------------------
 def test_capture_round_trips_samples(monkeypatch, tmp_path, recorded):
-    write_plan(str(tmp_path), Plan(context_lens=(1024, 8192), replays=3, warmup=1))
+    CaptureDir(str(tmp_path)).write_plan(Plan(context_lens=(1024, 8192), replays=3, warmup=1))
     register_with(monkeypatch, DSPARK_CALIB_CAPTURE=tmp_path)
     capture_sizes = recorded[0]["capture_sizes"]
     m = make_manager()
@@ -351,7 +351,7 @@ def test_capture_round_trips_samples(monkeypatch, tmp_path, recorded):
     block = 5 * len(sizes)  # vLLM's own sequence: each size 5 times; 3 replays / 1 warm-up round up to 1 block each
     assert len(batches) == 2 * (1 + 1) * block
     assert {b["context_len"] for b in batches} == {1024, 8192}
-    capture = json.load(open(samples_path(str(tmp_path), 0)))
+    capture = json.load(open(CaptureDir(str(tmp_path)).samples_path(0)))
     assert len(capture["samples"]) == 2 * block  # warm-up replays dropped
     assert capture["engine"]["max_num_seqs"] == 256 and capture["cudagraph_limit"] == 512
     assert capture["engine"]["cudagraph_capture_sizes"] == capture_sizes
@@ -378,12 +378,12 @@ def test_capture_round_trips_samples(monkeypatch, tmp_path, recorded):
 
 
 def test_capture_refuses_unpaired_samples(monkeypatch, tmp_path, recorded):
-    write_plan(str(tmp_path), Plan(context_lens=(8192,), replays=1, warmup=0))
+    CaptureDir(str(tmp_path)).write_plan(Plan(context_lens=(8192,), replays=1, warmup=0))
     register_with(monkeypatch, DSPARK_CALIB_CAPTURE=tmp_path)
     m = make_manager()
     with pytest.raises(RuntimeError, match="cannot attribute"):
         _run_profile_path(m, recorded[0]["capture_sizes"], samples_for=lambda b: fake_samples(b)[:-1])
-    assert not os.path.exists(samples_path(str(tmp_path), 0))
+    assert not os.path.exists(CaptureDir(str(tmp_path)).samples_path(0))
 
 
 TABLE_SIDE = [
@@ -479,7 +479,7 @@ def test_nonzero_rank_uses_rank0_capture_plan(monkeypatch, tmp_path, recorded):
     register_with(monkeypatch, DSPARK_CALIB_CAPTURE=tmp_path)  # no plan.json on this node
     batches = _run_profile_path(make_manager(), recorded[0]["capture_sizes"])
     assert {b["context_len"] for b in batches} == {1024, 4096} and len(batches) == 2 * 280  # 2 replays: one vLLM block
-    capture = json.load(open(samples_path(str(tmp_path), 1)))
+    capture = json.load(open(CaptureDir(str(tmp_path)).samples_path(1)))
     assert capture["rank"] == 1 and capture["tp_size"] == 2
 
 

@@ -385,7 +385,7 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
 
 def _keep(capture: CaptureDir, into: str, ranks: int) -> None:
     if not os.path.isdir(into):
-        os.mkdir(into)  # its parent was checked before the run (profile_cmd.check_keep_capture)
+        os.mkdir(into)  # its parent was checked before the run (cli.profile.check_keep_capture)
     for path in (capture.plan_path, capture.progress_path, capture.refusal_path,
                  *(capture.samples_path(r) for r in range(ranks))):
         if os.path.exists(path):
