@@ -6,6 +6,9 @@ in the package prints for errors, so library callers keep control.
 
 import os
 
+# Every line this package writes to a log or to stderr starts so: operators grep for it.
+PREFIX = "dspark-calib: "
+
 
 def display_path(path: object) -> str:
     """A file name fit for one line: undecodable bytes and control characters escaped (idempotent:
@@ -53,3 +56,8 @@ def escape(text: object, limit: int = 80) -> str:
 def exception_line(exc: BaseException, limit: int = 200) -> str:
     """'Type: first line' of an exception: what a log line says of a failure it survived."""
     return f"{type(exc).__name__}: {first_line(exc, limit) if str(exc).strip() else ''}"
+
+
+def unprefixed(text: str) -> str:
+    """A line another part of dspark-calib made, without its PREFIX (to be said again in a new line)."""
+    return text.removeprefix(PREFIX)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from dspark_calib import env as E
 from dspark_calib import fingerprint as F
-from dspark_calib.errors import CalibError, first_line
+from dspark_calib.errors import PREFIX, CalibError, first_line
 from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, Mismatch, load_mismatches
 from dspark_calib.fit import profile_context_len  # vLLM's clamp of the profiled context
 from dspark_calib.table.sources import SERVE_LIMITS, Limits, escape, list_candidates, open_table
@@ -174,7 +174,7 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     """Pick the table to load (the newest fitting one that reads), or say why none is loaded. One line.
     `cancel` (set by decide_within at its deadline) stops the reads between candidates."""
     if policy not in E.POLICIES:
-        msg = f"dspark-calib: {E.POLICY}={escape(policy, 40)!r} is not one of {', '.join(E.POLICIES)}; refusing to start"
+        msg = PREFIX + f"{E.POLICY}={escape(policy, 40)!r} is not one of {', '.join(E.POLICIES)}; refusing to start"
         return Decision(False, (msg,), logging.ERROR, refuse=msg, policy="strict")
     wanted = context_len if context_len is not None else vllm_context_len
     mml = engine.get("max_model_len")
@@ -223,17 +223,17 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     if best.problems:
         summary = "; ".join(best.problems[:4]) + ("; ..." if len(best.problems) > 4 else "")
         if policy == "strict":
-            msg = f"dspark-calib: table {label} does not fit this engine: {summary} (policy strict){others}"
+            msg = PREFIX + f"table {label} does not fit this engine: {summary} (policy strict){others}"
             return Decision(False, (msg,), logging.ERROR, refuse=msg, candidates=reports, policy=policy)
         if policy == "fallback":
-            return Decision(False, (f"dspark-calib: not loading {label}: {summary}; profiling at start-up as usual "
+            return Decision(False, (PREFIX + f"not loading {label}: {summary}; profiling at start-up as usual "
                                     f"(policy fallback){others}",), logging.WARNING, candidates=reports, policy=policy)
     chosen = replace(best.report, status="chosen")
     reports = tuple(chosen if r is best.report else r for r in reports)
     ctx = best.context_len
     draft, verify = best.table.curves[ctx].as_vllm()
     unchecked, unrecorded, recorded = _key_report(best.fingerprint, engine)
-    line = (f"dspark-calib: loaded cost table {label}, context {ctx} for effective context {effective} "
+    line = (PREFIX + f"loaded cost table {label}, context {ctx} for effective context {effective} "
             f"(engine max_model_len {mml if mml else 'unknown'}), {len(draft)} draft / {len(verify)} verify points; "
             "start-up profiling skipped")
     if best.problems:
@@ -296,9 +296,9 @@ def _names(keys: list[str], limit: int = 4) -> str:
 
 def no_table(policy: str, why: str, reports: tuple = ()) -> Decision:
     if policy == "strict":
-        msg = f"dspark-calib: {why} (policy strict)"
+        msg = PREFIX + f"{why} (policy strict)"
         return Decision(False, (msg,), logging.ERROR, refuse=msg, candidates=reports, policy=policy)
-    return Decision(False, (f"dspark-calib: {why}; profiling at start-up as usual (policy {policy})",),
+    return Decision(False, (PREFIX + f"{why}; profiling at start-up as usual (policy {policy})",),
                     logging.WARNING, candidates=reports, policy=policy)
 
 

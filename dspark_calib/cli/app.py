@@ -18,7 +18,7 @@ import typer
 import typer.core
 
 from dspark_calib import __version__
-from dspark_calib.errors import CalibError
+from dspark_calib.errors import PREFIX, CalibError
 from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI  # standard library only
 
 PROG = "dspark-calib"
@@ -97,7 +97,7 @@ def error_line(exc: BaseException) -> str:
         msg = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
     else:
         msg = str(exc) or type(exc).__name__
-    return f"{PROG}: error: " + " ".join(msg.split())
+    return PREFIX + "error: " + " ".join(msg.split())
 
 
 def handled(func: F) -> F:

@@ -37,6 +37,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
+from dspark_calib.errors import PREFIX
 from dspark_calib.atomic import atomic_write, atomic_write_json
 from dspark_calib import env as E
 from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S, Cooldown, check_cooldown
@@ -122,7 +123,7 @@ class CaptureDir:
                         warmup=int(data["warmup"]),  # an older plan.json has no cool-down: the default
                         cooldown_s=float(data.get("cooldown_s", DEFAULT_COOLDOWN_S)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CaptureError(f"dspark-calib: {E.CAPTURE}={self.path}: no usable {PLAN_FILE} ({exc}); "
+            raise CaptureError(PREFIX + f"{E.CAPTURE}={self.path}: no usable {PLAN_FILE} ({exc}); "
                                "capture mode is set by `dspark-calib profile` only") from None
 
     # -- progress, samples, refusal -----------------------------------------------
@@ -180,7 +181,7 @@ class CaptureDir:
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as exc:
-            raise CaptureError(f"dspark-calib: {E.CAPTURE}={self.path}: cannot create {LOCK_FILE} "
+            raise CaptureError(PREFIX + f"{E.CAPTURE}={self.path}: cannot create {LOCK_FILE} "
                                f"({exc.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -188,7 +189,7 @@ class CaptureDir:
             holder = os.read(fd, 32).decode(errors="replace").strip()
             os.close(fd)
             who = f" (pid {holder})" if holder.isdigit() else ""
-            raise CaptureError(f"dspark-calib: {E.CAPTURE}={self.path}: another engine is capturing into this "
+            raise CaptureError(PREFIX + f"{E.CAPTURE}={self.path}: another engine is capturing into this "
                                f"directory{who}; give each profile run its own directory") from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
@@ -225,7 +226,7 @@ class Schedule:
     @classmethod
     def build(cls, plan: Plan, vllm_batches: list[dict]) -> "Schedule":
         if not vllm_batches:
-            raise CaptureError("dspark-calib: vLLM's batches_to_profile yielded no batch (no CUDA graph captured?); "
+            raise CaptureError(PREFIX + "vLLM's batches_to_profile yielded no batch (no CUDA graph captured?); "
                                "nothing to profile, no table written")
         counts = Counter(b["num_tokens"] for b in vllm_batches)
         per = min(counts.values())
@@ -276,11 +277,11 @@ def check_same_curves(ctx: int, ours: tuple[list, list], theirs: tuple[list, lis
     """One loud line at the first point where dspark_calib.fit and vLLM disagree."""
     for kind, a, b in (("draft", ours[0], theirs[0]), ("verify", ours[1], theirs[1])):
         if [int(n) for n, _ in a] != [int(n) for n, _ in b]:
-            raise CaptureError(f"dspark-calib: dspark_calib.fit and vLLM's set_initial_cost_curves disagree at "
+            raise CaptureError(PREFIX + f"dspark_calib.fit and vLLM's set_initial_cost_curves disagree at "
                                f"context {ctx}: {kind} sizes {len(a)} vs {len(b)} points; no table written")
         for (n, x), (_, y) in zip(a, b):
             if not math.isclose(float(x), float(y), rel_tol=1e-9, abs_tol=1e-12):
-                raise CaptureError(f"dspark-calib: dspark_calib.fit and vLLM's set_initial_cost_curves disagree at "
+                raise CaptureError(PREFIX + f"dspark_calib.fit and vLLM's set_initial_cost_curves disagree at "
                                    f"context {ctx}: {kind} size {n}: {float(x)!r} vs vLLM's {float(y)!r} ms; "
                                    "no table written")
 
@@ -384,12 +385,12 @@ class CaptureMode:
         tags = run.schedule.tags
         if len(samples) != len(tags):
             # Every dummy run reaches drafter_end in 0.33; if not, the pairing is lost.
-            raise CaptureError(f"dspark-calib: vLLM returned {len(samples)} step timings for {len(tags)} "
+            raise CaptureError(PREFIX + f"vLLM returned {len(samples)} step timings for {len(tags)} "
                                "profile batches; cannot attribute them, no table written")
         for i, (s, t) in enumerate(zip(samples, tags)):
             # vLLM records each step's own token count (input_batch.num_tokens): it must be the batch's.
             if int(s.num_target_tokens) != t.num_tokens:
-                raise CaptureError(f"dspark-calib: step timing {i} reports {s.num_target_tokens} tokens for a "
+                raise CaptureError(PREFIX + f"step timing {i} reports {s.num_target_tokens} tokens for a "
                                    f"{t.num_tokens}-token profile batch: samples out of batch order, no table written")
         timed = [(s, t) for s, t in zip(samples, tags) if t.replay >= 0]
         curves: dict[str, dict[str, list]] = {}

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from dspark_calib.errors import exception_line
+from dspark_calib.errors import PREFIX, exception_line
 from dspark_calib.pricing.grid import DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, ContextGrid, StepBuffer
 from dspark_calib.pricing.policy import MAX_TAIL_MILLI
 from dspark_calib.pricing.costs import ContextCosts, curves_for_broadcast
@@ -376,16 +376,16 @@ def enable(manager: Any, curves: Mapping[int, Any], policy: PricingPolicy | None
     """What load mode calls after installing its curves: context-aware when the table has two or
     more contexts. Returns the one line to log; never raises (the engine keeps the static tables)."""
     if len(curves) < 2:
-        return "dspark-calib: context-aware costs off: the table profiles one context"
+        return PREFIX + "context-aware costs off: the table profiles one context"
     policy = policy or PricingPolicy(CONTEXT_AWARE)
     tail_milli, chunks = policy.tail_milli, policy.chunks
     try:
         grid = grid_for_manager(manager, curves, broadcast=broadcast)
         install(manager, grid, policy)
     except Exception as exc:  # noqa: BLE001 - a serving engine must not die of an optional mode
-        return f"dspark-calib: context-aware costs off ({exception_line(exc)}); static tables kept"
+        return PREFIX + f"context-aware costs off ({exception_line(exc)}); static tables kept"
     lo, hi = grid.contexts[0], grid.contexts[-1]
-    return (f"dspark-calib: context-aware costs on: contexts {lo}..{hi} ({len(grid.contexts)} profiled), grid "
+    return (PREFIX + f"context-aware costs on: contexts {lo}..{hi} ({len(grid.contexts)} profiled), grid "
             f"{len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, within {100 * grid.max_rel_error:.2f}% of the "
             f"interpolation; verify priced by the KV a step reads; below {lo} costs are extrapolated linearly, "
             f"above {hi} they are {hi}'s; mixed batches priced at "

@@ -18,6 +18,7 @@ import subprocess
 import time
 from typing import Any, Callable
 
+from dspark_calib.errors import PREFIX
 from dspark_calib.telemetry import BlockTelemetry, Reading, Telemetry
 
 # NVML clock-event reasons worth reporting (idle and application-clock settings are not throttling).
@@ -154,5 +155,5 @@ def block_recorder() -> Any:
 
     reader = GpuReader(nvml_index())
     if reader.note:  # said once here, and kept in the table's telemetry note
-        log_once(logging.WARNING, f"dspark-calib: GPU telemetry: {reader.note}")
+        log_once(logging.WARNING, PREFIX + f"GPU telemetry: {reader.note}")
     return BlockRecorder(reader)

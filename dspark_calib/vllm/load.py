@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 from dspark_calib import env as E
-from dspark_calib.errors import CalibError
+from dspark_calib.errors import PREFIX, CalibError
 from dspark_calib.pricing.policy import (CHUNK_RULE, CONTEXT_AWARE, DEFAULT_CONTEXT_CHUNKS,
                                          DEFAULT_CONTEXT_TAIL_MILLI, PricingPolicy)
 from dspark_calib.selection import Decision, decide, decide_within, no_table
@@ -47,7 +47,7 @@ def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
     try:
         policy = E.policy()
     except CalibError as exc:
-        msg = f"dspark-calib: {exc}; refusing to start"
+        msg = PREFIX + f"{exc}; refusing to start"
         return Decision(False, (msg,), logging.ERROR, refuse=msg, policy="strict")
     try:
         ctx, allow, pins = E.context_len(), E.allow_reference(), E.pinned_hashes()
@@ -119,8 +119,8 @@ def _show(value: tuple) -> str:
 def _policy_line(policy: str, why: str) -> tuple[str, int, bool]:
     """(line, level, refuse) for a failed agreement or probe."""
     if policy == "strict":
-        return f"dspark-calib: {why}; refusing to start (policy strict)", logging.ERROR, True
-    return f"dspark-calib: {why}; profiling at start-up as usual (policy {policy})", logging.WARNING, False
+        return PREFIX + f"{why}; refusing to start (policy strict)", logging.ERROR, True
+    return PREFIX + f"{why}; profiling at start-up as usual (policy {policy})", logging.WARNING, False
 
 
 @dataclass
@@ -173,13 +173,13 @@ class LoadMode:
             why = (f"load-time probe could not run (vLLM's step timer is not reachable: plugin hook not active); "
                    f"table {decision.chosen.label} is unverified")
             if decision.policy == "strict":
-                line = f"dspark-calib: {why}; refusing to start (policy strict)"
+                line = PREFIX + f"{why}; refusing to start (policy strict)"
                 if rank0:
                     log.error(line)
                 run.decision = replace(decision, load=False, refuse=line, lines=(line,))
                 raise RuntimeError(line)
             if rank0:
-                log.warning("dspark-calib: %s; loading it unprobed (policy %s)", why, decision.policy)
+                log.warning(PREFIX + "%s; loading it unprobed (policy %s)", why, decision.policy)
             return
         probes = self._probe_batches(vllm_batches, limit, warmups, decision.context_len)
         yield from probes
@@ -188,12 +188,12 @@ class LoadMode:
         agreed, why, _ = agree_across_dp("probe", (verdict.ok,))
         if verdict.ok and agreed:
             if rank0:
-                log.info("dspark-calib: %s; keeping %s", verdict.summary(), decision.chosen.label)
+                log.info(PREFIX + "%s; keeping %s", verdict.summary(), decision.chosen.label)
             return
         why = why or f"{verdict.summary()}: table {decision.chosen.label} does not match this GPU's measured costs"
         if decision.policy == "warn" and not why.startswith("data-parallel"):
             if rank0:
-                log.warning("dspark-calib: %s; loading it anyway (policy warn)", why)
+                log.warning(PREFIX + "%s; loading it anyway (policy warn)", why)
             return
         line, level, refuse = _policy_line(decision.policy, why)
         if rank0:
@@ -243,7 +243,7 @@ def _context_aware(manager: Any, curves: dict, static_context: int) -> None:
             return parse()
         except CalibError as exc:
             if rank0:
-                log.warning("dspark-calib: %s; %s", exc, taken)
+                log.warning(PREFIX + "%s; %s", exc, taken)
             return fallback
 
     on = setting(E.context_aware_enabled, None, "context-aware costs off, static tables kept")
@@ -251,7 +251,7 @@ def _context_aware(manager: Any, curves: dict, static_context: int) -> None:
         return
     if not on:
         if rank0:
-            log.info("dspark-calib: context-aware costs off (%s=0): static tables at one context", E.CONTEXT_AWARE)
+            log.info(PREFIX + "context-aware costs off (%s=0): static tables at one context", E.CONTEXT_AWARE)
         return
     tail = setting(E.context_tail_milli, DEFAULT_CONTEXT_TAIL_MILLI,
                    f"the default tail {DEFAULT_CONTEXT_TAIL_MILLI / 1000:g} taken")

@@ -37,6 +37,7 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
+from dspark_calib.errors import PREFIX
 from dspark_calib import env as E
 from dspark_calib.vllm.runtime import MARK, log_once, peek_state, state_of
 
@@ -189,7 +190,7 @@ class Observer:
         from dspark_calib.errors import first_line
 
         self.on, self.current = False, None
-        log_once(logging.WARNING, f"dspark-calib: observe off ({type(exc).__name__}: {first_line(exc)}); "
+        log_once(logging.WARNING, PREFIX + f"observe off ({type(exc).__name__}: {first_line(exc)}); "
                                   "serving continues unobserved")
 
 
@@ -352,14 +353,14 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
         every = E.observe_every()
         manager = getattr(runner, "adaptive_verification", None)
         if manager is None:
-            log_once(logging.WARNING, "dspark-calib: observe off: adaptive verification is off in this engine "
+            log_once(logging.WARNING, PREFIX + "observe off: adaptive verification is off in this engine "
                                       "(no draft budget to observe)")
             return None
         from dspark_calib.vllm.shape import observe_problem
 
         why = observe_problem(runner)
         if why:
-            log_once(logging.WARNING, f"dspark-calib: observe off: this vLLM's step API differs ({why})")
+            log_once(logging.WARNING, PREFIX + f"observe off: this vLLM's step API differs ({why})")
             return None
         from dspark_calib.vllm.engine_info import tp_rank_and_size
 
@@ -367,7 +368,7 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
             return None  # rank 0 writes; the others do nothing at all (no events, no collective)
         why = prepare_dir(directory)
         if why:
-            log_once(logging.WARNING, f"dspark-calib: observe off: {E.OBSERVE}={shown} {why}")
+            log_once(logging.WARNING, PREFIX + f"observe off: {E.OBSERVE}={shown} {why}")
             return None
         import pyarrow.parquet  # noqa: F401 - at start-up, not inside the first flushing step
 
@@ -390,9 +391,9 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
     except Exception as exc:  # noqa: BLE001 - an optional mode must not stop an engine
         from dspark_calib.errors import first_line
 
-        log_once(logging.WARNING, f"dspark-calib: observe off ({type(exc).__name__}: {first_line(exc)})")
+        log_once(logging.WARNING, PREFIX + f"observe off ({type(exc).__name__}: {first_line(exc)})")
         return None
-    log_once(logging.INFO, f"dspark-calib: observing 1 in {every} priced steps into {shown} (TP rank 0)")
+    log_once(logging.INFO, PREFIX + f"observing 1 in {every} priced steps into {shown} (TP rank 0)")
     return obs
 
 
@@ -403,7 +404,7 @@ def hook_runner(model_runner: Any) -> None:
     orig = getattr(cls, "initialize_kv_cache", None)
     if orig is None:
         if E.observe_dir():
-            log_once(logging.WARNING, "dspark-calib: observe off: GPUModelRunner.initialize_kv_cache not found")
+            log_once(logging.WARNING, PREFIX + "observe off: GPUModelRunner.initialize_kv_cache not found")
         return
     if hasattr(orig, MARK):
         return

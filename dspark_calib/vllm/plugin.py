@@ -33,7 +33,7 @@ import sys
 from typing import Any, Callable, Iterator
 
 from dspark_calib import env as E  # standard library only
-from dspark_calib.errors import exception_line
+from dspark_calib.errors import PREFIX, exception_line
 from dspark_calib.vllm.runtime import MARK, Mode, log_once, new_engine, state_of
 
 # vLLM's own knobs for what Ray copies from the driver to its actors (vllm/ray/ray_env.py).
@@ -90,7 +90,7 @@ class MissingEnvMode:
         self.names = names
 
     def batches(self, manager: Any, capture_sizes: list[int], vllm_batches: list[dict]) -> Iterator[dict]:
-        log_once(logging.ERROR, f"dspark-calib: the driver set {', '.join(self.names)} but this engine's workers "
+        log_once(logging.ERROR, PREFIX + f"the driver set {', '.join(self.names)} but this engine's workers "
                                 f"did not receive them (not copied to Ray workers?); no table used, "
                                 "profiling at start-up as usual")
         yield from vllm_batches
@@ -105,7 +105,7 @@ def active_mode() -> Mode | None:
     missing = missing_from_driver()
     if missing and E.is_active():
         # e.g. the table arrived but DSPARK_CALIB_POLICY=strict did not: never silently
-        log_once(logging.ERROR, f"dspark-calib: the driver set {', '.join(missing)} but this engine's workers "
+        log_once(logging.ERROR, PREFIX + f"the driver set {', '.join(missing)} but this engine's workers "
                                 "did not receive them (not copied to Ray workers?); going on without them")
     if os.environ.get(E.CAPTURE):
         from dspark_calib.vllm.capture import CaptureMode
@@ -133,7 +133,7 @@ def register() -> None:
             # importing it: patch when, and only if, the worker imports it.
             sys.meta_path.insert(0, _PatchAfterImport())
     except Exception as exc:  # noqa: BLE001 - never stop an engine that would otherwise start
-        log_once(logging.ERROR, f"dspark-calib: plugin not registered ({exception_line(exc)}); vLLM runs untouched")
+        log_once(logging.ERROR, PREFIX + f"plugin not registered ({exception_line(exc)}); vLLM runs untouched")
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
@@ -172,19 +172,19 @@ def _patch_installed_vllm() -> None:
 
         shape = detect()
         if not shape.supported:
-            log_once(logging.WARNING, f"dspark-calib: vLLM {shape.vllm_version} has an adaptive-verification API "
+            log_once(logging.WARNING, PREFIX + f"vLLM {shape.vllm_version} has an adaptive-verification API "
                                       f"this version does not know ({shape.reason}); leaving vLLM untouched, it "
                                       "profiles at start-up as usual")
             return
         if not shape.tested:
-            log_once(logging.WARNING, f"dspark-calib: vLLM {shape.vllm_version} is outside the tested range "
+            log_once(logging.WARNING, PREFIX + f"vLLM {shape.vllm_version} is outside the tested range "
                                       f"vllm{SUPPORTED_VLLM}; its profiling API has the tested shape, patching it")
         from vllm.v1.worker.gpu import model_runner
         from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
 
         patch(av.AdaptiveVerificationManager, model_runner)
     except Exception as exc:  # noqa: BLE001 - runs inside vLLM's import: must never break it
-        log_once(logging.ERROR, f"dspark-calib: could not patch vLLM ({exception_line(exc)}); leaving it untouched")
+        log_once(logging.ERROR, PREFIX + f"could not patch vLLM ({exception_line(exc)}); leaving it untouched")
 
 
 def is_patched(manager_cls: Any) -> bool:
@@ -212,7 +212,7 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
             try:
                 state.mode = active_mode()
             except Exception as exc:  # noqa: BLE001 - a broken install must not stop the engine
-                log_once(logging.ERROR, f"dspark-calib: {exception_line(exc)}; profiling at start-up as usual")
+                log_once(logging.ERROR, PREFIX + f"{exception_line(exc)}; profiling at start-up as usual")
                 state.mode = None
             if state.mode is None:
                 yield from vllm_batches

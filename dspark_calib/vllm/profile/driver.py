@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from dspark_calib.errors import CalibError, first_line
+from dspark_calib.errors import PREFIX, CalibError, first_line
 from dspark_calib.fit import profile_context_len
 from dspark_calib.table.model import CostTable
 from dspark_calib import env as E
@@ -235,15 +235,15 @@ def preflight(opts: ProfileOptions) -> None:
 
 def explain_failure(exc: BaseException, capture: CaptureDir | str, log_path: str | None = None) -> CalibError:
     refusal = (capture if isinstance(capture, CaptureDir) else CaptureDir(capture)).read_refusal()
-    if refusal and refusal.startswith("dspark-calib: "):  # the capture's own line, from the engine core
-        return CalibError(refusal.removeprefix("dspark-calib: "))
+    if refusal and refusal.startswith(PREFIX):  # the capture's own line, from the engine core
+        return CalibError(refusal.removeprefix(PREFIX))
     if refusal:
         return CalibError(f"vLLM refused adaptive verification: {refusal}")
     chain: BaseException | None = exc
     text = f"{type(exc).__name__}: {exc}"
     while chain is not None:  # vLLM wraps worker errors; the cause holds the real text
         if isinstance(chain, CaptureError):  # the plugin's own one line (raised here only when in process)
-            return CalibError(first_line(chain, 400).removeprefix("dspark-calib: "))
+            return CalibError(first_line(chain, 400).removeprefix(PREFIX))
         text += f" | {type(chain).__name__}: {chain}"
         chain = chain.__cause__ or chain.__context__
     low = text.lower()
@@ -336,7 +336,7 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
             try:
                 capture.lock()
             except CaptureError as exc:
-                raise CalibError(first_line(exc, 400).removeprefix("dspark-calib: ")) from None
+                raise CalibError(first_line(exc, 400).removeprefix(PREFIX)) from None
         phase("importing vLLM")
         from vllm import LLM
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dspark_calib.errors import CalibError, first_line
+from dspark_calib.errors import PREFIX, CalibError, first_line
 from dspark_calib.fingerprint import BACKEND_VLLM, ENGINE_KEYS, KEYS, Fingerprint, config_hash
 from dspark_calib.samples import samples_from_dicts
 from dspark_calib.table.model import CostTable
@@ -85,7 +85,7 @@ def check_against_vllm(table: CostTable, capture: dict[str, Any]) -> None:
         try:
             check_same_curves(ctx, table.curves[ctx].as_vllm(), (vllm["draft"], vllm["verify"]))
         except CaptureError as exc:
-            raise CalibError(first_line(exc, 400).removeprefix("dspark-calib: ")) from None
+            raise CalibError(first_line(exc, 400).removeprefix(PREFIX)) from None
 
 
 def table_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) -> CostTable:
