@@ -39,8 +39,10 @@ $(LIGHT): pyproject.toml | $(LIGHT_VENV)/bin/python
 
 install: $(FULL)
 
-# The light install's tests (what a user of inspect/diff/check/validate gets), in a venv that must not have vllm.
+# The house's import contracts (pyproject.toml, import-linter), then the light install's tests (what a
+# user of inspect/diff/check/validate gets), in a venv that must not have vllm.
 test-light: $(LIGHT)
+	$(LIGHT_BIN)/lint-imports
 	$(LIGHT_BIN)/python -c "import importlib.util as u, sys; sys.exit('vllm is installed in $(LIGHT_VENV)' if u.find_spec('vllm') else 0)"
 	$(LIGHT_BIN)/python -m pytest -q tests/core tests/cli
 

@@ -1,5 +1,8 @@
 """A table's content hash, under the rule of its own schema version.
 
+``table`` below is a CostTable (model.py), read by its attributes only: model.py asks
+this module for its own hash, so this module does not import it back.
+
 Apart from the file module because the table itself asks for its hash
 (``CostTable.content_hash``) and the file format checks it on every read; the format
 history that defines each rule is in file.py's docstring.
@@ -9,16 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from dspark_calib.fileformat.version import parse_version
 from dspark_calib.fingerprint import KEYS
 from dspark_calib.fit import CURVE_COLUMNS, CURVE_KINDS, CurvePair
-
-if TYPE_CHECKING:
-    from dspark_calib.table.model import CostTable
 
 _OPTIONAL_KEYS = frozenset(k.name for k in KEYS if k.optional)
 
@@ -52,7 +52,7 @@ def hash_1_1(meta: dict[str, Any], curves: dict[int, CurvePair]) -> str:
     return h.hexdigest()
 
 
-def meta_1_1(table: CostTable, version: str) -> dict[str, Any]:
+def meta_1_1(table: Any, version: str) -> dict[str, Any]:
     """The metadata as `version` writes it (1.1: no telemetry key, so a read 1.1 table keeps its hash)."""
     curve_rows = sum(len(p.draft) + len(p.verify) for p in table.curves.values())
     meta = {"schema_version": version, "tool_version": table.tool_version, "created_at": table.created_at,
@@ -62,7 +62,7 @@ def meta_1_1(table: CostTable, version: str) -> dict[str, Any]:
     return meta
 
 
-def content_hash(table: CostTable) -> str:
+def content_hash(table: Any) -> str:
     """The hash under the rule of the table's own schema version (a read 1.0 table keeps its 1.0 hash)."""
     if parse_version(table.schema_version) < (1, 1):
         return hash_1_0(table.fingerprint.to_dict(), table.curves)

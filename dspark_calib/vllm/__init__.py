@@ -1,6 +1,8 @@
-"""Everything that imports vllm (and with it torch) lives in this subpackage.
+"""The vLLM wing: everything that runs inside a vLLM process, or starts one.
 
-Importing this package itself imports nothing heavy: the plugin entry point
-(`plugin.register`) is called by vLLM in every process, and the CLI imports the
-profile driver only when `dspark-calib profile` runs.
+plugin.py is the entry point vLLM calls in every process; the modes (load, capture,
+observer, context_aware) share runtime.py and never import the entry point; profile/
+drives `dspark-calib profile`. Importing this package imports nothing heavy: vllm and
+torch are imported inside functions, once a mode runs. The core never imports this
+package (pyproject.toml's import contracts check both).
 """
