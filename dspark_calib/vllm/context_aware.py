@@ -43,7 +43,7 @@ from dspark_calib.pricing.rules import prefill_context_sum, tail_context_sum
 from dspark_calib.vllm.runtime import peek_state, state_of
 
 # Below this many requests a Python sum beats numpy's fixed costs (measured on CPU,
-# see benchmarks/bench_context_aware.py); above it the array path wins.
+# see benchmarks/micro/bench_context_aware.py); above it the array path wins.
 _SMALL_BATCH = 48
 # From this many requests the held-slot path (the slots of every held request but a few unscheduled
 # ones, kept between steps: _held_slots) beats looking the ids up.

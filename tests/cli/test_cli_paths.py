@@ -79,6 +79,21 @@ def test_import_out_onto_its_json_is_refused(tmp_path):
     _unchanged(src, before)
 
 
+@pytest.mark.parametrize("command", ["import-vllm", "merge"])
+def test_out_onto_a_file_that_is_no_table_is_refused_and_left_alone(tmp_path, command):
+    notes = tmp_path / "capture.json"
+    notes.write_text('{"mine": true}')
+    if command == "import-vllm":
+        args = ("import-vllm", fixture_json(1024), *IMPORT)
+    else:
+        a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+        for ctx, path in ((1024, a), (8192, b)):
+            assert invoke("import-vllm", fixture_json(ctx), *IMPORT, "--out", path).exit_code == 0
+        args = ("merge", a, b)
+    one_line_error(invoke(*args, "--out", notes), str(notes), "must be a directory or a .parquet file")
+    assert notes.read_text() == '{"mine": true}'
+
+
 def test_directory_out_whose_default_name_is_an_input_is_refused(tmp_path, monkeypatch):
     """The default name carries the content hash, which (format 1.1) covers created_at and the
     fingerprint's extra.source, i.e. the input's own name: no real input can be predicted to

@@ -51,11 +51,12 @@ def assert_policy(d: L.Decision, policy: str, *, loads_good: bool = False):
     """A clean load of a good table, else the policy: fallback/warn profile, strict refuses."""
     line = one_line(d)
     if loads_good:
-        assert d.load and not d.refuse and "loaded cost table" in line
+        assert d.load and not d.refuse and "loaded cost table" in line and d.outcome is L.Outcome.LOAD
     elif policy == "strict":
-        assert not d.load and d.refuse == line
+        assert not d.load and d.refuse == line and d.outcome is L.Outcome.REFUSE
     else:
         assert not d.load and not d.refuse and "profiling at start-up as usual" in line
+        assert d.outcome is L.Outcome.PROFILE
     return line
 
 
