@@ -261,6 +261,17 @@ def recorded_chunk_rule(observed: ObservedSteps) -> str:
                              among=lambda p: p.chunks)
 
 
+def recorded_extrapolate_to(observed: ObservedSteps, table: Any) -> int:
+    """How far above its longest profiled context the context-aware engines that wrote these files
+    priced (their max_model_len; 0 in files before the key: the longest context's costs). When
+    none was context-aware, this release's engine: up to the engine's max_model_len (recorded by
+    newer files, else the table's), and never below the longest observed context."""
+    longest = int(observed.columns["context_max"].max()) if len(observed) else 0
+    engine_max = _recorded(observed, "max_model_len", table.fingerprint.max_model_len or 0)
+    return _recorded_setting(observed, "extrapolate_to", max(engine_max, longest), "context coverage",
+                             "one engine's files at a time")
+
+
 def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None, tail_milli: int | None = None,
              chunks: bool | None = None, grid_tolerance: float = DEFAULT_TOLERANCE, context_floor: int = 1024) -> ValidationResult:
     """Compare the table's predictions with observed steps (see the module docstring)."""
@@ -275,7 +286,8 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
                      int(c["num_target_tokens"].max()))
     # R(N) of verify_context is the profiling engine's max_num_seqs (the table's), whatever the files say
     costs = ContextCosts(table.curves, max_reqs, max_tokens, int(fp.cudagraph_limit),
-                         profile_num_reqs=min(int(fp.max_num_seqs), max_tokens))
+                         profile_num_reqs=min(int(fp.max_num_seqs), max_tokens),
+                         extrapolate_to=recorded_extrapolate_to(observed, table))
     grid = ContextGrid(costs, tolerance=grid_tolerance)
     wanted = VLLM_DEFAULT_CONTEXT if single_context is None else int(single_context)
     single = min(costs.contexts, key=lambda x: (abs(x - wanted), -x))  # ties: the longer, as the load decision

@@ -132,6 +132,7 @@ class ObserveMeta:
     sample_every: int | None = None
     max_num_reqs: int | None = None  # the engine's sizes, when recorded
     max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -142,7 +143,8 @@ class ObserveMeta:
                    table_hash=table_hash if isinstance(table_hash, str) else "",
                    sample_every=_positive_int(raw.get("sample_every")),
                    max_num_reqs=_positive_int(raw.get("max_num_reqs")),
-                   max_num_batched_tokens=_positive_int(raw.get("max_num_batched_tokens")), raw=dict(raw))
+                   max_num_batched_tokens=_positive_int(raw.get("max_num_batched_tokens")),
+                   max_model_len=_positive_int(raw.get("max_model_len")), raw=dict(raw))
 
     def policy(self) -> PricingPolicy:
         return PricingPolicy.from_metadata(self.raw)

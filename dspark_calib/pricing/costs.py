@@ -45,8 +45,10 @@ class OutOfRange:
     extrapolated: bool = False  # below the range, on the line through the two shortest
 
     def __str__(self) -> str:
-        side = "below" if self.context_len < self.used_context else "above"
-        how = (f"extrapolated linearly from contexts {self.profiled[0]} and {self.profiled[1]}" if self.extrapolated
+        below = self.context_len < self.used_context or self.context_len < self.profiled[0]
+        side = "below" if below else "above"
+        pair = self.profiled[:2] if below else self.profiled[-2:]
+        how = (f"extrapolated linearly from contexts {pair[0]} and {pair[1]}" if self.extrapolated
                else f"priced at context {self.used_context}")
         return f"context {self.context_len} is {side} the profiled range {self.profiled[0]}..{self.profiled[-1]}: {how}"
 
@@ -104,7 +106,7 @@ class ContextCosts:
     """
 
     def __init__(self, curves: Mapping[int, Any], max_num_reqs: int, max_num_batched_tokens: int,
-                 cudagraph_limit: int = 0, *, profile_num_reqs: int | None = None):
+                 cudagraph_limit: int = 0, *, profile_num_reqs: int | None = None, extrapolate_to: int = 0):
         if not curves:
             raise CalibError("no curves to price contexts with")
         self.contexts: tuple[int, ...] = tuple(sorted(int(c) for c in curves))
@@ -140,8 +142,12 @@ class ContextCosts:
         # against 2.4 %). Guards, since profiling noise on a short span would be stretched: only
         # when the two shortest are at least c0 apart (the line reaches 0 within its own span);
         # the context-0 table is kept between vLLM's floor and the shortest context's, and made
-        # non-decreasing in size as vLLM makes every table. Above the range: the longest
-        # context's costs (profile up to the engine's max_model_len: `profile` does by default).
+        # non-decreasing in size as vLLM makes every table. Above the range, up to extrapolate_to
+        # (the engine's max_model_len): the line through the two longest, extended (on the H200,
+        # 8192/16384 extended to 24576 and 32768 came within 0.3 % median of profiles at those
+        # contexts, where the longest context's flat costs were 24 and 39 % low; docs/pricing.md);
+        # kept at or above the longest context's costs. Beyond it (or with one context, or
+        # extrapolate_to 0): the longest context's costs.
         self.knots: tuple[int, ...] = self.contexts
         c0, c1 = (self.contexts + (0,))[:2]
         self.extrapolates_below = len(self.contexts) > 1 and 0 < c0 <= c1 - c0
@@ -153,6 +159,15 @@ class ContextCosts:
                 zero.append(readonly(np.maximum.accumulate(z)))  # <= lo still: lo is non-decreasing
             self.tables[0] = (zero[0], zero[1])
             self.knots = (0, *self.contexts)
+        self.extrapolate_to = int(extrapolate_to)
+        self.extrapolates_above = len(self.contexts) > 1 and self.extrapolate_to > self.contexts[-1]
+        if self.extrapolates_above:
+            (c0, (d0, v0)), (c1, (d1, v1)) = [(c, self.tables[c]) for c in self.contexts[-2:]]
+            stretch = (self.extrapolate_to - c1) / (c1 - c0)
+            far = [readonly(np.maximum.accumulate(np.maximum(hi + (hi - lo) * stretch, hi)))
+                   for lo, hi in ((d0, d1), (v0, v1))]
+            self.tables[self.extrapolate_to] = (far[0], far[1])
+            self.knots = (*self.knots, self.extrapolate_to)
 
     @classmethod
     def from_table(cls, table: Any, *, max_num_reqs: int | None = None, max_num_batched_tokens: int | None = None,
@@ -189,8 +204,12 @@ class ContextCosts:
         lo, hi, w = self.bracket(context_len)
         warning = None
         if not self.contexts[0] <= context_len <= self.contexts[-1]:
-            warning = OutOfRange(context_len, min(max(context_len, self.contexts[0]), self.contexts[-1]),
-                                 self.contexts, extrapolated=self.extrapolates_below and context_len < self.contexts[0])
+            below = context_len < self.contexts[0]
+            extrapolated = (self.extrapolates_below if below else
+                            self.extrapolates_above and context_len <= self.extrapolate_to)
+            used = (self.contexts[0] if below else context_len if extrapolated else
+                    self.extrapolate_to if self.extrapolates_above else self.contexts[-1])
+            warning = OutOfRange(context_len, used, self.contexts, extrapolated=extrapolated)
         if lo == hi:  # a profiled context (or clamped to one): its own tables, bit for bit
             draft, verify = self.tables[lo]
         else:
@@ -228,10 +247,13 @@ def dense_tables(table: Any, context_len: int, **sizes: int | None) -> PricedTab
     lo, hi, _ = ContextCosts.bracket_of(ctxs, int(context_len))
     if int(context_len) < ctxs[0] and len(ctxs) > 1:  # extrapolated from the two shortest
         lo, hi = ctxs[0], ctxs[1]
+    if int(context_len) > ctxs[-1] and len(ctxs) > 1:  # extrapolated from the two longest
+        lo, hi = ctxs[-2], ctxs[-1]
     fp = table.fingerprint
     costs = ContextCosts({c: table.curves[c] for c in {lo, hi}}, sizes.get("max_num_reqs") or fp.max_num_seqs,
                          sizes.get("max_num_batched_tokens") or fp.max_num_batched_tokens,
-                         fp.cudagraph_limit if sizes.get("cudagraph_limit") is None else sizes["cudagraph_limit"])
+                         fp.cudagraph_limit if sizes.get("cudagraph_limit") is None else sizes["cudagraph_limit"],
+                         extrapolate_to=int(context_len))
     priced = costs.at(int(context_len))
     if priced.warning is not None:  # the warning names the whole profiled range, not just the bracket
         w = priced.warning

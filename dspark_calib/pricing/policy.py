@@ -17,6 +17,7 @@ CONTEXT_AWARE = "context-aware"  # each step priced for the context its batch ha
 MODES = (STOCK, TABLE, CONTEXT_AWARE)
 
 MAX_TAIL_MILLI = 1000  # t = 1: every request priced at the batch's longest context
+MAX_EXTRAPOLATE_TO = 1 << 24  # 16M tokens of context: far above any model's; a bigger value is damage
 CHUNK_RULE = "largest-step"  # a chunk's pair at R(N_max) / N_max KV tokens (docs/pricing.md)
 CHUNK_RULE_PER_STEP = "per-step"  # the first rule: R(N) / N at the step's own N
 CHUNK_RULES = (CHUNK_RULE, CHUNK_RULE_PER_STEP)
@@ -32,6 +33,7 @@ DEFAULT_CONTEXT_CHUNKS = True
 UNRECORDED_TAIL_MILLI = 0
 UNRECORDED_CHUNKS = False
 UNRECORDED_CHUNK_RULE = CHUNK_RULE_PER_STEP
+UNRECORDED_EXTRAPOLATE_TO = 0  # above the profiled range: the longest context's costs
 
 
 def valid_tail(value: Any) -> bool:
@@ -41,13 +43,16 @@ def valid_tail(value: Any) -> bool:
 @dataclass(frozen=True)
 class PricingPolicy:
     """mode: STOCK / TABLE / CONTEXT_AWARE; static_context: the context of the static tables;
-    tail_milli, chunks and chunk_rule apply in context-aware mode only."""
+    tail_milli, chunks, chunk_rule and extrapolate_to apply in context-aware mode only.
+    extrapolate_to: costs above the longest profiled context follow the line through the two
+    longest up to this context (the engine's max_model_len); 0: the longest context's costs."""
 
     mode: str = STOCK
     static_context: int = 0
     tail_milli: int = 0
     chunks: bool = False
     chunk_rule: str = CHUNK_RULE
+    extrapolate_to: int = 0
 
     @property
     def context_aware(self) -> bool:
@@ -59,6 +64,8 @@ class PricingPolicy:
                                 "context_tail_milli": self.tail_milli, "context_chunks": self.chunks}
         if self.chunks:
             meta["context_chunk_rule"] = self.chunk_rule
+        if self.extrapolate_to:
+            meta["context_extrapolate_to"] = self.extrapolate_to
         return meta
 
     @classmethod
@@ -81,4 +88,7 @@ class PricingPolicy:
         if rule not in CHUNK_RULES:
             raise CalibError(f"an observe file records context_chunk_rule={rule!r} (want one of "
                              f"{', '.join(CHUNK_RULES)})")
-        return cls(CONTEXT_AWARE, static, tail, chunks, rule)
+        far = meta.get("context_extrapolate_to", UNRECORDED_EXTRAPOLATE_TO)
+        if not (isinstance(far, int) and not isinstance(far, bool) and 0 <= far <= MAX_EXTRAPOLATE_TO):
+            raise CalibError(f"an observe file records context_extrapolate_to={far!r} (want 0..{MAX_EXTRAPOLATE_TO})")
+        return cls(CONTEXT_AWARE, static, tail, chunks, rule, far)

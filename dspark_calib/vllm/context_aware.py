@@ -350,7 +350,7 @@ def installed_state(manager: Any) -> ContextAwareState | None:
     return state.context_aware if state is not None else None
 
 
-def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = True,
+def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, broadcast: bool = True, extrapolate_to: int = 0,
                      tolerance: float = DEFAULT_TOLERANCE, max_bytes: int = DEFAULT_MAX_BYTES) -> ContextGrid:
     """The grid for this engine: curves from TP rank 0, sizes from the manager.
 
@@ -367,7 +367,8 @@ def grid_for_manager(manager: Any, curves: Mapping[int, Any], *, broadcast: bool
 
         curves = av.get_tp_group().broadcast_object(curves, src=0)
     rs = manager.req_states
-    costs = ContextCosts(curves, rs.max_num_reqs, rs.max_num_batched_tokens, manager._cudagraph_limit)
+    costs = ContextCosts(curves, rs.max_num_reqs, rs.max_num_batched_tokens, manager._cudagraph_limit,
+                         extrapolate_to=extrapolate_to)
     return ContextGrid(costs, tolerance=tolerance, max_bytes=max_bytes)
 
 
@@ -380,7 +381,7 @@ def enable(manager: Any, curves: Mapping[int, Any], policy: PricingPolicy | None
     policy = policy or PricingPolicy(CONTEXT_AWARE)
     tail_milli, chunks = policy.tail_milli, policy.chunks
     try:
-        grid = grid_for_manager(manager, curves, broadcast=broadcast)
+        grid = grid_for_manager(manager, curves, broadcast=broadcast, extrapolate_to=policy.extrapolate_to)
         install(manager, grid, policy)
     except Exception as exc:  # noqa: BLE001 - a serving engine must not die of an optional mode
         return PREFIX + f"context-aware costs off ({exception_line(exc)}); static tables kept"
@@ -388,7 +389,8 @@ def enable(manager: Any, curves: Mapping[int, Any], policy: PricingPolicy | None
     return (PREFIX + f"context-aware costs on: contexts {lo}..{hi} ({len(grid.contexts)} profiled), grid "
             f"{len(grid)} points, {grid.nbytes / 2**20:.1f} MiB, within {100 * grid.max_rel_error:.2f}% of the "
             f"interpolation; verify priced by the KV a step reads; below {lo} costs are extrapolated linearly, "
-            f"above {hi} they are {hi}'s; mixed batches priced at "
+            + (f"above {hi} too, up to {grid.costs.extrapolate_to} (max_model_len)" if grid.costs.extrapolates_above
+               else f"above {hi} they are {hi}'s") + "; mixed batches priced at "
             + (f"mean + {tail_milli / MAX_TAIL_MILLI:g} x (max - mean)" if tail_milli else "their mean context")
             + "; prefill chunks priced by " + ("their query-context pairs (a pair = {}/{} KV tokens)".format(
                 *grid.costs.chunk_ratio()) if chunks else "the KV sum"))

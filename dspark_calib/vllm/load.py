@@ -257,8 +257,12 @@ def _context_aware(manager: Any, curves: dict, static_context: int) -> None:
                    f"the default tail {DEFAULT_CONTEXT_TAIL_MILLI / 1000:g} taken")
     chunks = setting(E.context_chunks_enabled, DEFAULT_CONTEXT_CHUNKS,
                      f"the default taken (chunk pricing {'on' if DEFAULT_CONTEXT_CHUNKS else 'off'})")
+    # the engine's longest context: costs above the table's longest profiled one are extrapolated up to it
+    model_config = getattr(state_of(manager).vllm_config, "model_config", None)
+    max_model_len = getattr(model_config, "max_model_len", 0)
     policy = PricingPolicy(CONTEXT_AWARE, static_context=int(static_context), tail_milli=tail, chunks=chunks,
-                           chunk_rule=CHUNK_RULE)
+                           chunk_rule=CHUNK_RULE,
+                           extrapolate_to=max_model_len if isinstance(max_model_len, int) else 0)
     # never raises; every rank: the same grid
     line = ca.enable(manager, curves, policy, broadcast=False)
     if rank0:

@@ -382,6 +382,9 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
         rs = manager.req_states
         meta = {"tp_rank": 0, "dp_rank": dp, "max_num_reqs": int(rs.max_num_reqs),
                 "max_num_batched_tokens": int(rs.max_num_batched_tokens)}
+        max_model_len = getattr(runner, "max_model_len", None)
+        if isinstance(max_model_len, int) and max_model_len > 0:
+            meta["max_model_len"] = max_model_len  # how far validate extrapolates a stock engine's steps
         from dspark_calib.vllm.step_capture import pricing_for, stock_context
 
         obs = Observer(manager, directory, every=every, event_factory=event_factory,

@@ -12,6 +12,7 @@ from dspark_calib.pricing.costs import ContextCosts, OutOfRange, blend, dense_ta
 from dspark_calib.pricing.rules import ceil_mean, profile_requests, verify_context
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import DRAFT_FLOOR_MS, VERIFY_FLOOR_MS, build_cost_tables
+from tests.helpers import REPO
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -227,8 +228,9 @@ def test_blend_is_monotone_in_weight_and_bounded(a, b, w1, w2):
 
 def test_cost_table_dense_tables_prices_any_context(reference_table, costs):
     """CostTable.dense_tables(context_len=L) is the interpolation, still a (draft, verify) pair:
-    at 4096 it lies between 1024's and 8192's and equals ContextCosts.at; outside the range it
-    is the nearest context's tables and says so; None is the default context's, bit for bit."""
+    at 4096 it lies between 1024's and 8192's and equals ContextCosts.at; above the range it is
+    the line through the two longest, at or above the longest's tables, and says so; None is the
+    default context's, bit for bit."""
     lo, hi, mid = reference_table.dense_tables(1024), reference_table.dense_tables(8192), reference_table.dense_tables(4096)
     draft, verify = mid
     assert isinstance(mid, tuple) and len(mid) == 2 and mid.warning is None
@@ -236,9 +238,12 @@ def test_cost_table_dense_tables_prices_any_context(reference_table, costs):
     assert np.all(verify >= lo[1]) and np.all(verify <= hi[1]) and np.any(verify > lo[1]) and np.any(verify < hi[1])
     assert (mid.priced.lower, mid.priced.upper, mid.priced.weight) == (1024, 8192, 3072 / 7168)
     far = reference_table.dense_tables(65536)
-    assert far.warning is not None and far.warning.used_context == 16384 and far.warning.profiled == (1024, 8192, 16384)
-    assert "above the profiled range 1024..16384" in str(far.warning)
-    np.testing.assert_array_equal(far[1], reference_table.dense_tables(16384)[1])
+    assert far.warning is not None and far.warning.extrapolated and far.warning.profiled == (1024, 8192, 16384)
+    assert "above the profiled range 1024..16384: extrapolated linearly from contexts 8192 and 16384" in str(far.warning)
+    longest, before = reference_table.dense_tables(16384)[1], reference_table.dense_tables(8192)[1]
+    assert np.all(far[1] >= longest) and np.all(np.diff(far[1]) >= 0)
+    line = longest + (longest - before) * (65536 - 16384) / (16384 - 8192)  # where the line stays above the longest
+    np.testing.assert_allclose(far[1][line >= longest], np.maximum.accumulate(np.maximum(line, longest))[line >= longest])
     default = reference_table.dense_tables()
     want = build_cost_tables(*reference_table.pair().as_vllm(), reference_table.fingerprint.max_num_seqs,
                              reference_table.fingerprint.max_num_batched_tokens, reference_table.fingerprint.cudagraph_limit)
@@ -311,3 +316,29 @@ def test_kv_rows_use_the_profiling_engines_max_num_seqs(reference_table):
         assert draft[n] == want_d[0] and np.array_equal(verify[n:], want_v[n:]), n
         exact = costs.at(verify_context(total, max(n, 300), 256)).verify[max(n, 300)]
         assert abs(verify[max(n, 300)] / exact - 1) <= grid.max_rel_error + 1e-12
+
+
+# -- above the longest profiled context: measured on the H200 -------------------------------------
+LONG = REPO / "benchmarks" / "results" / "h200" / "2026-12-01-1557-long-context" / "h200-tp1-ctx4-long.parquet"
+
+
+def test_above_the_longest_context_the_line_through_the_two_longest_holds_on_the_h200():
+    """One engine start profiled 8192, 16384, 24576 and 32768 (dummy weights, H200): priced from
+    8192 and 16384 alone, 24576 (the context the rule was chosen on) and 32768 (held out) are
+    within 0.5 % median and 2.5 % at worst of their own profiles when the line is extended, where
+    the longest context's costs (the rule before) are 20-40 % low."""
+    from dspark_calib.table.file import read_table
+
+    table = read_table(LONG)
+    fp = table.fingerprint
+    measured = ContextCosts(table.curves, fp.max_num_seqs, fp.max_num_batched_tokens, fp.cudagraph_limit)
+    two = {c: table.curves[c] for c in (8192, 16384)}
+    line = ContextCosts(two, fp.max_num_seqs, fp.max_num_batched_tokens, fp.cudagraph_limit, extrapolate_to=40960)
+    flat = ContextCosts(two, fp.max_num_seqs, fp.max_num_batched_tokens, fp.cudagraph_limit)
+    for ctx in (24576, 32768):
+        for kind in (0, 1):  # drafts, verify
+            true = measured.tables[ctx][kind][1:]
+            err = np.abs(line.at(ctx).as_tuple()[kind][1:] / true - 1) * 100
+            assert np.median(err) < 0.5 and err.max() < 2.5, (ctx, kind, np.median(err), err.max())
+            low = (1 - flat.at(ctx).as_tuple()[kind][1:] / true) * 100
+            assert np.median(low) > 19, (ctx, kind, np.median(low))

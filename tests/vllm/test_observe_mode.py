@@ -465,3 +465,35 @@ def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatc
     other = validate(reference_table, rows, tail_milli=0)  # priced otherwise: not compared
     assert other.engine.compared == 0
     assert list(rows["prefill_tokens"]) == [0, 0]  # decode steps: recorded, no chunk
+
+
+def test_steps_above_the_longest_context_are_priced_on_the_line_and_validate_agrees(monkeypatch, tmp_path,
+                                                                                     reference_table):
+    """An engine with max_model_len 32768 on the 1024..16384 table prices a 24k-context step on the
+    line through 8192 and 16384 (not at 16384's costs); its files record how far (context_extrapolate_to)
+    and validate re-prices the steps exactly as the engine did."""
+    from dataclasses import replace
+
+    from dspark_calib.validate import validate
+
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "1")
+    grid = ca.grid_for_manager(make_manager(), reference_table.curves, extrapolate_to=32768)
+    assert grid.points[-1] == 32768 and grid.costs.extrapolates_above
+    clock = Clock()
+    runner = FakeRunner(make_manager(reference_table.dense_tables(8192)), clock)
+    m = runner.adaptive_verification
+    obs = start(runner, clock)
+    ca.install(m, grid, replace(aware(), extrapolate_to=32768))
+    runtime.state_of(m).run = SimpleNamespace(decision=SimpleNamespace(load=True, context_len=8192,
+                                                                      content_hash="ab" * 32))
+    for n in (8, 32):
+        step(runner, n, drafts=7, context=24000, rng=np.random.default_rng(n))
+    runner.shutdown()
+    rows = read_observed([obs.directory])
+    assert rows.metadata[0].raw["context_extrapolate_to"] == 32768
+    flat = reference_table.dense_tables(16384)
+    # drafts are priced at the batch's mean context, 24000: above 16384's costs, on the line
+    assert all(rows["priced_context"] == 24000) and all(rows["predicted_draft_ms"] > flat[0][rows["num_reqs"]])
+    result = validate(reference_table, rows)
+    assert result.engine.compared == 2 and result.engine.verify_equal == result.engine.draft_equal == 2
