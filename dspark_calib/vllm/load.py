@@ -10,10 +10,13 @@ strict): never a hang.
 
 When a table loads, batches_to_profile yields one warm-up run per size above the
 capture limit (those runs JIT the piecewise shapes), then the probe (probe.py):
-at most 2 timed steps compared with the table's medians. set_initial_cost_curves
-hands the table's curves to vLLM's own set_cost_curves, so the TP broadcast and
-the dense tables stay vLLM's; a table with two or more contexts then prices each
-step for its batch (context_aware.py) under the pricing policy set here.
+three timed steps at each context the engine will price, planned on TP rank 0 within
+the probe's budget and compared with the dense tables the engine installs.
+set_initial_cost_curves hands the table's curves to vLLM's own set_cost_curves, so the
+TP broadcast and the dense tables stay vLLM's; a table with two or more contexts then
+prices each step for its batch (context_aware.py) under the pricing policy set here,
+at the contexts the probe judged. Under strict, no table loads on a vLLM that is not a
+tested release (shape.untested_why).
 """
 
 from __future__ import annotations
@@ -153,7 +156,7 @@ class LoadRun:
 def probe_setup(manager: Any, decision: Any, vllm_batches: list[dict]) -> tuple[P.Plan | None, dict]:
     """(the probe's plan, the installed tables it judges against) on TP rank 0: the contexts the
     engine will price (every profiled one when context-aware mode will take the table, else the
-    chosen one), two sizes each. (None, {}) when no probe runs; never raises."""
+    chosen one), probe_sizes at each. (None, {}) when no probe runs; never raises."""
     if not (decision.load and decision.probe):
         return None, {}
     try:

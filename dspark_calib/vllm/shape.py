@@ -15,9 +15,16 @@ What is checked is what matters, not only signatures:
   profile must be guarded by ``not profile_only`` (read from capture_model's
   source through its syntax tree, so formatting does not matter);
 * vLLM main pushes samples one at a time (consume_step_timing) and calls
-  set_initial_cost_curves() without an argument.
+  set_initial_cost_curves() without an argument;
+* the load, context-aware and observe modes call more of vLLM than the profiling API
+  (get_num_tokens, the request state's add/remove_request and fields, the step
+  collector, the runner's execute_model and the speculator's propose): METHODS,
+  KEYWORDS and ATTRIBUTES list that surface exactly, since a parameter added to
+  get_num_tokens would make the context-aware wrapper raise on every speculative step.
 
-On any shape we do not know we leave vLLM untouched.
+On any shape we do not know we leave vLLM untouched. A version that is not a tested
+release (a nightly 0.33.1.devN, an rc) is untested even with the tested shape
+(untested_why): patched with a WARNING, and strict loads no table on it.
 """
 
 from __future__ import annotations
