@@ -73,6 +73,7 @@ class Decision:
     chosen: CandidateReport | None = None
     context_len: int = 0  # the table context loaded
     pair: Any = None  # its CurvePair (the probe compares with its spread)
+    pairs: dict = field(default_factory=dict)  # context -> CurvePair of every profiled context (the probe's spreads)
     policy: str = "fallback"
     probe: bool = True
     # context -> (draft, verify) of every profiled context, for context-aware mode; filled only for
@@ -247,7 +248,7 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     risky = best.problems or recorded or unrecorded
     return Decision(True, (line + others,), logging.WARNING if risky else logging.INFO, draft_curve=draft,
                     verify_curve=verify, candidates=reports, chosen=chosen, context_len=ctx,
-                    pair=best.table.curves[ctx], policy=policy, probe=probe, curves=_all_curves(best.table),
+                    pair=best.table.curves[ctx], pairs=dict(best.table.curves), policy=policy, probe=probe, curves=_all_curves(best.table),
                     unrecorded=tuple(unrecorded))
 
 

@@ -192,12 +192,20 @@ class CostTable:
     def check_plausible(self) -> None:
         """Costs a GPU can produce, or a CalibError naming the point: a forged or broken table
         must not reach vLLM (0 or inf swings its budget to 0 or the maximum)."""
+        fp = self.fingerprint
+        # vLLM's dummy runs never exceed the engine's limits; a point past them is priced by nobody's
+        # step, yet it sets the extrapolation and the chunk pair price (its largest verify size)
+        bounds = {DRAFT: ("max_num_seqs", fp.max_num_seqs), VERIFY: ("max_num_batched_tokens", fp.max_num_batched_tokens)}
         for ctx, pair in sorted(self.curves.items()):
             for kind in CURVE_KINDS:
                 c = pair.curve(kind)
                 where = f"{kind} curve at context {ctx}"
                 if len(c) == 0:
                     raise CalibError(f"{where} has no points")
+                name, top = bounds[kind]
+                if isinstance(top, int) and top > 0 and int(c.size[-1]) > top:
+                    raise CalibError(f"{where}: size {int(c.size[-1])} exceeds the table's own {name} {top} "
+                                     "(no step of that engine is that large)")
                 lowest = MIN_STEP_MS if kind == VERIFY else 0.0  # a draft step may be tiny, never free
                 bad = ~np.isfinite(c.cost_ms) | (c.cost_ms <= lowest) | (c.cost_ms > MAX_STEP_MS)
                 if bad.any():

@@ -10,21 +10,25 @@ strict): never a hang.
 
 When a table loads, batches_to_profile yields one warm-up run per size above the
 capture limit (those runs JIT the piecewise shapes), then the probe (probe.py):
-at most 2 timed steps compared with the table's medians. set_initial_cost_curves
-hands the table's curves to vLLM's own set_cost_curves, so the TP broadcast and
-the dense tables stay vLLM's; a table with two or more contexts then prices each
-step for its batch (context_aware.py) under the pricing policy set here.
+three timed steps at each context the engine will price, planned on TP rank 0 within
+the probe's budget and compared with the dense tables the engine installs.
+set_initial_cost_curves hands the table's curves to vLLM's own set_cost_curves, so the
+TP broadcast and the dense tables stay vLLM's; a table with two or more contexts then
+prices each step for its batch (context_aware.py) under the pricing policy set here,
+at the contexts the probe judged. Under strict, no table loads on a vLLM that is not a
+tested release (shape.untested_why).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 from dspark_calib import env as E
-from dspark_calib.errors import PREFIX, CalibError
+from dspark_calib.errors import PREFIX, CalibError, exception_line
 from dspark_calib.pricing.policy import (CHUNK_RULE, CONTEXT_AWARE, DEFAULT_CONTEXT_CHUNKS,
                                          DEFAULT_CONTEXT_TAIL_MILLI, PricingPolicy)
 from dspark_calib.selection import Decision, decide, decide_within, no_table
@@ -49,6 +53,10 @@ def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
     except CalibError as exc:
         msg = PREFIX + f"{exc}; refusing to start"
         return Decision(False, (msg,), logging.ERROR, refuse=msg, policy="strict")
+    why = untested_vllm()
+    if why and policy == "strict":
+        msg = PREFIX + f"{why}; refusing to start (policy strict)"
+        return Decision(False, (msg,), logging.ERROR, refuse=msg, policy=policy)
     try:
         ctx, allow, pins = E.context_len(), E.allow_reference(), E.pinned_hashes()
         timeout, probe = E.load_timeout(), E.probe_enabled()
@@ -68,6 +76,19 @@ def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
                       cancel=cancel)
 
     return decide_within(timeout, policy, source, run, cancel)
+
+
+def untested_vllm() -> str:
+    """Why the running vLLM is untested ('' for a tested release): strict loads no table on it."""
+    from dspark_calib.vllm.shape import untested_why
+
+    try:
+        import vllm
+
+        version = str(getattr(vllm, "__version__", ""))
+    except Exception:  # noqa: BLE001 - no vLLM to ask: nothing to refuse here
+        return ""
+    return untested_why(version)
 
 
 def install_hooks() -> None:
@@ -129,6 +150,58 @@ class LoadRun:
 
     decision: Any = None
     strip: int = 0  # leading timed steps (warm-ups, probe) that are not vLLM's profile
+    priced: tuple[int, ...] | None = None  # the probed contexts, the only ones priced (None: not probed)
+
+
+def probe_setup(manager: Any, decision: Any, vllm_batches: list[dict]) -> tuple[P.Plan | None, dict]:
+    """(the probe's plan, the installed tables it judges against) on TP rank 0: the contexts the
+    engine will price (every profiled one when context-aware mode will take the table, else the
+    chosen one), probe_sizes at each. (None, {}) when no probe runs; never raises."""
+    if not (decision.load and decision.probe):
+        return None, {}
+    try:
+        from dspark_calib.pricing.costs import ContextCosts
+
+        curves = dict(decision.curves) or {decision.context_len: (decision.draft_curve, decision.verify_curve)}
+        try:
+            aware = len(curves) >= 2 and E.context_aware_enabled()
+        except CalibError:
+            aware = False  # _context_aware keeps the static tables then (its own WARNING)
+        chosen = int(decision.context_len)
+        contexts = sorted(curves) if aware else [chosen]
+        rs, limit = manager.req_states, int(manager._cudagraph_limit)
+        costs = ContextCosts({c: curves[c] for c in contexts}, rs.max_num_reqs, rs.max_num_batched_tokens, limit)
+        installed = {c: costs.tables[c] for c in contexts}
+        sizes = probe_sizes([b["num_tokens"] for b in vllm_batches], limit)
+        return P.plan_probe(installed, chosen, sizes), installed
+    except Exception as exc:  # noqa: BLE001 - said as a probe that could not run, under the policy
+        return P.Plan(note=f"no probe plan ({exception_line(exc)})"), {}
+
+
+def probe_sizes(sizes: list[int], limit: int) -> list[int]:
+    """The dummy-run sizes probed at each context: the smallest captured graph (one request: the
+    curves' low end, where a flat or forged start shows), the capture limit (a full graph: verify
+    and draft at max_num_seqs) and the largest tail size (piecewise, warmed up just before)."""
+    captured = [n for n in sizes if n <= limit]
+    tail = [n for n in sizes if n > limit]
+    out = {min(captured)} if captured else set()
+    out |= {limit} if limit in captured else set()
+    out |= {max(tail)} if tail else set()
+    return sorted(out)
+
+
+def probe_reader() -> Any:
+    """The GPU reader whose readings go in the probe's line (rank 0's own GPU)."""
+    from dspark_calib.vllm.gpu_readings import GpuReader, nvml_index
+
+    return GpuReader(nvml_index())
+
+
+def _read(reader: Any) -> Any:
+    try:
+        return reader.read() if reader is not None else None
+    except Exception:  # noqa: BLE001 - a reading lost is not a probe lost
+        return None
 
 
 class LoadMode:
@@ -138,17 +211,21 @@ class LoadMode:
         from dspark_calib.vllm.engine_info import broadcast_from_rank0, tp_rank_and_size
 
         rank0 = tp_rank_and_size()[0] == 0
-        decision = None
+        decision = plan = None
+        installed: dict = {}
         if rank0:
             decision = decision_from_env(manager, capture_sizes)
             for line in decision.lines:
                 log.log(decision.level, line)
-        decision = broadcast_from_rank0(decision)
+            plan, installed = probe_setup(manager, decision, vllm_batches)
+        decision, plan = broadcast_from_rank0((decision, plan))
         run = state_of(manager).run = LoadRun()
         # the policy too: replicas with different policies may part ways after the probe (one
-        # profiles, one refuses or keeps the table) and run different step counts
+        # profiles, one refuses or keeps the table) and run different step counts; and the
+        # probe's step count (per-replica env may price other contexts)
         agreed, why, everyone = agree_across_dp("table", (decision.load, decision.content_hash, bool(decision.refuse),
-                                                          decision.load and decision.probe, decision.policy))
+                                                          decision.load and decision.probe, decision.policy,
+                                                          len(plan.steps) if plan is not None else 0))
         if not agreed:  # one replica refusing (or strict) makes every replica refuse: none may wait on it
             strict = decision.policy == "strict" or any(
                 v[2] or (len(v) > 4 and v[4] == "strict") for v in everyone if isinstance(v, tuple) and len(v) > 2)
@@ -167,11 +244,12 @@ class LoadMode:
         yield from warmups  # one per piecewise shape: its first run includes one-time work
         collector = P.active_collector() if decision.probe else None
         start = P.timed_count(collector) if collector is not None else None
-        if start is None:
+        if start is None or plan is None or plan.note:
             if not decision.probe:
                 return
-            why = (f"load-time probe could not run (vLLM's step timer is not reachable: plugin hook not active); "
-                   f"table {decision.chosen.label} is unverified")
+            cause = plan.note if plan is not None and plan.note else \
+                "vLLM's step timer is not reachable: plugin hook not active"
+            why = f"load-time probe could not run ({cause}); table {decision.chosen.label} is unverified"
             if decision.policy == "strict":
                 line = PREFIX + f"{why}; refusing to start (policy strict)"
                 if rank0:
@@ -181,14 +259,26 @@ class LoadMode:
             if rank0:
                 log.warning(PREFIX + "%s; loading it unprobed (policy %s)", why, decision.policy)
             return
-        probes = self._probe_batches(vllm_batches, limit, warmups, decision.context_len)
-        yield from probes
-        verdict = P.judge(decision.pair, P.resolve(collector, start), len(probes)) if rank0 else None
+        reader = probe_reader() if rank0 else None
+        readings = [_read(reader)]
+        t0 = time.perf_counter()
+        yield from self._probe_batches(vllm_batches, plan)
+        readings.append(_read(reader))  # the last steps may still run: read under load
+        verdict = None
+        if rank0:
+            verdict = P.judge(installed, decision.pairs, P.resolve(collector, start), plan.steps)
+            source = getattr(reader, "source", "")
+            verdict = replace(verdict, seconds=time.perf_counter() - t0, steps=len(plan.steps),
+                              conditions=P.conditions([r for r in readings if r is not None],
+                                                      "" if source in ("nvml", "nvidia-smi") else "no NVML"))
         verdict = broadcast_from_rank0(verdict)  # TP ranks continue (or not) together
         agreed, why, _ = agree_across_dp("probe", (verdict.ok,))
         if verdict.ok and agreed:
+            run.priced = plan.contexts
             if rank0:
-                log.info(PREFIX + "%s; keeping %s", verdict.summary(), decision.chosen.label)
+                left = (f"; contexts {', '.join(map(str, plan.skipped))} over the probe's budget: left out of "
+                        "the context-aware grid") if plan.skipped else ""
+                log.info(PREFIX + "%s%s; keeping %s", verdict.summary(), left, decision.chosen.label)
             return
         why = why or f"{verdict.summary()}: table {decision.chosen.label} does not match this GPU's measured costs"
         if decision.policy == "warn" and not why.startswith("data-parallel"):
@@ -207,15 +297,12 @@ class LoadMode:
         yield from vllm_batches
 
     @staticmethod
-    def _probe_batches(vllm_batches: list[dict], limit: int, warmups: list[dict], ctx: int) -> list[dict]:
-        """At most 2 steps at the table's context: the capture limit (full graph: verify and draft
-        curves) and the largest tail size (piecewise, warmed up above). vLLM's dicts, passed through."""
-        out = []
-        at_limit = next((b for b in vllm_batches if b["num_tokens"] == limit), None)
-        for batch in (at_limit, max(warmups, key=lambda b: b["num_tokens"], default=None)):
-            if batch is not None:
-                out.append({**batch, "context_len": ctx})
-        return out
+    def _probe_batches(vllm_batches: list[dict], plan: P.Plan) -> list[dict]:
+        """The plan's steps as vLLM's own dicts (the first of each size), at the step's context."""
+        first = {}
+        for b in vllm_batches:
+            first.setdefault(b["num_tokens"], b)
+        return [{**first[s.num_tokens], "context_len": s.context_len} for s in plan.steps]
 
     def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
         run = state_of(manager).run
@@ -224,8 +311,11 @@ class LoadMode:
             original(samples[run.strip if isinstance(run, LoadRun) else 0:])  # warm-ups and probe are not vLLM's
             return
         manager.set_cost_curves(list(decision.draft_curve), list(decision.verify_curve))
-        if len(decision.curves) >= 2:
-            _context_aware(manager, decision.curves, decision.context_len)
+        curves = decision.curves
+        if run.priced is not None:  # only what the probe judged is priced
+            curves = {c: v for c, v in curves.items() if c in run.priced}
+        if len(curves) >= 2:
+            _context_aware(manager, curves, decision.context_len)
 
 
 def _context_aware(manager: Any, curves: dict, static_context: int) -> None:

@@ -168,7 +168,7 @@ def _patch_installed_vllm() -> None:
         manager_cls = getattr(av, "AdaptiveVerificationManager", None)
         if manager_cls is not None and is_patched(manager_cls):
             return  # vLLM loads plugins more than once: detect (it parses vLLM's source) once
-        from dspark_calib.vllm.shape import SUPPORTED_VLLM, detect
+        from dspark_calib.vllm.shape import detect, untested_why
 
         shape = detect()
         if not shape.supported:
@@ -177,8 +177,8 @@ def _patch_installed_vllm() -> None:
                                       "profiles at start-up as usual")
             return
         if not shape.tested:
-            log_once(logging.WARNING, PREFIX + f"vLLM {shape.vllm_version} is outside the tested range "
-                                      f"vllm{SUPPORTED_VLLM}; its profiling API has the tested shape, patching it")
+            log_once(logging.WARNING, PREFIX + f"{untested_why(shape.vllm_version)}; its API has the tested shape, "
+                                      f"patching it ({E.POLICY}=strict refuses to load a table on it)")
         from vllm.v1.worker.gpu import model_runner
         from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
 

@@ -1,16 +1,25 @@
-"""The load-time probe: time a couple of real steps and compare them with the table.
+"""The load-time probe: time a few real steps and compare them with what the engine installs.
 
 A fingerprint proves a table was made for this kind of engine, and a content hash
 proves it was not damaged; neither proves the costs are true (a copied fingerprint
-and a recomputed hash make a valid forgery). So load mode times, after
-the warm-ups, at most two steps at the table's chosen context:
+and a recomputed hash make a valid forgery). So load mode times, after the warm-ups,
+three steps at every context the engine will price (plan_probe):
 
+* the smallest captured size (one request): the low end of both curves, full graph;
 * the capture limit: a full CUDA-graph step, so both the verify (forward_ms) and
-  the draft (drafter_ms) curve are measured;
+  the draft (drafter_ms) curve are measured at max_num_seqs requests;
 * the largest tail size: a piecewise step, warmed up just before (a first run of a
   piecewise shape includes one-time work and is never judged).
 
-A probed cost passes when |measured / median - 1| <= min(max(3 x IQR / median, 5 %), 15 %),
+The contexts: every profiled context of a table the context-aware grid prices, else the
+chosen one. Each step is compared with the installed cost, the dense table vLLM's rule
+builds from that context's curves (the running max over all points, so a forged point
+below the probed size shows; at a profiled context the grid's row is that table), and the
+table must have a point at every probed size (a curve without one is priced by points the
+probe never saw). The budget (MAX_PROBE_STEPS, PROBE_BUDGET_MS of the table's own predicted
+step time) bounds start-up; a context left out by it is left out of the grid.
+
+A probed cost passes when |measured / installed - 1| <= min(max(3 x IQR / median, 5 %), 15 %),
 the IQR being the table's own spread at that point: 5 % because host noise in the
 timed window is a few percent (VLLM_FACTS), 3 x IQR because a noisy point must
 not fail a genuine table. PR #52233 accepts 0.4-2.5x; this is far tighter.
@@ -27,7 +36,12 @@ import functools
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dspark_calib.pricing.costs import Tables
+    from dspark_calib.telemetry import Reading
 
 MIN_TOLERANCE = 0.05
 IQR_FACTOR = 3.0
@@ -35,6 +49,11 @@ IQR_FACTOR = 3.0
 # allow +/- 600 % and pass costs x1.3 (measured 0.74-0.77x on the H200). Real H200 spreads
 # are ~0.1-2 % of the median (3 x IQR <= ~6-12 %), so 15 % never fails a genuine table.
 MAX_TOLERANCE = 0.15
+# The probe's budget: at most this many timed steps, and the table's own predicted time of
+# them at most this (the shipped H200 table: 9 steps, about 1.1 s predicted at contexts 1024,
+# 8192 and 16384), against vLLM's 20 s profile. Contexts past the budget are left out of the grid.
+MAX_PROBE_STEPS = 12
+PROBE_BUDGET_MS = 1500.0
 _MARK = "_dspark_calib_original"
 _active = threading.local()
 
@@ -103,20 +122,77 @@ def resolve(collector: Any, start: int) -> list[Measured]:
             for ev, (full, n, r) in timed]
 
 
+# -- the plan ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Step:
+    """One probe step: a vLLM dummy-run size at one context."""
+
+    context_len: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The probe's steps, decided on TP rank 0 and broadcast (every rank runs them)."""
+
+    steps: tuple[Step, ...] = ()
+    contexts: tuple[int, ...] = ()  # probed, ascending: the only ones the engine then prices
+    skipped: tuple[int, ...] = ()  # contexts the grid would price that the budget left out
+    predicted_ms: float = 0.0  # the table's own cost of the steps (what the GPU should take)
+    note: str = ""  # why no plan could be made
+
+
+def step_cost(tables: Tables, num_tokens: int) -> float:
+    """The installed cost of one dummy step: its verify plus its drafter (num_reqs = tokens,
+    capped at max_num_reqs, as vLLM's _dummy_run builds it)."""
+    draft, verify = tables
+    return float(verify[min(num_tokens, len(verify) - 1)]) + float(draft[min(num_tokens, len(draft) - 1)])
+
+
+def plan_probe(installed: Mapping[int, Tables], chosen: int, sizes: Sequence[int]) -> Plan:
+    """The chosen context's steps always; then the others, farthest from it first, while the plan
+    stays within MAX_PROBE_STEPS and PROBE_BUDGET_MS of the table's own predicted step time.
+    A context left out is left out of the grid too (the engine prices only what was judged)."""
+    if not sizes:
+        return Plan(note="no dummy-run size to probe (no captured graph, no tail size)")
+    order = [chosen] + sorted((c for c in installed if c != chosen), key=lambda c: (-abs(c - chosen), -c))
+    steps: list[Step] = []
+    probed, skipped, predicted = [], [], 0.0
+    for ctx in order:
+        cost = sum(step_cost(installed[ctx], n) for n in sizes)
+        fits = len(steps) + len(sizes) <= MAX_PROBE_STEPS and predicted + cost <= PROBE_BUDGET_MS
+        if ctx != chosen and not fits:
+            skipped.append(ctx)
+            continue
+        probed.append(ctx)
+        predicted += cost
+        steps += [Step(ctx, n) for n in sizes]
+    steps.sort(key=lambda s: (s.context_len, s.num_tokens))
+    return Plan(tuple(steps), tuple(sorted(probed)), tuple(sorted(skipped)), predicted)
+
+
 # -- judging ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Check:
     what: str  # "verify@512"
-    ratio: float  # measured / table median
+    ratio: float  # measured / installed cost (nan: the table has no point there)
     tolerance: float
+    context_len: int | None = None
 
     @property
     def ok(self) -> bool:
         return math.isfinite(self.ratio) and abs(self.ratio - 1.0) <= self.tolerance
 
+    @property
+    def shown(self) -> str:
+        return f"{self.ratio:.2f}x" if not math.isnan(self.ratio) else "no table point"
+
     def __str__(self) -> str:
+        where = self.what if self.context_len is None else f"{self.what} at context {self.context_len}"
+        if math.isnan(self.ratio):
+            return f"{where}: the table has no point at the probed size"
         # "allowed": the bound, said so a failing line does not read as a pass
-        return f"{self.what} {self.ratio:.2f}x (allowed 1.00x +/- {self.tolerance:.0%})"
+        return f"{where} {self.ratio:.2f}x (allowed 1.00x +/- {self.tolerance:.0%})"
 
 
 @dataclass(frozen=True)
@@ -124,6 +200,9 @@ class Verdict:
     ok: bool
     checks: tuple[Check, ...] = ()
     note: str = ""  # why nothing could be judged
+    conditions: str = ""  # the GPU's SM clock and throttle state around the probe steps
+    steps: int = 0  # probe steps run
+    seconds: float | None = None  # their wall time, the resolve included
 
     @property
     def worst(self) -> Check | None:
@@ -131,14 +210,20 @@ class Verdict:
                    default=None)
 
     def summary(self) -> str:
+        after = f"; {self.steps} steps in {self.seconds:.2f} s" if self.seconds is not None else ""
+        after += f"; {self.conditions}" if self.conditions else ""
         if not self.checks:
-            return f"probe inconclusive ({self.note})"
-        ratios = ", ".join(f"{c.what} {c.ratio:.2f}x" for c in self.checks)
-        return f"probe ratios {ratios}; worst {self.worst}"
+            return f"probe inconclusive ({self.note}){after}"
+        groups: dict[int | None, list[str]] = {}
+        for c in self.checks:
+            groups.setdefault(c.context_len, []).append(f"{c.what} {c.shown}")
+        ratios = "; ".join((f"context {ctx}: " if ctx is not None else "") + ", ".join(items)
+                           for ctx, items in groups.items())
+        return f"probe ratios {ratios}; worst {self.worst}{after}"
 
 
-def _point(curve: Any, size: int) -> tuple[float, float] | None:
-    """(median, tolerance) of the table's point at exactly `size`, if it has one."""
+def _tolerance(curve: Any, size: int) -> float | None:
+    """The tolerance at the table's point at exactly `size` (None: no point there)."""
     hits = [i for i, s in enumerate(curve.size.tolist()) if s == size]
     if not hits:
         return None
@@ -146,25 +231,42 @@ def _point(curve: Any, size: int) -> tuple[float, float] | None:
     median = float(curve.cost_ms[i])
     iqr = float(curve.p75_ms[i]) - float(curve.p25_ms[i])
     rel = IQR_FACTOR * iqr / median if median > 0 and math.isfinite(iqr) and iqr >= 0 else 0.0
-    return median, min(max(rel, MIN_TOLERANCE), MAX_TOLERANCE)
+    return min(max(rel, MIN_TOLERANCE), MAX_TOLERANCE)
 
 
-def judge(pair: Any, measured: list[Measured], expected: int) -> Verdict:
-    """Compare each probed step with the table's point medians (draft only for full-graph steps,
-    as vLLM's draft curve uses only those)."""
-    if len(measured) < expected:
-        return Verdict(False, note=f"{len(measured)} of {expected} probe steps were timed")
+def _check(kind: str, ctx: int, curve: Any, table: Any, size: int, value: float) -> Check:
+    tol = _tolerance(curve, size)
+    if tol is None or not 0 <= size < len(table):
+        return Check(f"{kind}@{size}", math.nan, 0.0, ctx)
+    expected = float(table[size])
+    return Check(f"{kind}@{size}", value / expected if expected > 0 else math.inf, tol, ctx)
+
+
+def judge(installed: Mapping[int, Tables], pairs: Mapping[int, Any], measured: list[Measured],
+          steps: Sequence[Step]) -> Verdict:
+    """Each probed step against what the engine installs at its context (the dense tables, after
+    vLLM's running max), within the table's own spread at that point; the table must have a point
+    at every probed size. Draft only for full-graph steps, as vLLM's draft curve uses only those."""
+    if not steps:
+        return Verdict(False, note="no probe steps were planned")
+    if len(measured) < len(steps):
+        return Verdict(False, note=f"{len(measured)} of {len(steps)} probe steps were timed")
     checks = []
-    for m in measured:
-        for kind, curve, size, value in (("verify", pair.verify, m.num_target_tokens, m.forward_ms),
-                                         ("draft", pair.draft, m.num_reqs, m.drafter_ms)):
-            if kind == "draft" and not m.full_cudagraph:
-                continue
-            point = _point(curve, size)
-            if point is None:
-                continue
-            median, tol = point
-            checks.append(Check(f"{kind}@{size}", value / median if median > 0 else math.inf, tol))
-    if not checks:
-        return Verdict(False, note="the table has no point at the probed sizes")
+    for step, m in zip(steps, measured):
+        draft, verify = installed[step.context_len]
+        pair = pairs[step.context_len]
+        checks.append(_check("verify", step.context_len, pair.verify, verify, m.num_target_tokens, m.forward_ms))
+        if m.full_cudagraph:
+            checks.append(_check("draft", step.context_len, pair.draft, draft, m.num_reqs, m.drafter_ms))
     return Verdict(all(c.ok for c in checks), tuple(checks))
+
+
+def conditions(readings: Sequence[Reading], source: str = "") -> str:
+    """What the GPU ran at around the probe steps, for the probe's line: a throttled GPU runs every
+    step slower, so its ratios read high (and a genuine table may fail)."""
+    sm = [r.sm_mhz for r in readings if r.sm_mhz is not None]
+    throttle = sorted({t for r in readings for t in r.throttle})
+    clock = f"SM {min(sm):.0f}-{max(sm):.0f} MHz" if sm else "SM clock not read" + (f" ({source})" if source else "")
+    if throttle:
+        return f"GPU throttled during the probe ({', '.join(throttle)}), {clock}: ratios measured on a slowed GPU"
+    return f"{clock}, no throttling" if sm else clock

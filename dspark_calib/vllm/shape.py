@@ -15,9 +15,16 @@ What is checked is what matters, not only signatures:
   profile must be guarded by ``not profile_only`` (read from capture_model's
   source through its syntax tree, so formatting does not matter);
 * vLLM main pushes samples one at a time (consume_step_timing) and calls
-  set_initial_cost_curves() without an argument.
+  set_initial_cost_curves() without an argument;
+* the load, context-aware and observe modes call more of vLLM than the profiling API
+  (get_num_tokens, the request state's add/remove_request and fields, the step
+  collector, the runner's execute_model and the speculator's propose): METHODS,
+  KEYWORDS and ATTRIBUTES list that surface exactly, since a parameter added to
+  get_num_tokens would make the context-aware wrapper raise on every speculative step.
 
-On any shape we do not know we leave vLLM untouched.
+On any shape we do not know we leave vLLM untouched. A version that is not a tested
+release (a nightly 0.33.1.devN, an rc) is untested even with the tested shape
+(untested_why): patched with a WARNING, and strict loads no table on it.
 """
 
 from __future__ import annotations
@@ -48,8 +55,22 @@ class ApiShape:
     @property
     def tested(self) -> bool:
         """The version is one this release was tested against (SUPPORTED_VLLM)."""
-        match = re.match(r"(\d+)\.(\d+)", self.vllm_version)
-        return bool(match) and (int(match[1]), int(match[2])) == TESTED_MINOR
+        return not untested_why(self.vllm_version)
+
+
+# A release (a post-release and a local build label too); dev, alpha, beta and rc builds are not.
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.\d+)*(?:\.post\d+)?(?:\+[0-9A-Za-z.]+)?")
+
+
+def untested_why(version: str) -> str:
+    """'' for a release of the tested minor; otherwise why the version is untested: a nightly
+    (0.33.1.dev5) or a release candidate carries changes no release of 0.33 was tested with."""
+    match = _RELEASE.fullmatch(version.strip())
+    if match is None:
+        return f"vLLM {version or '(no version)'} is a development or pre-release build, not a tested release"
+    if (int(match[1]), int(match[2])) != TESTED_MINOR:
+        return f"vLLM {version} is outside the tested range vllm{SUPPORTED_VLLM}"
+    return ""
 
 
 def _params(func: Any) -> list[str]:
@@ -130,7 +151,8 @@ def profile_only_guard(runner_cls: Any) -> str:
 
 
 def detect(av: ModuleType | None = None, model_runner: ModuleType | None = None,
-           async_utils: ModuleType | None = None) -> ApiShape:
+           async_utils: ModuleType | None = None, states: ModuleType | None = None,
+           speculator: ModuleType | None = None) -> ApiShape:
     """Inspect the installed (or given) vLLM modules; never raises."""
     version = ""
     try:
@@ -177,7 +199,101 @@ def detect(av: ModuleType | None = None, model_runner: ModuleType | None = None,
     why = profile_only_guard(getattr(model_runner, "GPUModelRunner", None))
     if why:
         return ApiShape(None, why, version)
+    try:
+        if states is None:
+            from vllm.v1.worker.gpu import states
+        if speculator is None:
+            from vllm.v1.worker.gpu.spec_decode import speculator
+    except Exception as exc:  # noqa: BLE001
+        return ApiShape(None, f"vLLM's request state or speculator module does not import ({type(exc).__name__})",
+                        version)
+    why = surface_problem({"adaptive_verification": av, "async_utils": async_utils, "model_runner": model_runner,
+                           "states": states, "speculator": speculator})
+    if why:
+        return ApiShape(None, why, version)
     return ApiShape(SHAPE_V1, "", version)
+
+
+# -- the exact surface the modes call -------------------------------------------------------
+# (module, class, method, its parameters exactly): every vLLM method the load, context-aware and
+# observe modes call or wrap. A parameter added or renamed breaks the call (the context-aware
+# wrapper of get_num_tokens takes exactly vLLM's two: an added keyword would be a TypeError on
+# every speculative step), so any difference leaves vLLM untouched.
+METHODS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("adaptive_verification", "AdaptiveVerificationManager", "get_num_tokens",
+     ("self", "num_tokens_per_req", "draft_tokens")),
+    ("states", "RequestState", "add_request",
+     ("self", "req_id", "prompt_len", "all_token_ids", "num_computed_tokens", "max_tokens")),
+    ("states", "RequestState", "remove_request", ("self", "req_id")),
+    ("async_utils", "StepTimingCollector", "collect", ("self",)),
+    ("async_utils", "StepTimingCollector", "record_batch", ("self", "input_batch", "full_cudagraph")),
+    ("async_utils", "StepTimingCollector", "forward_start", ("self",)),
+    ("async_utils", "StepTimingCollector", "forward_end", ("self",)),
+    ("async_utils", "StepTimingCollector", "drafter_start", ("self",)),
+    ("async_utils", "StepTimingCollector", "drafter_end", ("self",)),
+)
+# (module, class, method, parameters it must have): methods observe mode wraps with *args and
+# **kwargs, reading only these by name.
+KEYWORDS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("model_runner", "GPUModelRunner", "execute_model", ("dummy_run",)),
+    ("model_runner", "GPUModelRunner", "initialize_kv_cache", ("kv_cache_config", "is_profiling")),
+    ("model_runner", "GPUModelRunner", "shutdown", ()),
+    ("speculator", "BaseSpeculator", "propose", ("dummy_run",)),
+)
+# (module, class, attributes): what the modes read or set on vLLM's objects, found as
+# ``self.NAME = ...`` in the class's source (instance attributes exist only once built).
+ATTRIBUTES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("adaptive_verification", "AdaptiveVerificationManager",
+     ("req_states", "num_speculative_steps", "num_bonus_tokens", "_max_total_logits", "cost_tables",
+      "_cudagraph_limit", "_batch_budget", "_stale_confidences", "_stale_idx")),
+    ("states", "RequestState",
+     ("max_num_reqs", "max_num_batched_tokens", "num_speculative_steps", "req_id_to_index",
+      "num_computed_tokens_np", "prefill_len")),
+    ("async_utils", "StepTimingCollector", ("_timed",)),
+)  # the runner's step_timing, speculator and manager: observe_problem, on the built runner
+
+
+def assigned_attributes(cls: Any) -> set[str]:
+    """Names assigned as ``self.NAME`` anywhere in the class's own source (empty when unreadable)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    out = set()
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            for sub in ast.walk(t):
+                if isinstance(sub, ast.Attribute) and _is_name(sub.value, "self"):
+                    out.add(sub.attr)
+    return out
+
+
+def surface_problem(modules: dict[str, Any]) -> str:
+    """'' when every method and attribute the modes use is there, with the exact parameters;
+    otherwise the first difference, named."""
+    for mod, cls_name, name, params in METHODS:
+        cls = getattr(modules[mod], cls_name, None)
+        have = tuple(_params(getattr(cls, name, None)))
+        if have != params:
+            return f"{cls_name}.{name}{have} is not {name}{params}"
+    for mod, cls_name, name, params in KEYWORDS:
+        method = getattr(getattr(modules[mod], cls_name, None), name, None)
+        missing = [p for p in params if p not in _params(method)]
+        if not callable(method) or missing:
+            return f"{cls_name}.{name} has no parameter {missing[0]}" if callable(method) and missing \
+                else f"{cls_name}.{name} not found"
+    events = getattr(modules["async_utils"], "StepTimingEvents", None)
+    if tuple(getattr(events, "__dataclass_fields__", {}) or ()) != OBSERVE_EVENT_FIELDS:
+        return f"StepTimingEvents does not have the fields {OBSERVE_EVENT_FIELDS}"
+    for mod, cls_name, names in ATTRIBUTES:
+        cls = getattr(modules[mod], cls_name, None)
+        have = assigned_attributes(cls) if cls is not None else set()
+        missing = [n for n in names if n not in have]
+        if missing:
+            return f"{cls_name} no longer sets {', '.join(missing[:3])}"
+    return ""
 
 
 # -- observe mode's call points (checked per runner instance, at engine start) ----------------

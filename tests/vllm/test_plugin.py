@@ -445,7 +445,7 @@ class OtherRank:
         self.from_rank0, self.calls = from_rank0, 0
 
     def broadcast_object(self, obj, src=0):
-        assert src == 0 and obj in (None, "")  # a non-zero rank sends nothing of its own
+        assert src == 0 and obj in (None, "", (None, None))  # a non-zero rank sends nothing of its own
         self.calls += 1
         return self.from_rank0
 
@@ -459,13 +459,13 @@ def test_nonzero_rank_follows_rank0_load_decision(monkeypatch, tmp_path, referen
     engine = {"cudagraph_capture_sizes": capture_sizes, "max_num_seqs": 256, "max_num_batched_tokens": 8192}
     rank0 = decide(_write(reference_table, tmp_path), engine, allow_reference=True)
     assert rank0.load
-    group = OtherRank(rank0)
+    group = OtherRank((rank0, None))  # the decision and rank 0's probe plan (no probe without the step timer)
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
     # rank 1's own env points nowhere: it must not look, only follow rank 0
     register_with(monkeypatch, DSPARK_CALIB_TABLE=tmp_path / "missing-on-this-node")
     m = make_manager()
     batches = _run_profile_path(m, capture_sizes)
-    assert group.calls == 1  # the decision (vLLM's own curve broadcast goes through av's stub)
+    assert group.calls == 1  # the decision and the plan (vLLM's own curve broadcast goes through av's stub)
     assert [b["num_tokens"] for b in batches] == [768, 1024, 2048, 4096, 8192]
     want = vllm_tables_from_samples(reference_table, 8192, capture_sizes)
     assert np.array_equal(m.cost_tables[1], want[1])

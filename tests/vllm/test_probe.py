@@ -31,6 +31,9 @@ from dspark_calib.selection import decide
 ROOT = str(REPO)
 POLICIES = ("fallback", "strict", "warn")
 LIMIT = 512
+WARMUPS = 5  # one per tail size: 768, 1024, 2048, 4096, 8192
+PROBES = 9  # the smallest graph, the capture limit and the largest tail size at each of the 3 contexts
+OURS = WARMUPS + PROBES
 
 
 def is_context_aware_line(msg: str) -> bool:
@@ -122,11 +125,14 @@ def sizes(reference_table):
 
 def test_matching_costs_load_with_the_worst_ratio_at_info(monkeypatch, caplog, tmp_path, reference_table, sizes):
     m, batches, _, records = start(monkeypatch, caplog, tmp_path, reference_table, sizes, "strict", 1.0)
-    assert [b["num_tokens"] for b in batches] == [768, 1024, 2048, 4096, 8192, LIMIT, 8192]
-    assert all(b["context_len"] == 8192 for b in batches[5:])
+    assert [b["num_tokens"] for b in batches] == [768, 1024, 2048, 4096, 8192] + [1, LIMIT, 8192] * 3
+    assert [b["context_len"] for b in batches[WARMUPS:]] == [1024] * 3 + [8192] * 3 + [16384] * 3
     probe_line = records[-1]
     assert probe_line.levelno == logging.INFO and "worst" in probe_line.getMessage()
-    assert "verify@512 1.00x" in probe_line.getMessage() and "draft@256 1.00x" in probe_line.getMessage()
+    for ctx in (8192, 16384):  # the probe reads the installed table (running max: 0.99x at 1024, 512)
+        assert (f"context {ctx}: verify@1 1.00x, draft@1 1.00x, verify@512 1.00x, draft@256 1.00x, "
+                f"verify@8192 1.00x") in probe_line.getMessage()
+    assert "9 steps in" in probe_line.getMessage() and "SM clock not read" in probe_line.getMessage()
     draft, verify = reference_table.curves[8192].as_vllm()
     want = av.build_cost_tables_from_curves(draft, verify, 256, 8192, LIMIT)
     assert np.array_equal(m.cost_tables[1], want[1]) and np.array_equal(m.cost_tables[0], want[0])
@@ -145,16 +151,16 @@ def test_costs_off_by_more_than_the_tolerance(monkeypatch, caplog, tmp_path, ref
     assert records[-1].levelno == logging.WARNING and f"verify@512 {ratio:.2f}x" in line
     assert f"draft@256 {ratio:.2f}x" in line and f"verify@8192 {ratio:.2f}x" in line
     if policy == "warn":
-        assert len(batches) == 7 and "loading it anyway" in line
+        assert len(batches) == OURS and "loading it anyway" in line
         draft, verify = reference_table.curves[8192].as_vllm()
         assert np.array_equal(m.cost_tables[1], av.build_cost_tables_from_curves(draft, verify, 256, 8192, LIMIT)[1])
         return
     # fallback: vLLM's full profile ran in the same generator; vLLM saw only its own samples
     stock = list(av.AdaptiveVerificationManager.batches_to_profile.__wrapped__(make_manager(), sizes))
-    assert batches[7:] == stock and "profiling at start-up as usual" in line
+    assert batches[OURS:] == stock and "profiling at start-up as usual" in line
     reference = make_manager()
     reference._cudagraph_limit = LIMIT
-    av.AdaptiveVerificationManager.set_initial_cost_curves.__wrapped__(reference, timings[7:])
+    av.AdaptiveVerificationManager.set_initial_cost_curves.__wrapped__(reference, timings[OURS:])
     assert np.array_equal(m.cost_tables[1], reference.cost_tables[1])
     assert np.array_equal(m.cost_tables[0], reference.cost_tables[0])
 
@@ -165,15 +171,23 @@ def test_probe_can_be_disabled(monkeypatch, caplog, tmp_path, reference_table, s
     assert len(batches) == 5
 
 
+def installed_at(table, *contexts):
+    from dspark_calib.pricing.costs import ContextCosts
+
+    costs = ContextCosts({c: table.curves[c] for c in contexts}, 256, 8192, LIMIT)
+    return {c: costs.tables[c] for c in contexts}
+
+
 def test_judge_tolerance_uses_the_tables_spread(reference_table):
-    pair = reference_table.curves[8192]
-    i = list(pair.verify.size).index(8192)
-    median = float(pair.verify.cost_ms[i])
-    m = P.Measured(median * 1.04, 0.0, 8192, 256, False)
-    assert P.judge(pair, [m], 1).ok
-    assert not P.judge(pair, [P.Measured(median * 1.06, 0.0, 8192, 256, False)], 1).ok
-    assert not P.judge(pair, [], 2).ok and "0 of 2" in P.judge(pair, [], 2).summary()
-    assert not P.judge(pair, [P.Measured(1.0, 1.0, 3, 3, True)], 1).ok  # no point there: inconclusive
+    installed, pairs = installed_at(reference_table, 8192), reference_table.curves
+    median = float(installed[8192][1][8192])
+    step = [P.Step(8192, 8192)]
+    assert P.judge(installed, pairs, [P.Measured(median * 1.04, 0.0, 8192, 256, False)], step).ok
+    assert not P.judge(installed, pairs, [P.Measured(median * 1.06, 0.0, 8192, 256, False)], step).ok
+    missed = P.judge(installed, pairs, [], [P.Step(8192, 512), P.Step(8192, 8192)])
+    assert not missed.ok and "0 of 2" in missed.summary()
+    unknown = P.judge(installed, pairs, [P.Measured(1.0, 1.0, 3, 3, True)], [P.Step(8192, 3)])
+    assert not unknown.ok and "no table point" in unknown.summary()  # no point at the probed size: a failure
 
 
 # -- data parallel ------------------------------------------------------------------------
@@ -202,7 +216,8 @@ def stub_dp(monkeypatch, size, rank, others):
 def test_dp_replicas_that_agree_load(monkeypatch, caplog, tmp_path, reference_table, sizes, size, policy):
     calls = stub_dp(monkeypatch, size, 1, lambda call, mine: [mine] * (size - 1))
     m, batches, _, _ = start(monkeypatch, caplog, tmp_path, reference_table, sizes, policy, 1.0)
-    assert len(batches) == 7 and len(calls) == 2  # the table, then the probe verdict
+    assert len(batches) == OURS and len(calls) == 2  # the table, then the probe verdict
+    assert calls[0][5] == PROBES  # the probe's step count is agreed before any probe step runs
     assert calls[0][1] == reference_table.content_hash
 
 
@@ -226,7 +241,7 @@ def test_dp_replicas_that_disagree_all_take_the_same_path(monkeypatch, caplog, t
     line = records[-1].getMessage()
     assert "data-parallel replicas decided differently" in line and f"replica {size - 1}: False" in line
     assert "profiling at start-up as usual" in line
-    n_ours = 0 if stage == "table" else 7
+    n_ours = 0 if stage == "table" else OURS
     assert len(batches) == n_ours + 280  # the full profile, as on the replica that fell back
 
 
@@ -316,10 +331,10 @@ def _forged_spread(table):
 
 
 def test_probe_tolerance_is_capped_whatever_the_tables_spread(reference_table):
-    real, forged = reference_table.curves[8192], _forged_spread(reference_table).curves[8192]
+    real, forged_table = reference_table.curves[8192], _forged_spread(reference_table)
     i, j = list(real.verify.size).index(512), list(real.draft.size).index(256)
     gpu = [P.Measured(float(real.verify.cost_ms[i]), float(real.draft.cost_ms[j]), 512, 256, True)]
-    verdict = P.judge(forged, gpu, 1)
+    verdict = P.judge(installed_at(forged_table, 8192), forged_table.curves, gpu, [P.Step(8192, 512)])
     assert not verdict.ok and all(c.tolerance <= P.MAX_TOLERANCE for c in verdict.checks)
 
 

@@ -4,6 +4,7 @@ profile_only guard in capture_model (read through the syntax tree)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from types import SimpleNamespace
@@ -116,7 +117,9 @@ class RunnerNoFlag:
 
 
 def runner_module(runner, factory=model_runner.maybe_create_adaptive_verification_manager):
-    return SimpleNamespace(GPUModelRunner=runner, maybe_create_adaptive_verification_manager=factory)
+    """A model_runner module whose GPUModelRunner has this capture_model (the rest is vLLM's)."""
+    cls = type(runner.__name__, (runner, model_runner.GPUModelRunner), {}) if runner is not None else None
+    return SimpleNamespace(GPUModelRunner=cls, maybe_create_adaptive_verification_manager=factory)
 
 
 @pytest.mark.parametrize("runner", [Runner033Reformatted, RunnerEarlyExit, RunnerNestedGuard])
@@ -175,3 +178,157 @@ def test_changed_sample_fields_are_refused():
     result = shape.detect(async_utils=SimpleNamespace(StepTimingSample=sample))
     assert not result.supported and "StepTimingSample" in result.reason
     assert shape.detect(async_utils=async_utils).supported
+
+
+# -- versions: a nightly or a release candidate is untested ----------------------------------
+@pytest.mark.parametrize("version,tested", [("0.33.1.dev5", False), ("0.33.1.dev5+g1234abc", False),
+                                            ("0.33.0rc1", False), ("0.33.0a1", False), ("0.33.0.post1", True),
+                                            ("0.33.0+cu129", True), ("0.33", True), ("garbage", False)])
+def test_dev_and_rc_builds_are_untested(version, tested):
+    assert shape.ApiShape(shape.SHAPE_V1, "", version).tested is tested
+    if not tested and version != "garbage":
+        assert "development or pre-release" in shape.untested_why(version)
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch):
+    """The plugin's patch on the installed vLLM, undone after; every log line said again."""
+    from dspark_calib.vllm import plugin, runtime
+
+    for key in list(os.environ):
+        if key.startswith("DSPARK_CALIB_"):
+            monkeypatch.delenv(key)
+    runtime.new_engine()
+    yield plugin
+    plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
+    runtime.new_engine()
+
+
+def plugin_lines(caplog):
+    return [r for r in caplog.records if r.name == "vllm.dspark_calib"]
+
+
+def test_a_nightly_is_patched_with_one_warning(monkeypatch, caplog, fresh_plugin):
+    monkeypatch.setattr(vllm, "__version__", "0.33.1.dev5")
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        fresh_plugin._patch_installed_vllm()
+    lines = plugin_lines(caplog)
+    assert fresh_plugin.is_patched(av.AdaptiveVerificationManager)
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "0.33.1.dev5 is a development or pre-release build" in lines[0].getMessage()
+    assert "strict refuses" in lines[0].getMessage()
+
+
+@pytest.mark.parametrize("version", ["0.33.1.dev5", "0.33.0rc1", "0.34.0"])
+def test_strict_refuses_to_load_a_table_on_an_untested_vllm(monkeypatch, tmp_path, version):
+    """Even a table profiled on that very build (vllm_version equal): strict loads only on a tested release."""
+    from dspark_calib.table.file import write_table
+    from dspark_calib.vllm import load
+    from tests.helpers import build_reference_table
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.setenv("DSPARK_CALIB_TABLE", write_table(build_reference_table(vllm_version=version), tmp_path))
+    monkeypatch.setenv("DSPARK_CALIB_ALLOW_REFERENCE", "1")
+    monkeypatch.setenv("DSPARK_CALIB_POLICY", "strict")
+    d = load.decision_from_env(SimpleNamespace(), [])
+    assert not d.load and f"vLLM {version} is" in d.refuse and "refusing to start (policy strict)" in d.refuse
+    monkeypatch.setenv("DSPARK_CALIB_POLICY", "fallback")
+    assert load.decision_from_env(SimpleNamespace(), []).load  # the other policies load it (the patch warned)
+
+
+# -- the exact surface the modes call ---------------------------------------------------------
+def _with_extra_keyword(func):
+    def changed(self, *args, extra=None, **kwargs):
+        return func(self, *args, **kwargs)
+
+    import inspect
+
+    params = list(inspect.signature(func).parameters.values())
+    changed.__signature__ = inspect.Signature(params + [inspect.Parameter("extra", inspect.Parameter.KEYWORD_ONLY,
+                                                                          default=None)])
+    return changed
+
+
+MODULES = {"adaptive_verification": av, "async_utils": async_utils, "model_runner": model_runner}
+
+
+def installed_modules():
+    from vllm.v1.worker.gpu import states
+    from vllm.v1.worker.gpu.spec_decode import speculator
+
+    return {**MODULES, "states": states, "speculator": speculator}
+
+
+def test_the_installed_vllm_has_the_exact_surface():
+    assert shape.surface_problem(installed_modules()) == ""
+
+
+@pytest.mark.parametrize("mod,cls,name,params", shape.METHODS, ids=lambda v: v if isinstance(v, str) else None)
+def test_a_changed_signature_of_any_method_we_call_is_refused(monkeypatch, mod, cls, name, params):
+    owner = getattr(installed_modules()[mod], cls)
+    monkeypatch.setattr(owner, name, _with_extra_keyword(getattr(owner, name)))
+    why = shape.surface_problem(installed_modules())
+    assert f"{cls}.{name}" in why and "extra" in why
+
+
+@pytest.mark.parametrize("mod,cls,name,params", [k for k in shape.KEYWORDS if k[3]],
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_a_lost_keyword_of_a_method_we_wrap_is_refused(monkeypatch, mod, cls, name, params):
+    owner = getattr(installed_modules()[mod], cls)
+
+    def without(self, *args, **kwargs):
+        pass
+
+    monkeypatch.setattr(owner, name, without)
+    assert f"{cls}.{name} has no parameter {params[0]}" in shape.surface_problem(installed_modules())
+
+
+@pytest.mark.parametrize("mod,cls,names", shape.ATTRIBUTES, ids=lambda v: v if isinstance(v, str) else None)
+def test_an_attribute_vllm_no_longer_sets_is_refused(mod, cls, names):
+    real = getattr(installed_modules()[mod], cls)
+
+    class Renamed(real):  # vLLM's methods, but its source sets none of our attributes
+        def __init__(self):
+            self.something_else = 0
+
+    modules = {**installed_modules(), mod: SimpleNamespace(**{**vars(installed_modules()[mod]), cls: Renamed})}
+    assert f"{cls} no longer sets {names[0]}" in shape.surface_problem(modules)
+
+
+def test_every_vllm_attribute_the_modes_touch_is_in_the_checked_surface():
+    """Collected from the code: each attribute the wing reads or calls on vLLM's manager, request
+    state and step collector (by the names the modules give them) is one the shape check covers."""
+    import ast
+
+    owners = {"manager": "AdaptiveVerificationManager", "req_states": "RequestState", "rs": "RequestState",
+              "collector": "StepTimingCollector"}
+    covered = {(cls, name) for _, cls, name, _ in shape.METHODS}
+    covered |= {(cls, n) for _, cls, names in shape.ATTRIBUTES for n in names}
+    covered |= {("AdaptiveVerificationManager", n) for n in ("batches_to_profile", "set_initial_cost_curves",
+                                                            "set_cost_curves", "__dict__")}
+    found = set()
+    for module in ("context_aware", "observer", "step_capture", "load", "probe", "engine_info"):
+        tree = ast.parse((REPO / "dspark_calib" / "vllm" / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            value = node.value
+            if isinstance(value, ast.Name) and value.id in owners:
+                found.add((owners[value.id], node.attr, module))
+            elif isinstance(value, ast.Attribute) and value.attr == "req_states":
+                found.add(("RequestState", node.attr, module))
+    assert len(found) > 20
+    assert {f for f in found if f[:2] not in covered} == set()
+
+
+def test_a_changed_get_num_tokens_leaves_vllm_untouched_with_one_line(monkeypatch, caplog, fresh_plugin):
+    """A keyword added to get_num_tokens would make the context-aware wrapper raise TypeError on
+    every speculative step: the plugin must not patch such a vLLM at all."""
+    monkeypatch.setattr(av.AdaptiveVerificationManager, "get_num_tokens",
+                        _with_extra_keyword(av.AdaptiveVerificationManager.get_num_tokens))
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        fresh_plugin._patch_installed_vllm()
+    lines = plugin_lines(caplog)
+    assert not fresh_plugin.is_patched(av.AdaptiveVerificationManager)
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "get_num_tokens" in lines[0].getMessage() and "leaving vLLM untouched" in lines[0].getMessage()

@@ -1,0 +1,256 @@
+"""The probe judges what vLLM installs, at every context the engine prices (real vLLM classes, CPU).
+
+Each forgery keeps the genuine fingerprint and samples and gets a fresh content hash (the
+file is written as a valid table), so only the probe or the read checks can catch it. The
+"GPU" of run_engine measures the genuine table's costs; the engine loads the forgery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import numpy as np
+import pytest
+
+
+from dspark_calib.fit import Curve, CurvePair
+from dspark_calib.selection import decide
+from dspark_calib.table.file import _write_parquet, to_arrow
+from dspark_calib.table.meta import METADATA_KEY
+from dspark_calib.telemetry import Reading
+from dspark_calib.vllm import load as loader
+from dspark_calib.vllm import probe as P
+from dspark_calib.vllm import context_aware as ca
+from tests.vllm.test_probe import LIMIT, OURS, PROBES, WARMUPS, make_manager, patched, run_engine  # noqa: F401
+
+PROBE_LINE = "probe "
+
+
+def forge(table, change):
+    """table with change(ctx, kind, columns) applied to every curve's columns (a dict of arrays)."""
+    def one(ctx, kind, c):
+        cols = {f.name: np.array(getattr(c, f.name), dtype=float if f.name not in ("size", "n") else np.int64)
+                for f in dataclasses.fields(c)}
+        change(ctx, kind, cols)
+        return Curve.from_columns(cols)
+
+    return dataclasses.replace(table, curves={ctx: CurvePair(draft=one(ctx, "draft", p.draft),
+                                                             verify=one(ctx, "verify", p.verify))
+                                              for ctx, p in table.curves.items()})
+
+
+def write_forgery(table, path):
+    """A valid table file of these curves: the content hash recomputed, no write-time checks."""
+    arrow = to_arrow(table)
+    curve_rows = json.loads(arrow.schema.metadata[METADATA_KEY])["curve_rows"]
+    with open(path, "wb") as fh:
+        _write_parquet(arrow, fh, curve_rows)
+    return str(path)
+
+
+def halve_1024_and_16384(ctx, kind, cols):
+    if ctx in (1024, 16384):
+        for k in ("cost_ms", "min_ms", "p25_ms", "p75_ms", "max_ms", "mad_ms"):
+            cols[k] = cols[k] * 0.5
+
+
+def huge_below_the_probed_sizes(ctx, kind, cols):
+    """Every point below the capture-limit step (512 tokens, 256 requests) at 59,999 ms, with a
+    spread wide enough for the read-time fall check (3 x IQR covers the drop to the real point)."""
+    below = cols["size"] < (256 if kind == "draft" else LIMIT)
+    below[0] = False  # the one-request step keeps its real point (the smallest size probed)
+    cols["cost_ms"][below] = 59_999.0
+    cols["mad_ms"][below] = 12_500.0
+    cols["p25_ms"][below], cols["min_ms"][below] = 47_499.0, 47_499.0
+    cols["p75_ms"][below], cols["max_ms"][below] = 72_499.0, 72_499.0
+
+
+def flat_but_the_probed_points(ctx, kind, cols):
+    """Every point at the capture-limit step's cost, but the ones the old probe read (verify 512
+    and 8192, draft 256): small batches priced as a full one."""
+    keep = np.isin(cols["size"], [LIMIT, 8192] if kind == "verify" else [256])
+    flat = float(cols["cost_ms"][cols["size"] == (LIMIT if kind == "verify" else 256)][0])
+    for k in ("cost_ms", "min_ms", "p25_ms", "p75_ms", "max_ms"):
+        cols[k][~keep] = flat
+    cols["mad_ms"][~keep] = 0.0
+
+
+def one_point_per_curve(ctx, kind, cols):
+    """Only the old probe's full-graph point is left in each curve."""
+    keep = cols["size"] == (LIMIT if kind == "verify" else 256)
+    for k in list(cols):
+        cols[k] = cols[k][keep]
+
+
+def point_at_2_to_40(ctx, kind, cols):
+    """One extra verify point past the engine's max_num_batched_tokens: the chunk pair price then
+    divides by 2^40 tokens (prefill priced as free)."""
+    if kind == "verify":
+        for k in list(cols):
+            extra = 2 ** 40 if k == "size" else (1 if k == "n" else 59_999.0)
+            cols[k] = np.append(cols[k], extra)
+        cols["mad_ms"][-1] = 0.0
+
+
+def start(monkeypatch, caplog, path, genuine, policy="strict", **env):
+    monkeypatch.setenv("DSPARK_CALIB_TABLE", path)
+    monkeypatch.setenv("DSPARK_CALIB_ALLOW_REFERENCE", "1")
+    monkeypatch.setenv("DSPARK_CALIB_POLICY", policy)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    m = make_manager()
+    with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
+        batches, _ = run_engine(m, sizes_of(genuine), genuine)
+    return m, batches, [r.getMessage() for r in caplog.records if r.name == "vllm.dspark_calib"]
+
+
+def sizes_of(table):
+    return list(table.fingerprint.cudagraph_capture_sizes)
+
+
+@pytest.mark.parametrize("change, caught", [
+    (halve_1024_and_16384, "context 16384: verify@1 2.00x"),
+    (huge_below_the_probed_sizes, "verify@512 0.00x"),
+    (flat_but_the_probed_points, "verify@1 0.0"),
+    (one_point_per_curve, "verify@8192 no table point"),
+])
+def test_forgeries_that_read_as_genuine_fail_the_probe_under_strict(monkeypatch, caplog, tmp_path, reference_table,
+                                                                    change, caught):
+    forged = forge(reference_table, change)
+    path = write_forgery(forged, tmp_path / "forged.parquet")
+    assert decide(path, {}, policy="strict", allow_reference=True).load  # every read-time check passes it
+    with pytest.raises(RuntimeError, match="policy strict") as err:
+        start(monkeypatch, caplog, path, reference_table)
+    assert caught in str(err.value) and "does not match this GPU's measured costs" in str(err.value)
+
+
+def test_halved_contexts_would_price_a_16384_verify_at_half(reference_table):
+    """What the first forgery does if it loads: context-aware mode prices a 16384 verify at half."""
+    from dspark_calib.pricing.costs import ContextCosts
+
+    real = ContextCosts(reference_table.curves, 256, 8192, LIMIT).at(16384).verify[LIMIT]
+    forged = ContextCosts(forge(reference_table, halve_1024_and_16384).curves, 256, 8192, LIMIT).at(16384).verify[LIMIT]
+    assert forged == pytest.approx(real / 2) and real == pytest.approx(144, abs=1)
+
+
+@pytest.mark.parametrize("policy", ["strict", "fallback"])
+def test_a_point_past_max_num_batched_tokens_is_refused_at_read_time(monkeypatch, caplog, tmp_path, reference_table,
+                                                                      policy):
+    path = write_forgery(forge(reference_table, point_at_2_to_40), tmp_path / "forged.parquet")
+    d = decide(path, {}, policy=policy, allow_reference=True)
+    assert not d.load
+    why = d.refuse if policy == "strict" else d.lines[0]
+    assert f"size {2 ** 40} exceeds the table's own max_num_batched_tokens 8192" in why
+
+
+def test_a_draft_point_past_max_num_seqs_is_refused_at_read_time(tmp_path, reference_table):
+    def draft_past(ctx, kind, cols):
+        if kind == "draft":
+            for k in list(cols):
+                cols[k] = np.append(cols[k], 512 if k == "size" else (1 if k == "n" else cols[k][-1]))
+
+    d = decide(write_forgery(forge(reference_table, draft_past), tmp_path / "f.parquet"), {}, policy="strict",
+               allow_reference=True)
+    assert not d.load and "exceeds the table's own max_num_seqs 256" in d.refuse
+
+
+# -- the plan ---------------------------------------------------------------------------------
+def flat_tables(ms_per_step):
+    return (np.full(257, ms_per_step / 2), np.full(8193, ms_per_step / 2))
+
+
+def test_plan_probes_the_chosen_context_first_then_the_farthest_within_the_budget():
+    installed = {c: flat_tables(100.0) for c in (1024, 4096, 8192, 16384, 32768)}
+    plan = P.plan_probe(installed, 8192, [1, LIMIT, 8192])
+    # 3 steps per context, 300 ms each context: 4 contexts fit 12 steps and 1.2 s; 4096 is the nearest
+    assert plan.contexts == (1024, 8192, 16384, 32768) and plan.skipped == (4096,)
+    assert len(plan.steps) == P.MAX_PROBE_STEPS == 12 and plan.predicted_ms == pytest.approx(1200)
+    assert [s.context_len for s in plan.steps] == [1024] * 3 + [8192] * 3 + [16384] * 3 + [32768] * 3
+    slow = P.plan_probe({c: flat_tables(400.0) for c in (1024, 8192, 16384)}, 8192, [1, LIMIT, 8192])
+    assert slow.contexts == (8192,) and slow.skipped == (1024, 16384)  # 1.2 s each: only the chosen one
+    assert len(slow.steps) == 3
+    assert P.plan_probe(installed, 8192, []).note  # nothing to probe: said, never a silent pass
+
+
+def test_probe_sizes_are_the_smallest_graph_the_capture_limit_and_the_largest_tail():
+    assert loader.probe_sizes([1, 2, 4, 512, 768, 8192], 512) == [1, 512, 8192]
+    assert loader.probe_sizes([768, 8192], 0) == [8192]  # no graphs captured: the tail only
+
+
+def test_a_table_of_one_context_or_context_aware_off_probes_its_context_only(monkeypatch, caplog, tmp_path,
+                                                                             reference_table, reference_table_8192):
+    from dspark_calib.table.file import write_table
+
+    _, batches, lines = start(monkeypatch, caplog, write_table(reference_table_8192, tmp_path), reference_table_8192)
+    assert [(b["num_tokens"], b["context_len"]) for b in batches[WARMUPS:]] == [(1, 8192), (LIMIT, 8192), (8192, 8192)]
+    caplog.clear()
+    _, batches, lines = start(monkeypatch, caplog, write_table(reference_table, tmp_path / "all.parquet"),
+                              reference_table, DSPARK_CALIB_CONTEXT_AWARE="0")
+    assert len(batches) == WARMUPS + 3 and "3 steps in" in next(x for x in lines if x.startswith("dspark-calib: probe"))
+
+
+def test_contexts_over_the_budget_are_left_out_of_the_grid(monkeypatch, caplog, tmp_path, reference_table):
+    from dspark_calib.table.file import write_table
+
+    monkeypatch.setattr(P, "MAX_PROBE_STEPS", 6)  # room for two contexts: 8192, then 16384 (the farthest)
+    m, batches, lines = start(monkeypatch, caplog, write_table(reference_table, tmp_path), reference_table)
+    assert len(batches) == WARMUPS + 6 and {b["context_len"] for b in batches[WARMUPS:]} == {8192, 16384}
+    probe = next(x for x in lines if x.startswith("dspark-calib: probe"))
+    assert "contexts 1024 over the probe's budget: left out of the context-aware grid" in probe
+    assert ca.installed_state(m).grid.contexts == (8192, 16384)
+
+
+def test_probe_line_says_the_gpu_throttled(monkeypatch, caplog, tmp_path, reference_table):
+    from dspark_calib.table.file import write_table
+
+    class Throttled:
+        source = "nvml"
+
+        def read(self):
+            return Reading(sm_mhz=1410.0, throttle=("hw_slowdown",))
+
+    monkeypatch.setattr(loader, "probe_reader", Throttled)
+    _, _, lines = start(monkeypatch, caplog, write_table(reference_table, tmp_path), reference_table)
+    probe = [x for x in lines if x.startswith("dspark-calib: probe")]
+    assert len(probe) == 1
+    assert "GPU throttled during the probe (hw_slowdown), SM 1410-1410 MHz" in probe[0]
+
+
+def test_probe_line_gives_the_sm_clock_when_not_throttled():
+    readings = [Reading(sm_mhz=1980.0), Reading(sm_mhz=1965.0)]
+    assert P.conditions(readings) == "SM 1965-1980 MHz, no throttling"
+    assert P.conditions([Reading()], "no NVML") == "SM clock not read (no NVML)"
+
+
+# -- every rank runs rank 0's plan ------------------------------------------------------------
+def test_other_tp_ranks_run_rank_0s_plan_whatever_their_env(monkeypatch, caplog, tmp_path, reference_table):
+    from dspark_calib.table.file import write_table
+    from dspark_calib.vllm import engine_info
+
+    path = write_table(reference_table, tmp_path)
+    sent = []
+    monkeypatch.setattr(engine_info, "broadcast_from_rank0", lambda obj: sent.append(obj) or obj)
+    _, rank0_batches, _ = start(monkeypatch, caplog, path, reference_table)
+    plan = sent[0][1]
+    assert len(plan.steps) == PROBES
+
+    replies = iter(sent)
+    monkeypatch.setattr(engine_info, "tp_rank_and_size", lambda: (1, 2))
+    monkeypatch.setattr(engine_info, "broadcast_from_rank0", lambda obj: next(replies))
+    # rank 1 would price one context (its env says context-aware off): it still runs rank 0's steps
+    _, rank1_batches, _ = start(monkeypatch, caplog, path, reference_table, DSPARK_CALIB_CONTEXT_AWARE="0")
+    assert rank1_batches == rank0_batches and len(rank1_batches) == OURS
+
+
+def test_dp_replicas_with_other_probe_step_counts_disagree(monkeypatch, caplog, tmp_path, reference_table):
+    from dspark_calib.table.file import write_table
+    from tests.vllm.test_probe import stub_dp
+
+    stub_dp(monkeypatch, 2, 0, lambda call, mine: [mine[:5] + (3,)] if call == 0 else [mine])
+    _, batches, lines = start(monkeypatch, caplog, write_table(reference_table, tmp_path), reference_table,
+                              policy="fallback")
+    line = next(x for x in lines if "data-parallel replicas decided differently" in x)
+    assert "replica 0: True" in line and "fallback 9" in line and "fallback 3" in line  # 9 probe steps here, 3 there
+    assert len(batches) == 280  # vLLM's full profile, as on every replica
