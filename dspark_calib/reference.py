@@ -149,6 +149,7 @@ def table_from_startup_json(
     check_model_dtype(dtype, "--dtype", RESOLVED_DTYPES)
     check_draft(draft, num_speculative_tokens)
     samples: list[Sample] = []
+    per_file: dict[str, list[Sample]] = {}
     engine: dict[str, Any] | None = None
     first = ""
     seen: dict[bytes, str] = {}
@@ -172,7 +173,8 @@ def table_from_startup_json(
         if engine is not None and this != engine:
             raise CalibError(f"profiled on a different engine shape than {display_path(first)}", path=path)
         engine, first = this, first or path
-        samples += samples_from_startup_json(data, path)
+        per_file[path] = samples_from_startup_json(data, path)
+        samples += per_file[path]
     assert engine is not None  # paths is not empty, and each file either added samples or raised
     replays = max(Counter((s.num_target_tokens, s.context_len) for s in samples).values())
     fingerprint = Fingerprint(
@@ -203,4 +205,25 @@ def table_from_startup_json(
         warmup_replays=0,
         extra={"source": [os.path.basename(p) for p in paths]},
     )
-    return CostTable.from_samples(samples, fingerprint)
+    try:
+        return _checked(CostTable.from_samples(samples, fingerprint))
+    except CalibError as exc:
+        raise _named(exc, per_file, fingerprint) from None
+
+
+def _checked(table: CostTable) -> CostTable:
+    """The table as read_table would check it: one its own reader refuses is never made."""
+    table.check_plausible()
+    table.check_spread()
+    return table
+
+
+def _named(exc: CalibError, per_file: dict[str, list[Sample]], fingerprint: Fingerprint) -> CalibError:
+    """A fit's refusal (an empty or falling curve) said about the file whose samples cause it:
+    the first that fails on its own, else all of them."""
+    for path, samples in per_file.items():
+        try:
+            _checked(CostTable.from_samples(samples, fingerprint))
+        except CalibError as own:
+            return CalibError(str(own), path=path)
+    return CalibError(f"{exc} (in {', '.join(display_path(p) for p in per_file)} together)")

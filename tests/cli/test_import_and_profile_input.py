@@ -45,6 +45,9 @@ def _every_batch(key, value):
     (lambda d: d.update(capture_sizes=[8, 4]), "capture_sizes are not strictly increasing"),
     (lambda d: d["rows"][3].update(forward_ms=1e308), "row 3: forward_ms 1e+308 is not a plausible step"),
     (lambda d: d["rows"][0].update(num_reqs=10**30), "row 0: num_reqs"),
+    (lambda d: [r.update(full_cudagraph=False) for r in d["rows"]], "draft curve at context 1024 is empty"),
+    (lambda d: [r.update(forward_ms=100.0 if r["num_target_tokens"] < 50 else 1.0) for r in d["rows"]],
+     "verify curve at context 1024, size 56: cost 1 ms falls below the 100 ms"),
 ])
 def test_import_refuses_a_capture_its_reader_or_vllm_could_not_use(tmp_path, change, fragment):
     capture = _capture(tmp_path, change)
@@ -112,6 +115,10 @@ def _profile_in_a_fresh_python(args, *, block_vllm=False, **env):
     (("--dtype", "bogus"), {}, "--dtype 'bogus' is not one of vLLM's"),
 ])
 def test_profile_refuses_before_importing_vllm_and_leaves_no_directory(tmp_path, args, env, fragment):
+    import importlib.util
+
+    if fragment == "no GPU visible" and importlib.util.find_spec("vllm") is None:
+        fragment = "vllm is not installed"  # the light install: said first, as fast
     out = tmp_path / "new"
     code, err, seconds, heavy = _profile_in_a_fresh_python([*PROFILE, *args, "--out", f"{out}/"], **env)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("dspark-calib: error: ") and fragment in err, err
