@@ -345,6 +345,31 @@ def compatibility_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+# The values vLLM takes and records, as its own Literal types list them (vllm.config.model's
+# ModelDType; the dtype a running engine reports is one of RESOLVED_DTYPES); a test holds them
+# to the installed vLLM. Here so that `profile` and `import-vllm` refuse a typo without vllm.
+VLLM_MODEL_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+RESOLVED_DTYPES = ("bfloat16", "float16", "float32")
+# The draft architectures vLLM runs as DSpark drafters.
+DSPARK_ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel")
+
+
+def check_model_dtype(dtype: str, option: str, choices: tuple[str, ...] = VLLM_MODEL_DTYPES) -> None:
+    if dtype not in choices:
+        raise CalibError(f"{option} {dtype!r} is not one of vLLM's: {', '.join(choices)}")
+
+
+def dspark_block_size(config: Mapping[str, Any], where: str) -> int | None:
+    """The block size a DSpark drafter was trained for (its config.json), after checking it is
+    one: CalibError naming `where` for any other architecture. None when the config has none."""
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not any(a in DSPARK_ARCHITECTURES for a in archs):
+        raise CalibError(f"not a DSpark drafter: architectures {str(archs)[:80]}, expected one of "
+                         f"{', '.join(DSPARK_ARCHITECTURES)}", path=where)
+    block = config.get("block_size", config.get("dspark_block_size"))
+    return block if type(block) is int and block > 0 else None
+
+
 def config_hash(model_dir: str) -> str:
     """sha256 of a model's config.json, canonicalised (key order and whitespace do not count).
 

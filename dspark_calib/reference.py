@@ -16,11 +16,12 @@ import re
 from collections import Counter
 from typing import Any, Sequence
 
-from dspark_calib.errors import CalibError, first_line
-from dspark_calib.fingerprint import BACKEND_REFERENCE, Fingerprint, config_hash
-from dspark_calib.safe_open import open_local
+from dspark_calib.errors import CalibError, display_path, first_line
+from dspark_calib.fingerprint import (BACKEND_REFERENCE, RESOLVED_DTYPES, Fingerprint, check_model_dtype,
+                                      config_hash, dspark_block_size)
+from dspark_calib.safe_open import open_local, read_json_file
 from dspark_calib.samples import VLLM_SAMPLE_FIELDS, Sample
-from dspark_calib.table.model import CostTable
+from dspark_calib.table.model import MAX_STEP_MS, CostTable
 
 
 # How torch.cuda.get_device_name() names a GPU ("NVIDIA H200", "AMD Instinct MI300X") and
@@ -28,6 +29,9 @@ from dspark_calib.table.model import CostTable
 # from what the engine reports can never load.
 GPU_VENDORS = ("NVIDIA", "AMD", "Intel")
 VLLM_VERSION = re.compile(r"\d+\.\d+\.\d+([.+-]?[0-9A-Za-z.+-]+)?")
+# Token counts and context lengths a start-up profile can hold: far above any engine, within
+# the 64-bit columns a table stores them in.
+MAX_COUNT = 1 << 40
 
 
 def identity_warnings(gpu_name: str, vllm_version: str) -> list[str]:
@@ -47,6 +51,37 @@ def identity_warnings(gpu_name: str, vllm_version: str) -> list[str]:
     return out
 
 
+def _count(value: Any, what: str, low: int = 1) -> int:
+    """An integer the engine counted (tokens, requests, a context length): CalibError otherwise."""
+    if type(value) is not int or not low <= value <= MAX_COUNT:
+        raise CalibError(f"{what} {str(value)[:40]} is not an integer in {low}..{MAX_COUNT}")
+    return value
+
+
+def engine_shape(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """The engine limits a start-up profile records, checked as the table's fingerprint and vLLM
+    use them (a table must never be written that its own reader or vLLM would refuse)."""
+    try:
+        this = {k: data[k] for k in ("capture_sizes", "cudagraph_limit", "max_num_reqs", "max_num_batched_tokens")}
+    except KeyError as exc:
+        raise CalibError(f"lacks {exc.args[0]}", path=path) from None
+    try:
+        tokens = _count(this["max_num_batched_tokens"], "max_num_batched_tokens")
+        if _count(this["max_num_reqs"], "max_num_reqs") > tokens:
+            raise CalibError(f"max_num_reqs {this['max_num_reqs']} is above max_num_batched_tokens {tokens}")
+        _count(this["cudagraph_limit"], "cudagraph_limit", 0)
+        sizes = this["capture_sizes"]
+        if not isinstance(sizes, list):
+            raise CalibError("capture_sizes is not a list")
+        for size in sizes:
+            _count(size, "a capture size")
+        if sizes != sorted(set(sizes)):
+            raise CalibError("capture_sizes are not strictly increasing")
+    except CalibError as exc:
+        raise CalibError(str(exc), path=path) from None
+    return this
+
+
 def samples_from_startup_json(data: dict[str, Any], path: str) -> list[Sample]:
     """Tag vLLM's samples with the context length and replay of the batch that made them."""
     rows, batches = data.get("rows"), data.get("batches")
@@ -58,15 +93,36 @@ def samples_from_startup_json(data: dict[str, Any], path: str) -> list[Sample]:
     out = []
     for i, (row, batch) in enumerate(zip(rows, batches)):
         try:
-            key = (batch["num_tokens"], batch["context_len"])
-            out.append(Sample(**{k: row[k] for k in VLLM_SAMPLE_FIELDS}, context_len=batch["context_len"],
-                              replay=seen[key]))
-        except (KeyError, TypeError) as exc:
+            key = (_count(batch["num_tokens"], "num_tokens"), _count(batch["context_len"], "context_len"))
+            sample = Sample(**{k: row[k] for k in VLLM_SAMPLE_FIELDS}, context_len=batch["context_len"],
+                            replay=seen[key])
+            for name in ("num_target_tokens", "num_reqs"):
+                _count(getattr(sample, name), name)
+            for name in ("forward_ms", "drafter_ms"):
+                if getattr(sample, name) > MAX_STEP_MS:
+                    raise CalibError(f"{name} {getattr(sample, name)!r} is not a plausible step (at most "
+                                     f"{MAX_STEP_MS:g} ms)")
+        except (KeyError, TypeError, AttributeError) as exc:
             raise CalibError(f"row/batch {i} is malformed (missing or bad {exc})", path=path) from None
         except CalibError as exc:
             raise CalibError(f"row {i}: {exc}", path=path) from None
+        out.append(sample)
         seen[key] += 1
     return out
+
+
+def check_draft(draft: str, num_speculative_tokens: int) -> None:
+    """The draft is a DSpark drafter, and K is the block it drafts: a start-up profile does not
+    record K, and vLLM runs a DSpark drafter with its block_size unless told otherwise."""
+    path = os.path.join(draft, "config.json") if os.path.isdir(draft) else draft
+    config = read_json_file(path)
+    if not isinstance(config, dict):
+        raise CalibError("not a JSON object (a model config.json)", path=path)
+    block = dspark_block_size(config, path)
+    if block is not None and block != num_speculative_tokens:
+        raise CalibError(f"--num-speculative-tokens {num_speculative_tokens} is not this drafter's block_size "
+                         f"{block}, the K vLLM profiles it with by default (a start-up profile does not record K)",
+                         path=path)
 
 
 def table_from_startup_json(
@@ -85,10 +141,17 @@ def table_from_startup_json(
     dtype: str = "bfloat16",
     kv_cache_dtype: str = "auto",
 ) -> CostTable:
+    """The table of vLLM start-up profiles, every input checked before anything is made: the
+    options, the draft, each file's engine limits and every sample (one CalibError naming the
+    file or the option)."""
     if not paths:
         raise CalibError("no start-up profiles given")
+    check_model_dtype(dtype, "--dtype", RESOLVED_DTYPES)
+    check_draft(draft, num_speculative_tokens)
     samples: list[Sample] = []
+    per_file: dict[str, list[Sample]] = {}
     engine: dict[str, Any] | None = None
+    first = ""
     seen: dict[bytes, str] = {}
     for path in paths:
         fh, _ = open_local(path, path)  # never blocks on a FIFO; permission/symlink loop said as such
@@ -102,18 +165,16 @@ def table_from_startup_json(
         key = hashlib.sha256(raw).digest()
         if key in seen:
             same = "the same file as" if os.path.realpath(seen[key]) == os.path.realpath(path) else "the same content as"
-            raise CalibError(f"is {same} {seen[key]}; each profile may be imported once", path=path)
+            raise CalibError(f"is {same} {display_path(seen[key])}; each profile may be imported once", path=path)
         seen[key] = path
         if not isinstance(data, dict):
             raise CalibError("not a JSON object", path=path)
-        try:
-            this = {k: data[k] for k in ("capture_sizes", "cudagraph_limit", "max_num_reqs", "max_num_batched_tokens")}
-        except KeyError as exc:
-            raise CalibError(f"lacks {exc.args[0]}", path=path) from None
+        this = engine_shape(data, path)
         if engine is not None and this != engine:
-            raise CalibError("profiled on a different engine shape than the first file", path=path)
-        engine = this
-        samples += samples_from_startup_json(data, path)
+            raise CalibError(f"profiled on a different engine shape than {display_path(first)}", path=path)
+        engine, first = this, first or path
+        per_file[path] = samples_from_startup_json(data, path)
+        samples += per_file[path]
     assert engine is not None  # paths is not empty, and each file either added samples or raised
     replays = max(Counter((s.num_target_tokens, s.context_len) for s in samples).values())
     fingerprint = Fingerprint(
@@ -144,4 +205,25 @@ def table_from_startup_json(
         warmup_replays=0,
         extra={"source": [os.path.basename(p) for p in paths]},
     )
-    return CostTable.from_samples(samples, fingerprint)
+    try:
+        return _checked(CostTable.from_samples(samples, fingerprint))
+    except CalibError as exc:
+        raise _named(exc, per_file, fingerprint) from None
+
+
+def _checked(table: CostTable) -> CostTable:
+    """The table as read_table would check it: one its own reader refuses is never made."""
+    table.check_plausible()
+    table.check_spread()
+    return table
+
+
+def _named(exc: CalibError, per_file: dict[str, list[Sample]], fingerprint: Fingerprint) -> CalibError:
+    """A fit's refusal (an empty or falling curve) said about the file whose samples cause it:
+    the first that fails on its own, else all of them."""
+    for path, samples in per_file.items():
+        try:
+            _checked(CostTable.from_samples(samples, fingerprint))
+        except CalibError as own:
+            return CalibError(str(own), path=path)
+    return CalibError(f"{exc} (in {', '.join(display_path(p) for p in per_file)} together)")

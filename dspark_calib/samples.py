@@ -187,6 +187,13 @@ class Samples:
             return self.num_reqs, self.drafter_ms
         return self.num_target_tokens, self.forward_ms
 
+    def measurements(self) -> set[bytes]:
+        """Each sample as it was measured (every column but the replay index, which a merge
+        renumbers): equal in two tables only when the same timing was pooled twice, or by chance."""
+        cols = [getattr(self, c) for c in SAMPLE_COLUMNS if c != "replay"]
+        rows = np.stack([c.view(np.int64) if c.dtype == np.float64 else c.astype(np.int64) for c in cols], axis=1)
+        return {row.tobytes() for row in np.ascontiguousarray(rows)}
+
     def with_replay_offset(self, offset: int) -> "Samples":
         return type(self)(**{**self.columns(), "replay": self.replay + offset})
 

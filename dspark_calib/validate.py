@@ -58,7 +58,7 @@ from dspark_calib.pricing.policy import (CHUNK_RULE, CONTEXT_AWARE, DEFAULT_CONT
 from dspark_calib.pricing.grid import DEFAULT_TOLERANCE, ContextGrid
 from dspark_calib.pricing.costs import ContextCosts
 from dspark_calib.pricing.rules import prefill_context_sum, tail_context_sum
-from dspark_calib.errors import CalibError
+from dspark_calib.errors import CalibError, display_path
 from dspark_calib.observe.step import ABSENT
 from dspark_calib.observe.file import ObservedSteps
 
@@ -234,13 +234,16 @@ def _recorded_setting(observed: ObservedSteps, field: str, default: Any, what: s
     (PricingPolicy.from_metadata: a file that predates the key reads as what such engines did);
     default (this release's engine default) when none was context-aware. Engines that disagree are
     an error: the files must be validated apart, or with the option that sets it."""
-    policies = [m.policy() for m in observed.metadata if m.mode == CONTEXT_AWARE]
-    values = {getattr(p, field) for p in policies if among is None or among(p)}
-    if len(values) > 1:
-        shown = ", ".join(show(v) for v in sorted(values))
+    first: dict[Any, str] = {}  # each value -> the first file recording it, to name in an error
+    for path, meta in zip(observed.files, observed.metadata):
+        policy = meta.policy() if meta.mode == CONTEXT_AWARE else None
+        if policy is not None and (among is None or among(policy)):
+            first.setdefault(getattr(policy, field), path)
+    if len(first) > 1:
+        shown = ", ".join(f"{show(v)} in {display_path(first[v])}" for v in sorted(first))
         raise CalibError(f"the observe files come from engines with different {what} ({shown}): validate them "
                          f"apart, or price them all with {option}")
-    return values.pop() if values else default
+    return next(iter(first)) if first else default
 
 
 def recorded_tail(observed: ObservedSteps) -> int:
@@ -276,7 +279,8 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
              chunks: bool | None = None, grid_tolerance: float = DEFAULT_TOLERANCE, context_floor: int = 1024) -> ValidationResult:
     """Compare the table's predictions with observed steps (see the module docstring)."""
     if len(observed) == 0:
-        raise CalibError("no observed steps to validate against")
+        shown = ", ".join(display_path(f) for f in observed.files[:3]) + (", ..." if len(observed.files) > 3 else "")
+        raise CalibError(f"no observed steps to validate against in {shown or 'no file'}")
     fp = table.fingerprint
     c = observed.columns
     # The engine's sizes when the files recorded them (its grid is then this one, point for point),

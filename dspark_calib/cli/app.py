@@ -159,16 +159,25 @@ def _warn(message: str) -> None:
     typer.echo(f"{PROG}: warning: " + " ".join(message.split()), err=True)
 
 
-def _write_table(table: Any, out: Any) -> str:
-    """Write to a checked --out (paths.TableOut); a write failure names the user's path."""
+def _write_table(table: Any, out: Any) -> None:
+    """Write to a checked --out (paths.TableOut), then print the path, whether it replaced a table
+    of the same content hash, and the summary. The summary is made first: a table it cannot
+    describe is never written. A write failure names the user's path."""
     from dspark_calib.cli.paths import write_error
+    from dspark_calib.inspection import inspect_table
+    from dspark_calib.render import render_summary
     from dspark_calib.table.file import write_table
 
-    path = out.file_for(table.default_filename())
+    path, replaced = out.destination(table.default_filename(), table.content_hash)
+    summary = inspect_table(table, path=path)
     try:
-        return write_table(table, path)
+        write_table(table, path)
     except OSError as exc:
         raise write_error(exc, path, out.option) from None
+    typer.echo(path)
+    if replaced:
+        typer.echo(replaced)
+    render_summary(summary, _console())
 
 
 def _plot(draw: Callable[..., str], path: str, *args: Any, **kwargs: Any) -> str:
@@ -204,6 +213,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print everything as JSON 
 AllOpt = Annotated[bool, typer.Option("--all", help="Show every size of long curves.")]
 PlotOpt = Annotated[Optional[str], typer.Option(
     "--plot", metavar="FILE", help="Also write a plot; .png, .svg or .pdf (the suffix picks the format).")]
+ForceOpt = Annotated[bool, typer.Option(
+    "--force", help="Replace an existing output file (without it, only a table of the same content hash is).")]
 
 
 @app.command("inspect")
@@ -215,11 +226,12 @@ def inspect_cmd(
     context_len: Annotated[Optional[int], typer.Option(
         "--context-len", min=1, metavar="L", help="Show only the profiled context length nearest to L.")] = None,
     all_points: AllOpt = False,
+    force: ForceOpt = False,
 ) -> None:
     """Show a table's fingerprint, curves, draft budgets, warnings and notes."""
     from dspark_calib.cli.paths import plot_path
 
-    plot = plot_path(plot, [table])  # before any work: a bad path costs nothing
+    plot = plot_path(plot, [table], force=force)  # before any work: a bad path costs nothing
     from dspark_calib.inspection import inspect_table
     from dspark_calib.table.file import read_table
 
@@ -260,6 +272,7 @@ def diff_cmd(
         "--new-context", min=1, metavar="L", help="Context length of NEW to compare (nearest profiled).")] = None,
     all_points: Annotated[bool, typer.Option(
         "--all", help="List every compared size, not just the largest changes.")] = False,
+    force: ForceOpt = False,
 ) -> None:
     """Compare two tables: fingerprint, per-size cost changes (with significance), decision impact.
 
@@ -267,7 +280,7 @@ def diff_cmd(
     """
     from dspark_calib.cli.paths import plot_path
 
-    plot = plot_path(plot, [old, new])
+    plot = plot_path(plot, [old, new], force=force)
     from dspark_calib.compare import compare_tables, threshold_verdict
     from dspark_calib.table.file import read_table
 
@@ -304,7 +317,8 @@ def import_vllm_cmd(
     vllm_version: Annotated[str, typer.Option("--vllm-version", help="vllm.__version__ of that engine ('0.33.0').")],
     num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens", min=1, max=MAX_K, metavar="K")],
     out: Annotated[str, typer.Option(
-        "--out", metavar="FILE|DIR", help="Table file, or directory for the default file name.")] = ".",
+        "--out", metavar="FILE|DIR/", help="Table file (.parquet), or a directory for the default file name "
+                                           "(a new one ends with '/').")] = ".",
     torch_version: Annotated[str, typer.Option("--torch-version")] = "",
     driver_version: Annotated[str, typer.Option("--driver-version")] = "",
     cuda_version: Annotated[str, typer.Option("--cuda-version")] = "",
@@ -312,13 +326,14 @@ def import_vllm_cmd(
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1, max=MAX_TP)] = 1,
     dtype: Annotated[str, typer.Option("--dtype", callback=_not_blank)] = "bfloat16",
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", callback=_not_blank)] = "auto",
+    force: ForceOpt = False,
 ) -> None:
     """Make a table from vLLM's own start-up profiling samples (saved as JSON)."""
     from dspark_calib.cli.paths import refuse_duplicate_inputs, table_out
     from dspark_calib.reference import identity_warnings, table_from_startup_json
 
     refuse_duplicate_inputs(jsons, "profile")
-    target = table_out(out, jsons)
+    target = table_out(out, jsons, force=force)
     t = table_from_startup_json(
         jsons, model=model, draft=draft, gpu_name=gpu_name, vllm_version=vllm_version,
         num_speculative_tokens=num_speculative_tokens, torch_version=torch_version, driver_version=driver_version,
@@ -326,34 +341,29 @@ def import_vllm_cmd(
         tensor_parallel_size=tensor_parallel_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     for line in identity_warnings(gpu_name, vllm_version):  # once the inputs read: bad input stays one line
         _warn(line)
-    _written(t, _write_table(t, target))
-
-
-def _written(table: Any, path: str) -> None:
-    from dspark_calib.inspection import inspect_table
-    from dspark_calib.render import render_summary
-
-    typer.echo(path)
-    render_summary(inspect_table(table, path=path), _console())
+    _write_table(t, target)
 
 
 @app.command("merge")
 @handled
 def merge_cmd(
     tables: Annotated[List[str], typer.Argument(metavar="TABLE", help="Tables from runs of the same engine.")],
-    out: Annotated[str, typer.Option("--out", metavar="FILE|DIR", help="Merged table file, or a directory for it.")],
+    out: Annotated[str, typer.Option("--out", metavar="FILE|DIR/", help="Merged table file (.parquet), or a directory for it "
+                                                              "(a new one ends with '/').")],
+    force: ForceOpt = False,
 ) -> None:
     """Pool the raw samples of several runs of one engine and refit the curves."""
     from dspark_calib.cli.paths import refuse_duplicate_inputs, refuse_same_tables, table_out
+    from dspark_calib.errors import display_path
     from dspark_calib.table.model import merge_tables
     from dspark_calib.table.file import read_table
 
     refuse_duplicate_inputs(tables, "table")
-    target = table_out(out, tables)
+    target = table_out(out, tables, force=force)
     read = [read_table(p) for p in tables]
     refuse_same_tables(tables, [t.content_hash for t in read])
-    merged = merge_tables(read)
-    _written(merged, _write_table(merged, target))
+    merged = merge_tables(read, names=[display_path(p) for p in tables])  # errors name the files
+    _write_table(merged, target)
 
 
 @app.command("check")
@@ -424,6 +434,7 @@ def validate_cmd(
         help="Context-aware pricing of prefill chunks by their query-context pairs (--chunks) or by the KV sum; "
              "default: as the files' engines priced them (DSPARK_CALIB_CONTEXT_CHUNKS), else the plugin's default "
              f"({'pairs' if DEFAULT_CONTEXT_CHUNKS else 'the KV sum'}).")] = None,
+    force: ForceOpt = False,
 ) -> None:
     """Predicted vs measured step cost on observed serving steps: single-context and context-aware pricing.
 
@@ -434,7 +445,7 @@ def validate_cmd(
 
     files = observed_paths(observed)  # directories expanded: --plot is checked against every input
     refuse_duplicate_inputs(files, "observe file")  # a file counted twice doubles its steps' weight
-    plot = plot_path(plot, [table, *files])  # before any work
+    plot = plot_path(plot, [table, *files], force=force)  # before any work
     from dspark_calib.env import tail_to_milli  # standard library only
 
     tail_milli = None if tail is None else tail_to_milli(tail, f"--tail {tail:g}")
@@ -515,13 +526,14 @@ def profile_cmd(
         "--engine-args-json", metavar="FILE|JSON", help="EngineArgs fields as a JSON object, or a file holding one; "
                                                         "--engine-arg wins on the same key.")] = None,
     out: Annotated[str, typer.Option(
-        "--out", metavar="FILE|DIR", help="Table file (.parquet), or a directory for the default name; vLLM's "
-                                          "log goes beside it.")] = ".",
+        "--out", metavar="FILE|DIR/", help="Table file (.parquet), or a directory for the default name (a new "
+                                           "one ends with '/'); vLLM's log goes beside it.")] = ".",
     keep_capture: Annotated[Optional[str], typer.Option(
         "--keep-capture", metavar="DIR", help="Also copy the raw per-rank capture JSON here.")] = None,
     strict_stability: Annotated[bool, typer.Option(
         "--strict-stability", help="Fail (exit 2, no table) when a block's level shifts from the others by over "
                                    "3 x the points' MAD; re-running is up to you.")] = False,
+    force: ForceOpt = False,
 ) -> None:
     """Profile vLLM's DSpark draft/verify steps on this machine's GPUs and write a cost table."""
     options = dict(locals())

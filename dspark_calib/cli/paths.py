@@ -4,8 +4,11 @@ inputs given twice refused.
 Every rule here runs before a table is read or a curve is fitted, so a bad path costs
 nothing and names the path the user typed (never a temp file). A path that resolves to
 an input (same file after realpath, or os.path.samefile through hard links) is refused:
-`inspect T --plot T` or `merge A B --out A` would otherwise replace the input. Parent
-directories are never created: a typo must not grow a tree from /.
+`inspect T --plot T` or `merge A B --out A` would otherwise replace the input. Any
+other existing file is replaced only with --force, or by a table of the same content hash
+(nothing is lost then). Parent directories are never created, and a new --out directory
+is one only when its name ends with '/': a typo must not grow a tree from /, nor turn
+`ab.parqet` into a directory.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def refuse_inputs(path: str, inputs: Sequence[str], option: str) -> None:
 
 
 def _check_parent(path: str, option: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(os.path.abspath(path.rstrip("/" + os.sep) or path))
     if not os.path.isdir(parent):
         what = "is not a directory" if os.path.exists(parent) else "does not exist (not created: make it first)"
         raise CalibError(f"{option}: directory {display_path(parent)} {what}", path=path)
@@ -51,8 +54,9 @@ def _not_empty(path: str, option: str) -> None:
         raise CalibError(f"{option}: empty path")
 
 
-def plot_path(path: str | None, inputs: Sequence[str], option: str = "--plot") -> str | None:
-    """The plot file to write (None: no plot). Its suffix names the format."""
+def plot_path(path: str | None, inputs: Sequence[str], option: str = "--plot", *, force: bool = False) -> str | None:
+    """The plot file to write (None: no plot). Its suffix names the format; an existing file is
+    replaced only with --force."""
     if path is None:
         return None
     _not_empty(path, option)
@@ -65,6 +69,8 @@ def plot_path(path: str | None, inputs: Sequence[str], option: str = "--plot") -
         raise CalibError(f"{option}: is a directory; give a file name", path=path)
     if os.path.exists(path) and not os.path.isfile(path):
         raise CalibError(f"{option}: exists and is not a regular file", path=path)
+    if os.path.lexists(path) and not force:
+        raise CalibError(f"{option}: exists; pass --force to replace it", path=path)
     _check_parent(path, option)
     return path
 
@@ -77,47 +83,70 @@ class TableOut:
     is_dir: bool
     inputs: tuple[str, ...]
     option: str = "--out"
+    force: bool = False
 
     @property
     def directory(self) -> str:
         return self.given if self.is_dir else os.path.dirname(os.path.abspath(self.given))
 
-    def make_directory(self) -> str:
-        """Creates the --out directory itself (never its parents) if it is new; returns it."""
-        if self.is_dir and not os.path.isdir(self.given):
-            try:
-                os.mkdir(self.given)
-            except OSError as exc:
-                raise CalibError(f"{self.option}: cannot make the directory ({exc.strerror})", path=self.given) from None
-        return self.directory
+    def make_directory(self) -> bool:
+        """Creates the --out directory itself (never its parents) if it is new; True when it did."""
+        if not self.is_dir or os.path.isdir(self.given):
+            return False
+        try:
+            os.mkdir(self.given)
+        except OSError as exc:
+            raise CalibError(f"{self.option}: cannot make the directory ({exc.strerror})", path=self.given) from None
+        return True
 
-    def file_for(self, default_name: str) -> str:
-        """The file to write, once the table (and so its default name) is known; still before
-        anything is written. Creates the --out directory itself (never its parents)."""
-        if not self.is_dir:
-            return self.given
-        path = os.path.join(self.given, default_name)
-        refuse_inputs(path, self.inputs, self.option)
-        if os.path.exists(path) and not os.path.isfile(path):
-            raise CalibError(f"{self.option}: exists and is not a regular file", path=path)
+    def destination(self, default_name: str, content_hash: str) -> tuple[str, str | None]:
+        """(the file to write, a line to print when it replaces a table of the same content hash),
+        once the table is known; still before anything is written. Creates the --out directory
+        itself (never its parents)."""
+        path = os.path.join(self.given, default_name) if self.is_dir else self.given
+        if self.is_dir:
+            refuse_inputs(path, self.inputs, self.option)
+            if os.path.exists(path) and not os.path.isfile(path):
+                raise CalibError(f"{self.option}: exists and is not a regular file", path=path)
+        note = self._replacing(path, content_hash)
         self.make_directory()
-        return path
+        return path, note
+
+    def _replacing(self, path: str, content_hash: str) -> str | None:
+        if not os.path.lexists(path) or self.force:
+            return None
+        from dspark_calib.table.file import read_metadata
+
+        try:
+            found = read_metadata(path).content_hash
+        except CalibError:
+            found = None
+        if found == content_hash:
+            return f"replaced {display_path(path)}: it held a table of the same content hash ({content_hash[:12]})"
+        what = f"a table of other content (hash {found[:12]})" if found else "a file that is no readable table"
+        raise CalibError(f"{self.option}: exists and holds {what}; pass --force to replace it", path=path)
 
 
-def table_out(out: str, inputs: Sequence[str], option: str = "--out") -> TableOut:
+def table_out(out: str, inputs: Sequence[str], option: str = "--out", *, force: bool = False,
+              fresh: bool = False) -> TableOut:
     """--out FILE|DIR, the one rule of every command that writes a table: an existing
-    directory, a path ending in '/', or a new name without .parquet is a directory (the
-    table's default file name goes inside); a name ending in .parquet is the file; any other
-    existing file is refused (a table must not land in a file of another kind). The
-    directory itself may be new; its parent must exist."""
+    directory or a path ending in '/' is a directory (the table's default file name goes
+    inside; a new one is made, its parent must exist); a name ending in .parquet is the file;
+    any other name is refused (a typo must not become a directory, a table must not land in a
+    file of another kind). An existing table file is replaced only with `force`, or by a table
+    of the same content hash (known once the table is: TableOut.destination). `fresh`: the
+    table comes from a run that stamps its own time after this check (profile), so no existing
+    file can hold it and one is refused now, before the run."""
     _not_empty(out, option)
     if os.path.lexists(out) and not os.path.isdir(out):
         refuse_inputs(out, inputs, option)  # first: the worst mistake gets the clearest message
     if os.path.lexists(out) and not os.path.isdir(out) and not out.endswith(TABLE_SUFFIX):
         raise CalibError(f"{option}: must be a directory or a {TABLE_SUFFIX} file", path=out)
     inputs = tuple(inputs)
-    is_dir = out.endswith(("/", os.sep)) or os.path.isdir(out) or (
-        not os.path.lexists(out) and not out.endswith(TABLE_SUFFIX))
+    is_dir = out.endswith(("/", os.sep)) or os.path.isdir(out)
+    if not is_dir and not out.endswith(TABLE_SUFFIX):
+        raise CalibError(f"{option}: no such directory; end the name with '/' for a new directory, or with "
+                         f"'{TABLE_SUFFIX}' for a table file", path=out)
     if is_dir:
         if os.path.isdir(out):
             if not os.access(out, os.W_OK | os.X_OK):
@@ -125,13 +154,15 @@ def table_out(out: str, inputs: Sequence[str], option: str = "--out") -> TableOu
         elif os.path.exists(out):
             raise CalibError(f"{option}: is not a directory", path=out)
         else:
-            _check_parent(out.rstrip("/" + os.sep) or out, option)
-        return TableOut(out, True, inputs, option)
+            _check_parent(out, option)
+        return TableOut(out, True, inputs, option, force)
     if os.path.exists(out) and not os.path.isfile(out):
         raise CalibError(f"{option}: exists and is not a regular file", path=out)
+    if fresh and not force and os.path.lexists(out):
+        raise CalibError(f"{option}: exists; pass --force to replace it", path=out)
     _check_parent(out, option)
     refuse_inputs(out, inputs, option)
-    return TableOut(out, False, inputs, option)
+    return TableOut(out, False, inputs, option, force)
 
 
 def write_error(exc: OSError, path: str, option: str) -> CalibError:

@@ -64,17 +64,20 @@ def check_keep_capture(keep: str | None) -> None:
         raise CalibError(f"--keep-capture {keep}: directory {parent} does not exist (parents are not created)")
 
 
-def check_out(out: str) -> tuple[TableOut, str]:
+def check_out(out: str, force: bool = False) -> tuple[TableOut, str]:
     """(the checked --out, the log file beside it), refusing an unwritable --out now: the
-    --out rule of every command (paths.table_out), then the directory made (never its
-    parents) and proved writable by a probe file, before minutes of profiling."""
-    target = table_out(out, [])
-    directory = target.make_directory()
-    try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".dspark-calib-probe-"):
-            pass
-    except OSError as exc:
-        raise CalibError(f"--out: cannot write there ({exc.strerror})", path=out) from None
+    --out rule of every command (paths.table_out; a fresh run's table, so an existing file
+    needs --force now), and an existing directory proved writable by a probe file, before
+    minutes of profiling. A new --out directory is made only when the engine is about to
+    start (``_run``), so a refused run leaves nothing behind."""
+    target = table_out(out, [], force=force, fresh=True)
+    directory = target.directory
+    if os.path.isdir(directory):
+        try:
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".dspark-calib-probe-"):
+                pass
+        except OSError as exc:
+            raise CalibError(f"--out: cannot write there ({exc.strerror})", path=out) from None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log = out[: -len(TABLE_SUFFIX)] + ".vllm.log" if not target.is_dir else os.path.join(directory, f"profile-{stamp}.vllm.log")
     return target, log
@@ -135,22 +138,27 @@ def main(*, model: str, draft: str, tp: int, num_speculative_tokens: int | None,
          dtype: str, kv_cache_dtype: str, quantization: str | None, gpu_memory_utilization: float,
          max_model_len: int | None, distributed_executor_backend: str | None, out: str,
          keep_capture: str | None, engine_arg: Sequence[str], engine_args_json: str | None,
-         strict_stability: bool = False, cooldown: float = 1.0) -> None:
-    """The `profile` command: everything checkable first, then one engine start."""
+         strict_stability: bool = False, cooldown: float = 1.0, force: bool = False) -> None:
+    """The `profile` command: everything checkable first (options, the output path, the model
+    configs, vLLM's presence and the GPUs, all without importing vllm or torch), then one
+    engine start."""
     check_ranges(context_len=context_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  gpu_memory_utilization=gpu_memory_utilization, replays=replays, warmup=warmup, tp=tp,
                  num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len,
                  load_format=load_format, distributed_executor_backend=distributed_executor_backend,
                  cooldown=cooldown)
+    from dspark_calib.fingerprint import check_model_dtype
+
+    check_model_dtype(dtype, "--dtype")
     extra = parse_engine_args(engine_arg, engine_args_json)
-    from dspark_calib.vllm.profile.driver import resolve_model, resolve_options
+    from dspark_calib.vllm.profile import driver
     from dspark_calib.vllm.profile.plan import ProfileOptions
 
-    model_dir, model_id = resolve_model(model, "--model")
-    draft_dir, draft_id = resolve_model(draft, "--draft")
+    model_dir, model_id = driver.resolve_model(model, "--model")
+    draft_dir, draft_id = driver.resolve_model(draft, "--draft")
     check_keep_capture(keep_capture)
-    out, log_path = check_out(out)  # last of the checks: it may create the --out directory
-    opts = resolve_options(ProfileOptions(
+    out, log_path = check_out(out, force)
+    opts = driver.resolve_options(ProfileOptions(
         model=model_dir, draft=draft_dir, tp=tp, num_speculative_tokens=num_speculative_tokens,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         context_lens=tuple(sorted(set(context_len))), replays=replays, warmup=warmup, cooldown_s=cooldown,
@@ -159,6 +167,7 @@ def main(*, model: str, draft: str, tp: int, num_speculative_tokens: int | None,
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
         distributed_executor_backend=distributed_executor_backend, extra_engine_args=extra,
         model_name=model_id, draft_name=draft_id))
+    driver.check_before_import(opts)
     _run(opts, out, log_path, keep_capture, strict_stability)
 
 
@@ -176,6 +185,18 @@ def stability_verdict(table: Any, strict: bool) -> list[str]:
 
 
 def _run(opts: Any, out: TableOut, log_path: str, keep_capture: str | None, strict_stability: bool = False) -> None:
+    """The run, in the --out directory made for it; a run that fails leaves no empty directory."""
+    made = out.make_directory()
+    try:
+        _profile(opts, out, log_path, keep_capture, strict_stability)
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(out.directory)  # only when empty: vLLM's log of a failed start stays
+        raise
+
+
+def _profile(opts: Any, out: TableOut, log_path: str, keep_capture: str | None, strict_stability: bool) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.text import Text
@@ -233,7 +254,8 @@ def _run(opts: Any, out: TableOut, log_path: str, keep_capture: str | None, stri
             raise
         shifts = stability_verdict(table, strict_stability)
         phase("writing table")
-        path = write_table(table, out.file_for(table.default_filename()))
+        path, replaced = out.destination(table.default_filename(), table.content_hash)
+        path = write_table(table, path)
         phase("done")
     extra = table.fingerprint.extra
     fp = table.fingerprint
@@ -241,6 +263,8 @@ def _run(opts: Any, out: TableOut, log_path: str, keep_capture: str | None, stri
                    f"of which profiling {extra.get('profile_s', 0):.1f} s; total {time.perf_counter() - started:.1f} s; "
                    f"{fp.replays} samples per size ({fp.warmup_replays} warm-up discarded); curves equal vLLM's own",
                    markup=False, highlight=False)
+    if replaced:
+        Console().print(replaced, markup=False, highlight=False, soft_wrap=True)  # stdout, as the other commands
     for line in shifts or ["no level shift between blocks"]:
         terminal.print(line, markup=False, highlight=False)
     if table.telemetry is not None and table.telemetry.note:

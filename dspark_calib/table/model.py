@@ -8,6 +8,7 @@ on, one curve pair per profiled context length, and the raw samples behind them
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import os
 import re
 from dataclasses import dataclass, field
@@ -224,32 +225,59 @@ class CostTable:
                                      f"allows (max of {FALL_IQRS:g} x IQR, {FALL_FRACTION:.0%})")
 
 
-def merge_tables(tables: Sequence[CostTable]) -> CostTable:
+# Two runs of one engine share a timing (every column equal) by chance only rarely; a table
+# pooled into another shares all of its own. More than this share of the smaller input's
+# samples in common is the same measurement counted twice.
+MAX_SHARED_FRACTION = 0.01
+
+
+def _shared_measurements(tables: Sequence[CostTable], names: Sequence[str]) -> None:
+    """Refuse inputs that hold the same measurements: a table and one it was merged into (its
+    merged_from), or any two sharing their timings (a copy re-saved, a merge of a merge)."""
+    for i, a in enumerate(tables):
+        for j, b in enumerate(tables):
+            if i != j and b.short_hash in (a.fingerprint.extra.get("merged_from") or []):
+                raise CalibError(f"{names[j]} was merged into {names[i]} already (its merged_from lists "
+                                 f"{b.short_hash}); merging them again counts its samples twice")
+    sets = [t.samples.measurements() for t in tables]
+    for i, j in itertools.combinations(range(len(tables)), 2):
+        shared = len(sets[i] & sets[j])
+        smaller = min(len(sets[i]), len(sets[j]))
+        if shared > max(1, MAX_SHARED_FRACTION * smaller):
+            raise CalibError(f"{names[j]} and {names[i]} share {shared} of {smaller} measured samples (one run "
+                             "pooled into, or copied from, the other); merging them counts those samples twice")
+
+
+def merge_tables(tables: Sequence[CostTable], names: Sequence[str] | None = None) -> CostTable:
     """One table from several runs of the same engine: samples pooled, curves refitted.
 
     Refused when any MERGE_KEYS key differs (naming it and both values), a table has no
-    raw samples (its curves cannot be refitted honestly), or two inputs are the same run
-    (same content hash or same samples: `merge T T` would fake twice the replays).
+    raw samples (its curves cannot be refitted honestly), or two inputs hold the same
+    measurements (same content hash or samples, one merged into the other, shared timings:
+    `merge T T` or `merge T merge(T, U)` would fake replays). `names` (the files) name the
+    inputs in errors; by default "input N (hash)".
     """
     if not tables:
         raise CalibError("nothing to merge")
+    names = list(names) if names is not None else [f"input {i + 1} ({t.short_hash})" for i, t in enumerate(tables)]
     first = tables[0]
-    for other in tables[1:]:
+    for name, other in zip(names[1:], tables[1:]):
         bad = merge_mismatches(first.fingerprint, other.fingerprint)
         if bad:
             m = bad[0]
             raise CalibError(f"cannot merge tables profiled differently: {m.key} is {m.table_value!r} in "
-                             f"{first.short_hash} but {m.engine_value!r} in {other.short_hash}")
-    for t in tables:
+                             f"{names[0]} but {m.engine_value!r} in {name}")
+    for name, t in zip(names, tables):
         if t.samples is None or not len(t.samples):
-            raise CalibError(f"table {t.short_hash} has no raw samples to merge")
+            raise CalibError(f"{name} has no raw samples to merge")
     seen: dict[str, int] = {}
     for i, t in enumerate(tables):
         for key in (t.content_hash, t.samples_digest):
             if key in seen:
-                raise CalibError(f"inputs {seen[key] + 1} and {i + 1} are the same run ({t.short_hash}); "
+                raise CalibError(f"{names[seen[key]]} and {names[i]} are the same run ({t.short_hash}); "
                                  "merging a run with itself would fake replays")
             seen[key] = i
+    _shared_measurements(tables, names)
     parts = []
     offset = 0
     for t in tables:  # keep replay indices distinct across runs

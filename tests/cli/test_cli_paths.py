@@ -105,7 +105,7 @@ def test_directory_out_whose_default_name_is_an_input_is_refused(tmp_path, monke
     shutil.copyfile(fixture_json(1024), trap)
     before = trap.read_bytes()
     with pytest.raises(CalibError, match="would overwrite the input"):
-        table_out(str(tmp_path), [str(trap)]).file_for(trap.name)
+        table_out(str(tmp_path), [str(trap)]).destination(trap.name, "0" * 64)
     monkeypatch.setattr(CostTable, "default_filename", lambda self: trap.name)
     one_line_error(invoke("import-vllm", trap, *IMPORT, "--out", tmp_path), "would overwrite the input")
     _unchanged(trap, before)
@@ -160,10 +160,10 @@ def test_write_failure_names_the_users_path_not_a_temp_file(table_files):
 
 
 def test_out_directory_is_made_but_not_its_parents(tmp_path):
-    r = invoke("import-vllm", fixture_json(1024), *IMPORT, "--out", tmp_path / "a" / "b")
+    r = invoke("import-vllm", fixture_json(1024), *IMPORT, "--out", f"{tmp_path / 'a' / 'b'}/")
     one_line_error(r, "does not exist (not created")
     assert not (tmp_path / "a").exists()
-    r = invoke("import-vllm", fixture_json(1024), *IMPORT, "--out", tmp_path / "a")
+    r = invoke("import-vllm", fixture_json(1024), *IMPORT, "--out", f"{tmp_path / 'a'}/")
     assert r.exit_code == 0, r.output
     assert Path(r.stdout.splitlines()[0]).parent == tmp_path / "a"
 
@@ -377,3 +377,92 @@ def test_output_paths_are_escaped_like_input_paths(tmp_path):
     bad = os.fsdecode(bytes(tmp_path) + b"/miss\xffing/x.png")
     line = one_line_error(invoke("inspect", SHIPPED_TABLE, "--plot", bad), "miss\\xffing/x.png", "does not exist")
     assert "\udcff" not in line and line.count("miss\\xffing") == 2  # the path and its directory
+
+
+# -- an existing file is replaced only with --force; a new directory ends with '/' --------------
+def _import(out, *extra):
+    return invoke("import-vllm", fixture_json(1024), *IMPORT, "--out", out, *extra)
+
+
+def test_import_and_merge_do_not_replace_an_existing_table_without_force(copies, tmp_path):
+    target = tmp_path / "shipped.parquet"
+    shutil.copyfile(copies["c8192"], target)
+    before = target.read_bytes()
+    one_line_error(_import(target), str(target), "--out: exists and holds a table of other content",
+                   "pass --force")
+    one_line_error(invoke("merge", copies["c1024"], copies["c8192"], "--out", target), str(target), "pass --force")
+    _unchanged(target, before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c1024.parquet", "c8192.parquet", "shipped.parquet"]
+    r = _import(target, "--force")
+    assert r.exit_code == 0, r.output
+    assert target.read_bytes() != before and "replaced" not in r.stdout
+
+
+def test_a_file_that_is_no_table_is_not_replaced_without_force(tmp_path):
+    junk = tmp_path / "notes.parquet"
+    junk.write_text("mine")
+    one_line_error(_import(junk), str(junk), "a file that is no readable table", "pass --force")
+    assert junk.read_text() == "mine"
+
+
+def test_a_table_of_the_same_content_hash_is_replaced_and_says_so(tmp_path, monkeypatch, table_1024):
+    from dspark_calib import reference
+
+    monkeypatch.setattr(reference, "table_from_startup_json", lambda *a, **k: table_1024)  # one table, twice
+    first = _import(tmp_path / "t.parquet")
+    assert first.exit_code == 0, first.output
+    again = _import(tmp_path / "t.parquet")
+    assert again.exit_code == 0, again.output
+    lines = again.stdout.splitlines()
+    assert lines[0] == str(tmp_path / "t.parquet")
+    assert lines[1].startswith(f"replaced {tmp_path / 't.parquet'}: it held a table of the same content hash")
+
+
+def test_plot_does_not_replace_an_existing_file_without_force(table_files, tmp_path):
+    plot = tmp_path / "p.png"
+    plot.write_bytes(b"mine")
+    for args in (("inspect", table_files["c1024"]), ("diff", table_files["c1024"], table_files["c8192"])):
+        one_line_error(invoke(*args, "--plot", plot), str(plot), "--plot: exists; pass --force")
+        assert plot.read_bytes() == b"mine"
+    r = invoke("inspect", table_files["c1024"], "--plot", plot, "--force")
+    assert r.exit_code == 0, r.output
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("name", ["ab.parqet", "ab", "out.json"])
+def test_a_new_out_without_slash_or_parquet_is_refused_not_made_a_directory(copies, tmp_path, name):
+    out = tmp_path / name
+    line = one_line_error(invoke("merge", copies["c1024"], copies["c8192"], "--out", out), str(out))
+    assert "end the name with '/' for a new directory" in line and ".parquet" in line
+    assert not out.exists()
+    one_line_error(_import(out), str(out), "end the name with '/'")
+    assert not out.exists()
+
+
+def test_a_new_out_directory_ends_with_a_slash(tmp_path):
+    r = _import(f"{tmp_path / 'new'}/")
+    assert r.exit_code == 0, r.output
+    assert Path(r.stdout.splitlines()[0]).parent == tmp_path / "new"
+
+
+# -- merge never counts one measurement twice ----------------------------------------------------
+def test_merge_refuses_a_table_merged_into_another_input(copies, tmp_path):
+    a, b = copies["c1024"], copies["c8192"]
+    ab = tmp_path / "ab.parquet"
+    assert invoke("merge", a, b, "--out", ab).exit_code == 0
+    line = one_line_error(invoke("merge", ab, a, "--out", tmp_path / "m.parquet"), str(a), str(ab))
+    assert "was merged into" in line and "twice" in line
+    assert not (tmp_path / "m.parquet").exists()
+
+
+def test_merge_refuses_inputs_sharing_their_measurements(copies, tmp_path):
+    """A merge of a merge: abc holds a's samples, but its merged_from names only ab and c."""
+    a, b = copies["c1024"], copies["c8192"]
+    c = tmp_path / "c16384.parquet"
+    assert invoke("import-vllm", fixture_json(16384), *IMPORT, "--out", c).exit_code == 0
+    ab, abc = tmp_path / "ab.parquet", tmp_path / "abc.parquet"
+    assert invoke("merge", a, b, "--out", ab).exit_code == 0
+    assert invoke("merge", ab, c, "--out", abc).exit_code == 0
+    line = one_line_error(invoke("merge", abc, a, "--out", tmp_path / "m.parquet"), str(a), str(abc))
+    assert "share 280 of 280 measured samples" in line
+    assert not (tmp_path / "m.parquet").exists()

@@ -121,7 +121,7 @@ def test_diff_context_options(files):
 
 def test_import_vllm(tmp_path):
     r = invoke("import-vllm", _json(1024), _json(8192), "--model", MODEL, "--draft", DRAFT, "--gpu-name",
-               "NVIDIA H200", "--vllm-version", "0.33.0", "--num-speculative-tokens", "7", "--out", tmp_path / "new")
+               "NVIDIA H200", "--vllm-version", "0.33.0", "--num-speculative-tokens", "7", "--out", f"{tmp_path / 'new'}/")
     assert r.exit_code == 0, r.output
     path = r.stdout.splitlines()[0]
     assert Path(path).parent == tmp_path / "new" and path.endswith(".parquet")

@@ -309,8 +309,8 @@ def test_files_from_engines_with_different_tails_are_refused_and_stock_files_rec
     a = write("a", {"mode": "context-aware", "context_tail_milli": 200})
     b = write("b", {"mode": "context-aware", "context_tail_milli": 0})
     stock = write("stock", {"mode": "stock", "context_tail_milli": 0})
-    with pytest.raises(CalibError, match=r"different tails \(0, 0.2\)"):
-        validate(reference_table, read_observed([a, b]))
+    with pytest.raises(CalibError, match=r"different tails \(0 in .*/b/observed-\S+, 0.2 in .*/a/observed-"):
+        validate(reference_table, read_observed([a, b]))  # each tail named with a file that records it
     assert validate(reference_table, read_observed([a, b]), tail_milli=200).tail_fit.tail == 0.2  # --tail: one pricing
     assert validate(reference_table, read_observed([a, stock])).tail_fit.tail == 0.2  # stock prices no tail
     bad = write("bad", {"mode": "context-aware", "context_tail_milli": 5000})
@@ -485,3 +485,12 @@ def test_prefill_context_sum_by_hand():
     assert got.tolist() == [5000, 24000 + -(-256 * 20_000_000 // 4012)]
     with pytest.raises(CalibError, match="unknown chunk pricing rule 'x'"):
         chunk_kv_ratio("x", 256, 8192)
+
+
+def test_files_without_steps_are_named(reference_table):
+    from dspark_calib.observe.file import COLUMNS
+
+    empty = ObservedSteps(columns={name: np.zeros(0) for name in COLUMNS}, files=("a/observed-1.parquet",),
+                          metadata=())
+    with pytest.raises(CalibError, match="no observed steps to validate against in a/observed-1.parquet"):
+        validate(reference_table, empty)

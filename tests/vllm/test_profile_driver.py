@@ -115,7 +115,8 @@ def test_cli_profile_without_gpu_is_one_line(tmp_path):
     res = run_cli("profile", "--model", MODEL, "--draft", DRAFT, "--out", str(out))
     assert res.returncode == 2
     errors = [l for l in res.stderr.splitlines() if l.startswith("dspark-calib: error:")]
-    assert errors == ["dspark-calib: error: no CUDA GPU visible: profiling needs the GPUs the engine will serve on"]
+    assert len(errors) == 1 and errors[0].startswith("dspark-calib: error: no GPU visible (")
+    assert errors[0].endswith("profiling needs the GPUs the engine will serve on")
     assert "Traceback" not in res.stderr and not out.exists()
 
 
@@ -124,10 +125,11 @@ def test_cli_profile_without_vllm(tmp_path):
     shadow = tmp_path / "shadow"
     shadow.mkdir()
     (shadow / "vllm.py").write_text("raise ImportError('No module named vllm')\n")
+    # ray: GPUs are not counted on this node, so the run gets as far as importing vllm
     res = run_cli("profile", "--model", MODEL, "--draft", DRAFT, "--out", str(tmp_path),
-                  env={"PYTHONPATH": str(shadow)})
+                  "--distributed-executor-backend", "ray", env={"PYTHONPATH": str(shadow)})
     assert res.returncode == 2
-    assert "pip install 'dspark-calib[vllm]'" in res.stderr
+    assert "in the dspark-calib checkout, pip install '.[vllm]'" in res.stderr
     assert "Traceback" not in res.stderr and list(tmp_path.glob("*.parquet")) == []
 
 
@@ -168,9 +170,10 @@ def test_out_checked_at_once(tmp_path):
     target, log = profile_cmd.check_out(str(tmp_path / "t.parquet"))
     assert not target.is_dir and log == str(tmp_path / "t.vllm.log")
     new = tmp_path / "new"
-    profile_cmd.check_out(str(new))
-    assert new.is_dir()  # the directory itself is made; parents are not
-    for bad, words in ((tmp_path / "a" / "b" / "t.parquet", "does not exist"), (tmp_path / "x" / "y", "does not exist"),
+    target, _ = profile_cmd.check_out(f"{new}/")
+    assert not new.exists()  # made when the engine is about to start, not by a check
+    assert target.make_directory() and new.is_dir()  # the directory itself; parents are not made
+    for bad, words in ((tmp_path / "a" / "b" / "t.parquet", "does not exist"), (f"{tmp_path}/x/y/", "does not exist"),
                        ("/proc/t.parquet", "cannot write"), ("", "empty")):
         with pytest.raises(CalibError, match=words) as err:
             profile_cmd.check_out(str(bad))
@@ -224,6 +227,10 @@ def test_dtypes_from_vllms_own_choices():
     from vllm.config.cache import CacheDType
     from vllm.config.model import ModelDType
 
+    from dspark_calib.fingerprint import RESOLVED_DTYPES, VLLM_MODEL_DTYPES
+
+    assert VLLM_MODEL_DTYPES == typing.get_args(ModelDType)  # profile refuses a typo before importing vllm
+    assert set(RESOLVED_DTYPES) <= set(typing.get_args(ModelDType))
     for dtype in typing.get_args(ModelDType):
         driver.check_dtypes(opts(dtype=dtype))
     for kv in typing.get_args(CacheDType):
@@ -319,7 +326,8 @@ def test_cli_profile_early_errors_are_one_line_and_fast(tmp_path):
 
 @pytest.mark.slow
 def test_cli_profile_unknown_engine_arg_and_missing_hub_model(tmp_path):
-    res = run_cli("profile", "--model", MODEL, "--draft", DRAFT, "--out", str(tmp_path), "--engine-arg", "blok_size=3")
+    res = run_cli("profile", "--model", MODEL, "--draft", DRAFT, "--out", str(tmp_path), "--engine-arg", "blok_size=3",
+                  "--distributed-executor-backend", "ray")  # ray: no GPU counted on this node
     assert res.returncode == 2 and "--engine-arg blok_size: not a vLLM EngineArgs field" in res.stderr
     assert "Traceback" not in res.stderr and list(tmp_path.iterdir()) == []
     res = run_cli("profile", "--model", "nobody/no-such-model", "--draft", DRAFT, "--out", str(tmp_path),
@@ -492,6 +500,7 @@ def test_cooldown_reaches_the_plan_and_the_table(engine_stand_in, tmp_path, monk
 
     seen = []
     monkeypatch.setattr(profile_cmd, "_run", lambda o, *a, **k: seen.append(o))
+    monkeypatch.setattr(driver, "check_before_import", lambda o: None)  # no GPU here
     res = CliRunner().invoke(app, ["profile", "--model", MODEL, "--draft", DRAFT, "--out", str(tmp_path),
                                    "--cooldown", "0.5"])
     assert res.exit_code == 0 and seen[0].cooldown_s == 0.5

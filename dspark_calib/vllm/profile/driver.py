@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 from dspark_calib.errors import PREFIX, CalibError, first_line
+from dspark_calib.fingerprint import check_model_dtype, dspark_block_size
 from dspark_calib.fit import profile_context_len
 from dspark_calib.table.model import CostTable
 from dspark_calib import env as E
@@ -28,8 +29,11 @@ from dspark_calib.vllm.plugin import RAY_EXTRA_PREFIXES, RAY_EXTRA_VARS
 from dspark_calib.vllm.profile.plan import ProfileOptions
 from dspark_calib.vllm.profile.table import table_from_capture
 
-DSPARK_ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel")
-INSTALL_HINT = "pip install 'dspark-calib[vllm]'"
+# dspark-calib is on no package index: the vLLM extra installs from the checkout.
+INSTALL_HINT = "in the dspark-calib checkout, pip install '.[vllm]'"
+# Where a GPU shows without importing torch (seconds) or vllm (tens of seconds).
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+DEV = "/dev"
 
 
 OWNED_ARGS = {
@@ -83,10 +87,7 @@ def resolve_model(model: str, option: str) -> tuple[str, str | None]:
 def check_models(opts: ProfileOptions) -> tuple[dict, dict]:
     target = read_config(opts.model, "target model")
     draft = read_config(opts.draft, "draft model")
-    archs = draft.get("architectures") or []
-    if not any(a in DSPARK_ARCHITECTURES for a in archs):
-        raise CalibError(f"not a DSpark drafter: architectures {archs}, expected one of "
-                         f"{', '.join(DSPARK_ARCHITECTURES)}", path=opts.draft)
+    dspark_block_size(draft, opts.draft)
     return target, draft
 
 
@@ -211,7 +212,69 @@ def engine_env(capture_dir: str) -> dict[str, str]:
     return env
 
 
+def vllm_installed() -> bool:
+    """Whether `import vllm` can find it, without importing it."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules["vllm"] is None (blocked)
+        return False
+
+
+def visible_gpus() -> int | None:
+    """GPUs this process may use, from the driver's files (no torch, no vllm); None when this
+    host's kind of GPU cannot be told apart from none that way (ROCm, WSL): torch decides later."""
+    names = os.listdir(NVIDIA_GPUS) if os.path.isdir(NVIDIA_GPUS) else []
+    if not names:
+        try:
+            names = [n for n in os.listdir(DEV) if n.startswith("nvidia") and n[6:].isdigit()]
+        except OSError:
+            names = []
+    if not names:
+        if any(os.path.exists(os.path.join(DEV, n)) for n in ("kfd", "dxg")):
+            return None
+        return _nvidia_smi_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return len(names)
+    wanted = [v for v in visible.split(",") if v.strip()]
+    return 0 if not wanted or wanted[0].strip().startswith("-") else min(len(names), len(wanted))
+
+
+def _nvidia_smi_count() -> int:
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listed.splitlines())
+
+
+def check_before_import(opts: ProfileOptions) -> None:
+    """What can be refused before vllm and torch are imported (tens of seconds): the model
+    dtype, vLLM's presence, the GPUs. A Ray cluster's GPUs may be on other nodes: not counted."""
+    check_model_dtype(opts.dtype, "--dtype")
+    if not vllm_installed():
+        raise CalibError(f"vllm is not installed: {INSTALL_HINT}")
+    if opts.distributed_executor_backend == "ray":
+        return
+    found = visible_gpus()
+    if found == 0:
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = f"CUDA_VISIBLE_DEVICES={hidden!r} hides them" if hidden is not None and os.path.isdir(NVIDIA_GPUS) \
+            else f"no NVIDIA driver: no {NVIDIA_GPUS}, {DEV}/nvidia* or nvidia-smi"
+        raise CalibError(f"no GPU visible ({why}); profiling needs the GPUs the engine will serve on")
+    if found is not None and found < opts.tp:
+        raise CalibError(f"--tp {opts.tp} needs {opts.tp} GPUs, {found} visible "
+                         "(use --distributed-executor-backend ray across nodes)")
+
+
 def preflight(opts: ProfileOptions) -> None:
+    check_before_import(opts)
     try:
         import vllm  # noqa: F401
     except ImportError:

@@ -1,0 +1,158 @@
+"""import-vllm checks its whole input and `profile` everything it can before vLLM is imported:
+each bad input is one stderr line naming the file or option, exit 2, nothing written or left."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dspark_calib.cli.app import app
+from tests.helpers import DRAFT, MODEL, REPO, fixture_json, one_line_error
+
+runner = CliRunner()
+IDENTITY = ("--model", MODEL, "--gpu-name", "NVIDIA H200", "--vllm-version", "0.33.0")
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _capture(tmp_path: Path, change) -> Path:
+    data = json.loads(Path(fixture_json(1024)).read_text())
+    change(data)
+    path = tmp_path / "capture.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _every_batch(key, value):
+    def change(data):
+        for batch in data["batches"]:
+            batch[key] = value
+    return change
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (_every_batch("context_len", 10**30), "row 0: context_len 1000000000000000000000000000000 is not an integer"),
+    (lambda d: d.update(max_num_reqs=-5), "max_num_reqs -5 is not an integer"),
+    (lambda d: d.update(max_num_reqs=9000), "max_num_reqs 9000 is above max_num_batched_tokens 8192"),
+    (lambda d: d.update(capture_sizes=[8, 4]), "capture_sizes are not strictly increasing"),
+    (lambda d: d["rows"][3].update(forward_ms=1e308), "row 3: forward_ms 1e+308 is not a plausible step"),
+    (lambda d: d["rows"][0].update(num_reqs=10**30), "row 0: num_reqs"),
+    (lambda d: [r.update(full_cudagraph=False) for r in d["rows"]], "draft curve at context 1024 is empty"),
+    (lambda d: [r.update(forward_ms=100.0 if r["num_target_tokens"] < 50 else 1.0) for r in d["rows"]],
+     "verify curve at context 1024, size 56: cost 1 ms falls below the 100 ms"),
+])
+def test_import_refuses_a_capture_its_reader_or_vllm_could_not_use(tmp_path, change, fragment):
+    capture = _capture(tmp_path, change)
+    out = tmp_path / "out"
+    out.mkdir()
+    line = one_line_error(invoke("import-vllm", capture, *IDENTITY, "--draft", DRAFT, "--num-speculative-tokens", "7",
+                                 "--out", out), str(capture), fragment)
+    assert "Traceback" not in line
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (("--draft", MODEL, "--num-speculative-tokens", "7"),
+     (os.path.join(MODEL, "config.json"), "not a DSpark drafter", "Qwen3ForCausalLM")),
+    (("--draft", DRAFT, "--num-speculative-tokens", "3"),
+     (os.path.join(DRAFT, "config.json"), "--num-speculative-tokens 3 is not this drafter's block_size 7")),
+    (("--draft", DRAFT, "--num-speculative-tokens", "7", "--dtype", "bogus"),
+     ("--dtype 'bogus' is not one of vLLM's: bfloat16, float16, float32",)),
+])
+def test_import_refuses_options_the_capture_was_not_taken_with(tmp_path, args, fragments):
+    out = tmp_path / "out"
+    out.mkdir()
+    one_line_error(invoke("import-vllm", fixture_json(1024), *IDENTITY, *args, "--out", out), *fragments)
+    assert list(out.iterdir()) == []
+
+
+def test_a_different_engine_shape_names_both_files(tmp_path):
+    other = _capture(tmp_path, lambda d: d.update(max_num_reqs=128))
+    one_line_error(invoke("import-vllm", fixture_json(8192), other, *IDENTITY, "--draft", DRAFT,
+                          "--num-speculative-tokens", "7", "--out", f"{tmp_path}/"),
+                   str(other), "different engine shape than", fixture_json(8192))
+
+
+def test_merge_errors_name_the_files(tmp_path):
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    assert invoke("import-vllm", fixture_json(1024), *IDENTITY, "--draft", DRAFT, "--num-speculative-tokens", "7",
+                  "--out", a).exit_code == 0
+    assert invoke("import-vllm", fixture_json(8192), *IDENTITY, "--draft", DRAFT, "--num-speculative-tokens", "7",
+                  "--out", b, "--gpu-name", "NVIDIA H100").exit_code == 0
+    one_line_error(invoke("merge", a, b, "--out", tmp_path / "m.parquet"), "gpu_name", f"in {a} but", f"in {b}")
+    assert not (tmp_path / "m.parquet").exists()
+
+
+# -- profile: refused in well under a second, before vllm or torch is imported ------------------
+PROFILE = ("profile", "--model", MODEL, "--draft", DRAFT)
+
+
+def _profile_in_a_fresh_python(args, *, block_vllm=False, **env):
+    """`dspark-calib ARGS` in a new interpreter: (exit code, stderr, seconds, heavy modules imported)."""
+    code = ("import sys, time\n"
+            + ("sys.modules['vllm'] = None\n" if block_vllm else "")
+            + "from dspark_calib.cli.app import main\n"
+            f"sys.argv = ['dspark-calib', *{[str(a) for a in args]!r}]\n"
+            "t0 = time.perf_counter()\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+            "print(code, round(time.perf_counter() - t0, 3), [m for m in ('vllm', 'torch') if sys.modules.get(m)])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, **env})
+    code, seconds, heavy = r.stdout.split(" ", 2)
+    return int(code), r.stderr, float(seconds), heavy.strip()
+
+
+@pytest.mark.parametrize("args, env, fragment", [
+    ((), {"CUDA_VISIBLE_DEVICES": ""}, "no GPU visible"),
+    (("--dtype", "bogus"), {}, "--dtype 'bogus' is not one of vLLM's"),
+])
+def test_profile_refuses_before_importing_vllm_and_leaves_no_directory(tmp_path, args, env, fragment):
+    import importlib.util
+
+    if fragment == "no GPU visible" and importlib.util.find_spec("vllm") is None:
+        fragment = "vllm is not installed"  # the light install: said first, as fast
+    out = tmp_path / "new"
+    code, err, seconds, heavy = _profile_in_a_fresh_python([*PROFILE, *args, "--out", f"{out}/"], **env)
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("dspark-calib: error: ") and fragment in err, err
+    assert heavy == "[]" and seconds < 2.0, (heavy, seconds)  # ~0.1 s here; 2 s: a loaded CI host
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_profile_without_vllm_says_how_to_install_it_from_the_checkout(tmp_path):
+    code, err, seconds, _ = _profile_in_a_fresh_python([*PROFILE, "--out", f"{tmp_path}/"], block_vllm=True)
+    assert code == 2 and err.strip() == ("dspark-calib: error: vllm is not installed: in the dspark-calib checkout, "
+                                         "pip install '.[vllm]'")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_profile_does_not_replace_an_existing_table_without_force(tmp_path):
+    table = tmp_path / "t.parquet"
+    table.write_bytes(b"a table")
+    one_line_error(invoke(*PROFILE, "--out", table), str(table), "--out: exists; pass --force")
+    assert table.read_bytes() == b"a table" and sorted(os.listdir(tmp_path)) == ["t.parquet"]
+
+
+def test_profile_counts_gpus_from_the_driver_files(tmp_path, monkeypatch):
+    from dspark_calib.vllm.profile import driver
+
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    for bus in ("0000:18:00.0", "0000:2a:00.0"):
+        (gpus / bus).mkdir()
+    monkeypatch.setattr(driver, "NVIDIA_GPUS", str(gpus))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert driver.visible_gpus() == 2
+    for visible, count in (("1", 1), ("0,1,2", 2), ("", 0), ("-1", 0)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert driver.visible_gpus() == count, visible
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(driver, "vllm_installed", lambda: True)
+    one_line_error(invoke(*PROFILE, "--tp", "2", "--out", f"{tmp_path}/"), "--tp 2 needs 2 GPUs, 1 visible")
