@@ -214,9 +214,10 @@ def inspect_cmd(
     plot: PlotOpt = None,
     context_len: Annotated[Optional[int], typer.Option(
         "--context-len", min=1, metavar="L", help="Show only the profiled context length nearest to L.")] = None,
-    all_points: AllOpt = False,
+    all_points: Annotated[bool, typer.Option(
+        "--all", help="Show every size of long curves, and the notes (findings that need no action).")] = False,
 ) -> None:
-    """Show a table's fingerprint, curves, draft budgets, warnings and notes."""
+    """Verdict (fit to serve or not, and why), fingerprint, curves, draft budgets, warnings; notes with --all."""
     from dspark_calib.cli.paths import plot_path
 
     plot = plot_path(plot, [table])  # before any work: a bad path costs nothing
