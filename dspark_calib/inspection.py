@@ -338,9 +338,8 @@ class Verdict:
         tail = [f"{self.warnings} warning{'s' if self.warnings != 1 else ''} to look at"] if self.warnings else []
         if self.notes:
             tail.append(f"{self.notes} note{'s' if self.notes != 1 else ''}")
-        return ("fit to serve: >= 3 samples and a tight spread at every point, curves up to the engine's "
-                "limits, no level shift or thermal throttling"
-                + (f" ({', '.join(tail)})" if tail else ""))
+        return ("fit to serve: enough samples, tight spreads, curves up to the engine's limits, one level "
+                "across blocks, no thermal throttling" + (f" ({', '.join(tail)})" if tail else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return {"fit": self.fit, "line": self.line, "reasons": list(self.reasons), "warnings": self.warnings,
@@ -475,6 +474,9 @@ def inspect_table(table: CostTable, *, context_len: int | None = None, path: str
         if ctx != context_len:
             notes.append(f"no curves at context {context_len}; showing the nearest, {ctx}")
         shown = [ctx]
+        if len(table.context_lens()) > 1:
+            notes.append(f"the verdict covers all {len(table.context_lens())} profiled contexts; the findings below, "
+                         f"context {ctx} only")
     decision = table_decision_map(table, context_len)
     shifts = table_flags(table)
     findings = table_warnings(table, level_shifts=shifts)
