@@ -229,15 +229,21 @@ def dip_budget_check(table: CostTable, context_len: int, kind: str) -> Callable[
         tables = (dense, verify) if kind == DRAFT else (draft, dense)
         return decision_map(*tables, reqs, CONFIDENCE_GRID, fp.num_speculative_tokens)
 
-    base = budgets(draft if kind == DRAFT else verify)
     length = fp.max_num_seqs if kind == DRAFT else fp.max_num_batched_tokens
 
+    def priced(lowered: list[int]) -> np.ndarray:
+        return budgets(_face_value_dense(curve, lowered, length, fp.cudagraph_limit, other, kind, table))
+
+    base: list[np.ndarray] = []  # vLLM's own map, built the same way (no float noise can tell them apart)
+
     def changes(lowered: list[int]) -> bool:
-        got = budgets(_face_value_dense(curve, lowered, length, fp.cudagraph_limit, other, kind, table))
-        return not np.array_equal(got, base, equal_nan=True)
+        return not np.array_equal(priced(lowered), base[0], equal_nan=True)
 
     def check(dips: list[int]) -> set[int]:
-        if not dips or not changes(dips):
+        if not dips:
+            return set()
+        base.append(priced([]))
+        if not changes(dips):
             return set()
         if len(dips) > MAX_DIPS_ATTRIBUTED:
             return set(dips)

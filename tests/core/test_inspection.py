@@ -267,3 +267,20 @@ def test_cost_against_context_for_tables_with_several_contexts(real):
     assert row.split() == ["256", "16.807", "74.867", "142.393", "8.47x"]
     d = json.loads(CliRunner().invoke(app, ["inspect", str(SCHEMA10), "--json"]).stdout)
     assert d["cost_by_context"]["contexts"] == [1024, 8192, 16384] and len(d["cost_by_context"]["verify_ms"]) == 7
+
+
+def test_the_face_value_trick_with_nothing_lowered_is_vllms_dense_table(real):
+    """build(y + m x) - build(m x) with the running max kept everywhere is the dense table vLLM
+    builds, on both curves of the H200 recordings (steps, interpolation, extrapolation)."""
+    from dspark_calib.inspection import _face_value_dense
+
+    fp = real.fingerprint
+    for ctx in real.context_lens():
+        draft, verify = real.dense_tables(ctx)
+        pair = real.curves[ctx]
+        got_v = _face_value_dense(pair.verify, [], fp.max_num_batched_tokens, fp.cudagraph_limit,
+                                  pair.draft.as_vllm(), "verify", real)
+        got_d = _face_value_dense(pair.draft, [], fp.max_num_seqs, fp.cudagraph_limit, pair.verify.as_vllm(), "draft",
+                                  real)
+        np.testing.assert_allclose(got_v, verify, rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(got_d, draft, rtol=1e-12, atol=1e-9)
