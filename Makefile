@@ -13,7 +13,7 @@ SHIPPED := profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b
 RESULTS := benchmarks/results/h200/2026-11-30-morning
 DEMO_OUT ?= out/demo
 
-.PHONY: test test-light install demo bench clean
+.PHONY: test test-light install demo bench examples clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,10 @@ demo: $(CORE)
 	$(BIN)/dspark-calib check profiles/h200 --model profiles/configs/qwen3-8b --draft profiles/configs/dspark-qwen3-8b-block7 --tp 1 --gpu-name "NVIDIA H200" --vllm-version 0.33.0
 	$(BIN)/dspark-calib check profiles/h200 --gpu-name "NVIDIA H100"; test $$? -eq 1
 	@echo "plots in $(DEMO_OUT)/"
+
+# Every `$ dspark-calib` example of README.md and docs/ run again; EXAMPLES=--write rewrites them.
+examples: $(CORE)
+	$(BIN)/python docs/examples.py $(EXAMPLES)
 
 bench: $(CORE)
 	$(BIN)/python benchmarks/micro/bench_table.py

@@ -210,7 +210,6 @@ def _root(
 
 # Options shared by several commands.
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print everything as JSON instead of tables.")]
-AllOpt = Annotated[bool, typer.Option("--all", help="Show every size of long curves.")]
 PlotOpt = Annotated[Optional[str], typer.Option(
     "--plot", metavar="FILE", help="Also write a plot; .png, .svg or .pdf (the suffix picks the format).")]
 ForceOpt = Annotated[bool, typer.Option(
@@ -225,10 +224,11 @@ def inspect_cmd(
     plot: PlotOpt = None,
     context_len: Annotated[Optional[int], typer.Option(
         "--context-len", min=1, metavar="L", help="Show only the profiled context length nearest to L.")] = None,
-    all_points: AllOpt = False,
+    all_points: Annotated[bool, typer.Option(
+        "--all", help="Show every size of long curves, and the notes (findings that need no action).")] = False,
     force: ForceOpt = False,
 ) -> None:
-    """Show a table's fingerprint, curves, draft budgets, warnings and notes."""
+    """Verdict (fit to serve or not, and why), fingerprint, curves, draft budgets, warnings; notes with --all."""
     from dspark_calib.cli.paths import plot_path
 
     plot = plot_path(plot, [table], force=force)  # before any work: a bad path costs nothing

@@ -1,7 +1,7 @@
 """Terminal views (rich) of inspect and diff results: drawing only.
 
-The numbers, the severities and the threshold verdict come from inspection.py and
-compare.py; nothing here decides anything.
+The numbers, the severities and both verdicts (fit to serve, the diff threshold) come
+from inspection.py and compare.py; nothing here decides anything.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rich.text import Text
 from dspark_calib.fit import CURVE_KINDS, DRAFT, Curve
 from dspark_calib.inspection import (
     FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, NOTE, WARNING, CostByContext, DecisionMap, Inspection, TableWarning,
-    telemetry_view,
+    Verdict, telemetry_view,
 )
 from dspark_calib.render.conditions import render_conditions_diff, render_telemetry
 
@@ -220,16 +220,22 @@ def context_cost_table(view: "CostByContext") -> Text:
     return grid("verify cost (ms) against context, as vLLM charges it", headers, rows)
 
 
+def verdict_text(v: Verdict) -> Text:
+    return Text(v.line, style="bold green" if v.fit else "bold red")
+
+
 def render_inspect(insp: Inspection, console: Console, *, all_points: bool = False) -> None:
+    """The verdict first; warnings always, notes only with --all (all_points)."""
     table = insp.table
+    _show(console, verdict_text(insp.verdict))
     if insp.path:
-        console.print(Text(insp.path, style="bold"))
+        _show(console, Text(insp.path, style="bold"))
     _show(console, fingerprint_table(table))
     for note in insp.notes:
         console.print(Text(f"note: {note}", style="cyan"))
     flags: dict[tuple[int, str], dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     for w in insp.warnings:
-        if w.size is not None and w.code in FLAG:
+        if w.size is not None and w.code in FLAG and (all_points or w.severity == WARNING):
             flags[(w.context_len, w.curve)][w.size].append(FLAG[w.code] + ("?" if w.severity == NOTE else ""))
     limit = table.fingerprint.cudagraph_limit
     for ctx in insp.context_lens:
@@ -247,21 +253,23 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
     console.print()
     render_telemetry(telemetry_view(table.telemetry), insp.level_shifts, console, grid, _show)
     counts = insp.counts
-    for severity, title in ((WARNING, "warning"), (NOTE, "note")):
-        if counts[severity]:
-            console.print()
-            console.print(Text(_plural(counts[severity], title) + ":", style="bold " + SEVERITY_STYLE[severity][1]))
-            for line in warnings_view(insp.warnings, severity):
-                _show(console, line)
-    if counts[NOTE]:
-        console.print(Text("notes: dips no larger than the two points' p25-p75 spread (noise; vLLM charges the running max)",
-                           style="dim"))
+    if counts[WARNING]:
+        console.print()
+        console.print(Text(_plural(counts[WARNING], "warning") + ":", style="bold yellow"))
+        for line in warnings_view(insp.warnings, WARNING):
+            _show(console, line)
+    if counts[NOTE] and all_points:
+        console.print()
+        console.print(Text(_plural(counts[NOTE], "note") + ":", style="bold dim"))
+        for line in warnings_view(insp.warnings, NOTE):
+            _show(console, line)
     console.print()
-    console.print(Text(f"summary: {insp.summary}", style="yellow" if counts[WARNING] else "green"))
+    hidden = " (--all shows the notes)" if counts[NOTE] and not all_points else ""
+    console.print(Text(f"summary: {insp.summary}{hidden}", style="yellow" if counts[WARNING] else "green"))
 
 
 def render_summary(insp: Inspection, console: Console) -> None:
-    """Short form for commands that write a table (import-vllm, merge)."""
+    """Short form for commands that write a table (profile, import-vllm, merge): the verdict last."""
     t = insp.table
     fp = t.fingerprint
     lines = [f"table {t.short_hash}: {fp.target_model} + {fp.draft_model} on {fp.gpu_name} x{fp.gpu_count}, "
@@ -275,13 +283,9 @@ def render_summary(insp: Inspection, console: Console) -> None:
                      f"{t.num_samples(ctx)} samples")
     for line in lines:  # Text, not a str: names and paths must not be read as rich markup
         console.print(Text(line), no_wrap=True, crop=False, overflow="ignore")
-    n = insp.counts[WARNING]
-    notes = insp.counts[NOTE]
-    tail = f", {_plural(notes, 'note')}" if notes else ""
-    if n:
-        console.print(Text(f"{_plural(n, 'warning')}{tail} (dspark-calib inspect for details)", style="yellow"))
-    else:
-        console.print(Text(f"no warnings{tail}", style="green"))
+    console.print(Text(f"{insp.summary} (dspark-calib inspect for details)", style="yellow" if insp.counts[WARNING]
+                       else "green"), no_wrap=True, crop=False, overflow="ignore")
+    _show(console, verdict_text(insp.verdict))
 
 
 # -- diff ----------------------------------------------------------------------------------

@@ -206,3 +206,15 @@ def test_the_shipped_directory_picks_the_table_of_the_engines_tp_with_every_key_
         other = next(t for t in d["tables"] if t["path"] != d["chosen"]["path"])
         assert other["status"] == MISMATCH and other["reason"].startswith("tensor_parallel_size: table ")
     assert read_metadata(SHIPPED).schema_version == "1.2"
+
+
+def test_tables_are_listed_newest_first(tmp_path):
+    """Three fitting tables whose names sort oldest first: check lists them newest first, the
+    order the plugin prefers them in."""
+    base = build_reference_table([fixture_json(8192)])
+    for name, created in (("a.parquet", "2026-01-01T00:00:00Z"), ("b.parquet", "2026-06-01T00:00:00Z"),
+                          ("c.parquet", "2026-11-01T00:00:00Z")):
+        write_table(dataclasses.replace(base, created_at=created), tmp_path / name)
+    result = check_tables(str(tmp_path), {}, allow_reference=True)
+    assert [t.path.rsplit("/", 1)[-1] for t in result.tables] == ["c.parquet", "b.parquet", "a.parquet"]
+    assert [t.created_at for t in result.tables] == sorted((t.created_at for t in result.tables), reverse=True)

@@ -221,3 +221,16 @@ def test_without_significance_nothing_is_tested_and_scipy_is_not_needed(t1024, t
         assert [(p.size, p.old_ms, p.new_ms, p.old_n, p.new_n) for p in r.curves[kind].points] == \
                [(p.size, p.old_ms, p.new_ms, p.old_n, p.new_n) for p in tested.curves[kind].points]
     assert not threshold_exceeded(r, 0)
+
+
+def test_decision_impact_leaves_out_cells_neither_table_can_price(reference_table_8192):
+    """A table against itself with a small token budget: the batches it cannot price (NaN on both
+    sides) are no decision at all, neither changed nor counted among the cells."""
+    from dspark_calib.compare import compare_decisions
+
+    small = dataclasses.replace(reference_table_8192,
+                                fingerprint=reference_table_8192.fingerprint.replace(max_num_batched_tokens=64, max_num_seqs=64))
+    impact = compare_decisions(small, small, 8192, 8192)
+    unpriced = np.isnan(impact.old.budget_per_req)
+    assert unpriced.any() and not unpriced.all()  # rows of 16+ requests x 8 tokens exceed 64 tokens
+    assert impact.changes == () and impact.cells == int((~unpriced).sum())

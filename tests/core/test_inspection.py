@@ -9,8 +9,8 @@ import pytest
 
 from dspark_calib.fit import decision_map
 from dspark_calib.inspection import (
-    FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, NOTE, SHORT_DRAFT, SHORT_VERIFY, WARNING, dip_within_spread, inspect_table,
-    num_reqs_grid,
+    CONFIDENCE_GRID, FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, NOTE, SHORT_DRAFT, SHORT_VERIFY, WARNING,
+    dip_within_spread, inspect_table, num_reqs_grid,
 )
 from dspark_calib.samples import Sample
 from dspark_calib.table.model import CostTable
@@ -107,24 +107,41 @@ def test_to_dict_is_plain_json(real):
     assert len(d["decision_map"]["budget_per_req"]) == len(d["decision_map"]["num_reqs"])
 
 
-def test_a_dip_within_the_points_own_spread_is_a_note(real):
-    t = _synthetic(real, {
-        1: [5.0] * 5,
-        2: [4.8, 4.9, 4.95, 5.2, 5.3],  # median 4.95 < 5.0, but its p75 (5.2) reaches 5.0: noise
-        4: [6.0] * 5,
-        8: [5.0, 5.0, 5.0, 5.05, 5.1],  # median 5.0 < 6.0 and p75 5.05 far below: a real dip
-    }, max_num_batched_tokens=8, max_num_seqs=8)
-    dips = {w.size: w for w in inspect_table(t).warnings if w.code == FALLING_MEDIAN}
-    assert dips[2].severity == NOTE and "within the points' p25-p75 spread" in dips[2].message
-    assert dips[8].severity == WARNING
-    insp = inspect_table(t)
-    assert insp.counts == {WARNING: 1, NOTE: 1} and insp.summary == "1 warning, 1 note"
-    d = insp.to_dict()
-    assert d["counts"] == {"warning": 1, "note": 1} and {w["severity"] for w in d["warnings"]} == {"warning", "note"}
+def _face_value_budgets(t: CostTable, ctx: int, lowered_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The decision map as vLLM prices the table, and with one verify point at its own median
+    (every size of these synthetic curves is captured: the dense table is a step function)."""
+    fp = t.fingerprint
+    draft, verify = t.dense_tables(ctx)
+    reqs = num_reqs_grid(fp.max_num_seqs)
+    base = decision_map(draft, verify, reqs, CONFIDENCE_GRID, fp.num_speculative_tokens)
+    c = t.curves[ctx].verify
+    y = np.maximum.accumulate(c.cost_ms)
+    i = int(np.flatnonzero(c.size == lowered_size)[0])
+    y[i] = c.cost_ms[i]
+    face = y[np.minimum(np.searchsorted(c.size, np.arange(len(verify)), side="left"), len(y) - 1)]
+    return base, decision_map(draft, face, reqs, CONFIDENCE_GRID, fp.num_speculative_tokens)
+
+
+def test_a_dip_is_a_note_unless_it_changes_a_draft_budget(real):
+    """Size 2 dips 1 % (budgets the same either way: a note); size 4 dips from 9 to 5.5, which
+    priced at its own median makes 3-4 drafts cheap (a warning). Checked against decision maps
+    built here, with and without the running max at the dip."""
+    t = _synthetic(real, {1: [5.0] * 5, 2: [4.95] * 5, 3: [9.0] * 5, 4: [5.5] * 5, 8: [9.5] * 5},
+                   max_num_batched_tokens=8, max_num_seqs=8)
+    dips = {w.size: w for w in inspect_table(t).warnings if w.code == FALLING_MEDIAN and w.curve == "verify"}
+    assert set(dips) == {2, 4}
+    base, face = _face_value_budgets(t, 2048, 2)
+    assert np.array_equal(base, face, equal_nan=True)
+    assert dips[2].severity == NOTE and "the same draft budgets" in dips[2].message and not dips[2].blocks
+    base, face = _face_value_budgets(t, 2048, 4)
+    assert not np.array_equal(base, face, equal_nan=True)
+    assert dips[4].severity == WARNING and "changes a draft budget" in dips[4].message
+    assert "beyond the points' spread" in dips[4].message and not dips[4].blocks
 
 
 def test_dip_severity_rule():
-    """fall <= max(IQR here, IQR of the running-max point): a note; else a warning."""
+    """fall <= max(IQR here, IQR of the running-max point): within the spread (said in a budget
+    warning's message)."""
     nan = float("nan")
     assert dip_within_spread(0.2, 0.3, 0.0) and dip_within_spread(0.2, 0.0, 0.3)  # either point's spread
     assert dip_within_spread(0.2, 0.2, 0.1)  # equal: still within
@@ -133,38 +150,100 @@ def test_dip_severity_rule():
     assert not dip_within_spread(0.01, nan, nan)  # no spread recorded: cannot call it noise
 
 
-def test_a_dip_within_the_running_max_points_spread_is_a_note(real):
-    """The point that set the running max was noisy (IQR 0.4), the dipping point steady: a fall
-    of 0.3 is within the larger spread; a fall of 0.5 is not."""
-    t = _synthetic(real, {
-        1: [4.6, 4.8, 5.0, 5.2, 5.4],  # median 5.0, p25 4.8, p75 5.2: IQR 0.4
-        2: [4.7] * 5,  # falls 0.3 <= 0.4: note
-        4: [6.0] * 5,
-        8: [5.5] * 5,  # falls 0.5 > max(0, 0): warning
-    }, max_num_batched_tokens=8, max_num_seqs=8)
-    dips = {w.size: w for w in inspect_table(t).warnings if w.code == FALLING_MEDIAN and w.curve == "verify"}
-    assert dips[2].severity == NOTE and dips[8].severity == WARNING
+def test_the_face_value_dense_table_is_vllms_rule_without_the_running_max_at_the_dip(real):
+    """Above the capture limit vLLM interpolates: the dip's own median must enter the
+    interpolation exactly, as a copy of the rule without the running max would."""
+    from dspark_calib.inspection import _face_value_dense
+
+    t = _synthetic(real, {1: [5.0] * 5, 2: [6.0] * 5, 16: [9.0] * 5, 32: [7.0] * 5, 64: [12.0] * 5},
+                   max_num_batched_tokens=64, max_num_seqs=8)
+    c = t.curves[2048].verify
+    got = _face_value_dense(c, [3], 64, 8, t.curves[2048].draft.as_vllm(), "verify", t)
+    sizes = np.arange(65)
+    expected = np.empty(65)
+    expected[:3] = [5.0, 5.0, 6.0]
+    expected[3:] = np.interp(sizes[3:], [16, 32, 64], [9.0, 7.0, 12.0])  # all above the limit 8
+    expected[3:9] = 9.0  # up to the limit: padded to the next captured point, 16
+    np.testing.assert_allclose(got[sizes > 8], np.interp(sizes[sizes > 8], [16, 32, 64], [9.0, 7.0, 12.0]))
+    np.testing.assert_allclose(got[:9], expected[:9])
 
 
-def test_summary_and_inspect_output_count_only_warnings_as_warnings(real):
+def test_verdict_blocks_on_what_makes_costs_unlike_vllms_own(real):
+    """Few samples, a noisy point, a short curve: not fit, each named; dips alone: fit."""
+    dips_only = _synthetic(real, {s: [float(s)] * 5 for s in (1, 2, 4, 8, 16, 32, 64)} | {16: [3.0] * 5})
+    v = inspect_table(dips_only).verdict
+    assert v.fit and v.line.startswith("fit to serve: ") and v.reasons == ()
+    bad = _synthetic(real, {1: [5.0] * 5, 2: [4.0] * 5, 4: [5.0, 5.5, 6.0, 7.0, 8.0], 8: [9.0, 9.1]})
+    v = inspect_table(bad).verdict
+    assert not v.fit and v.line.startswith("not fit to serve: ")
+    assert "2 point(s) with fewer than 3 samples" in v.line and "1 noisy point(s)" in v.line
+    assert "verify curve(s) short of max_num_batched_tokens" in v.line and "draft curve(s) short of max_num_seqs" in v.line
+    assert "dip" not in v.line  # the dip at 2 is a finding, never a reason
+    d = inspect_table(bad).to_dict()["verdict"]
+    assert d["fit"] is False and d["line"] == v.line and len(d["reasons"]) == 4
+
+
+def test_verdict_counts_the_whole_table_whatever_context_is_shown(real):
+    t = _synthetic(real, {1: [5.0] * 5, 8: [9.0, 9.1]})
+    assert not inspect_table(t, context_len=2048).verdict.fit
+    assert not inspect_table(t, context_len=99999).verdict.fit
+
+
+def test_thermal_throttling_blocks_and_power_limits_are_a_note(real):
+    import dataclasses
+
+    from dspark_calib.inspection import THROTTLE
+    from dspark_calib.telemetry import Telemetry
+
+    clean = _synthetic(real, {s: [float(s)] * 5 for s in (1, 2, 4, 8, 16, 32, 64)})
+
+    def with_throttle(reasons):
+        blocks = [{"context_len": 2048, "block": b, "start": {"throttle": []},
+                   "end": {"throttle": reasons if b >= 1 else []}} for b in range(-1, 4)]
+        return dataclasses.replace(clean, telemetry=Telemetry.from_json({"source": "nvml", "blocks": blocks}))
+
+    insp = inspect_table(with_throttle(["hw_slowdown"]))
+    (w,) = [w for w in insp.warnings if w.code == THROTTLE]
+    assert w.severity == NOTE and "3 of 4 timed blocks" in w.message and insp.verdict.fit
+    insp = inspect_table(with_throttle(["hw_thermal"]))
+    (w,) = [w for w in insp.warnings if w.code == THROTTLE]
+    assert w.severity == WARNING and w.blocks and not insp.verdict.fit and "throttling" in insp.verdict.line
+
+
+def test_a_level_shift_makes_the_table_unfit(reference_table_8192):
+    from tests.cli.test_conditions_cli import table_with
+
+    assert not any("level shift" in r for r in inspect_table(table_with(reference_table_8192)).verdict.reasons)
+    v = inspect_table(table_with(reference_table_8192, step_ms=0.18, seed=1)).verdict
+    assert not v.fit and "1 level shift(s) between blocks" in v.line
+
+
+def test_summary_ends_with_the_verdict_and_inspect_shows_notes_only_with_all(real):
     import io
 
     from rich.console import Console
 
     from dspark_calib.render import render_inspect, render_summary
 
-    t = _synthetic(real, {1: [5.0] * 5, 2: [4.8, 4.9, 4.95, 5.2, 5.3], 4: [6.0] * 5, 8: [8.0] * 5},
+    t = _synthetic(real, {1: [5.0] * 5, 2: [4.95] * 5, 4: [6.0] * 5, 8: [8.0] * 5},
                    max_num_batched_tokens=8, max_num_seqs=8)
     insp = inspect_table(t)
-    assert insp.counts == {WARNING: 0, NOTE: 1}
+    assert insp.counts == {WARNING: 0, NOTE: 1} and insp.verdict.fit
     out = io.StringIO()
-    render_summary(insp, Console(file=out, width=200))
-    assert out.getvalue().splitlines()[-1] == "no warnings, 1 note"
+    render_summary(insp, Console(file=out, width=300))
+    lines = out.getvalue().splitlines()
+    assert lines[-2] == "0 warnings, 1 note (dspark-calib inspect for details)"
+    assert lines[-1] == insp.verdict.line and lines[-1].startswith("fit to serve: ")
     out = io.StringIO()
-    render_inspect(insp, Console(file=out, width=200))
+    render_inspect(insp, Console(file=out, width=300))
     text = out.getvalue()
-    assert text.rstrip().splitlines()[-1] == "summary: 0 warnings, 1 note"
-    assert "1 note:" in text and "warning:" not in text and "dip?" in text
+    assert text.splitlines()[0] == insp.verdict.line
+    assert text.rstrip().splitlines()[-1] == "summary: 0 warnings, 1 note (--all shows the notes)"
+    assert "1 note:" not in text and "dip?" not in text and "warning:" not in text
+    out = io.StringIO()
+    render_inspect(insp, Console(file=out, width=300), all_points=True)
+    text = out.getvalue()
+    assert "1 note:" in text and "dip?" in text and text.rstrip().endswith("summary: 0 warnings, 1 note")
 
 
 def test_cost_against_context_for_tables_with_several_contexts(real):
@@ -188,3 +267,20 @@ def test_cost_against_context_for_tables_with_several_contexts(real):
     assert row.split() == ["256", "16.807", "74.867", "142.393", "8.47x"]
     d = json.loads(CliRunner().invoke(app, ["inspect", str(SCHEMA10), "--json"]).stdout)
     assert d["cost_by_context"]["contexts"] == [1024, 8192, 16384] and len(d["cost_by_context"]["verify_ms"]) == 7
+
+
+def test_the_face_value_trick_with_nothing_lowered_is_vllms_dense_table(real):
+    """build(y + m x) - build(m x) with the running max kept everywhere is the dense table vLLM
+    builds, on both curves of the H200 recordings (steps, interpolation, extrapolation)."""
+    from dspark_calib.inspection import _face_value_dense
+
+    fp = real.fingerprint
+    for ctx in real.context_lens():
+        draft, verify = real.dense_tables(ctx)
+        pair = real.curves[ctx]
+        got_v = _face_value_dense(pair.verify, [], fp.max_num_batched_tokens, fp.cudagraph_limit,
+                                  pair.draft.as_vllm(), "verify", real)
+        got_d = _face_value_dense(pair.draft, [], fp.max_num_seqs, fp.cudagraph_limit, pair.verify.as_vllm(), "draft",
+                                  real)
+        np.testing.assert_allclose(got_v, verify, rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(got_d, draft, rtol=1e-12, atol=1e-9)

@@ -434,3 +434,78 @@ def test_serving_read_refuses_a_curve_row_group_full_of_sample_rows(tmp_path, re
             tf.read(samples=False)
     with TableFile.open(write_table(reference_table, tmp_path / "good.parquet"), limits=limits) as tf:
         tf.read(samples=False)  # the writer's layout: the curve group holds exactly curve_rows
+
+
+def test_an_unknown_column_in_a_known_schema_version_is_refused_not_dropped(tmp_path, t8192):
+    """A column the current schema does not name, in a file of that very schema, is damage
+    (or a writer we do not know): its data would be lost by dropping it, so the read refuses."""
+    arrow = to_arrow(t8192)
+    meta = arrow.schema.metadata
+    arrow = arrow.append_column("bogus", pa.array(np.zeros(arrow.num_rows))).replace_schema_metadata(meta)
+    pq.write_table(arrow, tmp_path / "x.parquet")
+    with pytest.raises(CalibError, match=rf"unknown column 'bogus' in a schema {SCHEMA_VERSION} file"):
+        read_table(tmp_path / "x.parquet")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _patch_footer_counts(path: Path, *, file_rows: int | None = None, group0_rows: int | None = None) -> None:
+    """Rewrite row counts in the parquet footer (thrift compact: an i64 field is 0x16 then the
+    zigzag varint), as a damaged footer would hold them; page checksums do not cover it."""
+    md = pq.ParquetFile(path).metadata
+    data = bytearray(path.read_bytes())
+    start = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+
+    def sub(old: bytes, new: bytes) -> None:
+        footer = bytes(data[start:-8])
+        assert footer.count(old) == 1 and len(old) == len(new)
+        at = start + footer.index(old)
+        data[at:at + len(old)] = new
+
+    if file_rows is not None:  # FileMetaData.num_rows
+        sub(b"\x16" + _varint(2 * md.num_rows), b"\x16" + _varint(2 * file_rows))
+    if group0_rows is not None:  # RowGroup.num_rows, right after its total_byte_size
+        rg = md.row_group(0)
+        size = b"\x16" + _varint(2 * rg.total_byte_size)
+        sub(size + b"\x16" + _varint(2 * rg.num_rows), size + b"\x16" + _varint(2 * group0_rows))
+    path.write_bytes(bytes(data))
+
+
+def test_footer_row_counts_that_disagree_are_refused_at_open(path8192):
+    """The curve row group claims one row fewer than the file: refused by open, before any read."""
+    rows = pq.ParquetFile(path8192).metadata.row_group(0).num_rows
+    _patch_footer_counts(path8192, group0_rows=rows - 1)
+    with pytest.raises(CalibError, match="row counts in the parquet footer disagree"):
+        TableFile.open(path8192).close()
+
+
+@pytest.mark.parametrize("samples", [True, False])
+def test_footer_row_counts_that_agree_but_not_with_the_data_are_refused_at_read(path8192, samples):
+    """File and row group both claim one row fewer, consistently: open passes; the read finds
+    the column chunks hold more values than the footer's count (pyarrow alone reads fewer rows)."""
+    md = pq.ParquetFile(path8192).metadata
+    _patch_footer_counts(path8192, file_rows=md.num_rows - 1, group0_rows=md.row_group(0).num_rows - 1)
+    with TableFile.open(path8192) as tf:
+        with pytest.raises(CalibError, match="row counts in the parquet footer disagree"):
+            tf.read(samples=samples)
+
+
+def test_a_fifo_swapped_in_after_the_stat_is_refused_by_the_fstat(tmp_path, path8192, monkeypatch):
+    """The name is a regular file when stat looks and a FIFO when open runs: what was opened
+    is checked again (fstat), so the read never waits on a writer that does not come."""
+    import dspark_calib.safe_open as safe_open
+
+    fifo = tmp_path / "swapped.parquet"
+    os.mkfifo(fifo)
+    real_stat = os.stat
+    monkeypatch.setattr(safe_open.os, "stat",
+                        lambda p, *a, **kw: real_stat(path8192) if os.fspath(p) == str(fifo) else real_stat(p, *a, **kw))
+    with pytest.raises(CalibError, match="is a FIFO, not a regular file"):
+        safe_open.open_local(str(fifo), str(fifo))

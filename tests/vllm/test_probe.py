@@ -391,3 +391,14 @@ def test_dp_replicas_with_different_policies_disagree(monkeypatch, caplog, tmp_p
     line = records[-1].getMessage()
     assert "data-parallel replicas decided differently" in line and "profiling at start-up as usual" in line
     assert len(batches) == 280  # vLLM's full profile, as every replica runs
+
+
+def test_judge_refuses_fewer_timed_steps_than_planned_even_when_those_agree(reference_table):
+    """Two steps planned, one timed and matching the table: not a pass (a probe that lost a step
+    judged on what was left would vouch for sizes it never timed)."""
+    pair = reference_table.curves[8192]
+    median = float(pair.verify.cost_ms[list(pair.verify.size).index(8192)])
+    good = P.Measured(median, 0.0, 8192, 256, False)
+    assert P.judge(pair, [good, good], 2).ok
+    short = P.judge(pair, [good], 2)
+    assert not short.ok and "1 of 2 probe steps were timed" in short.summary()
