@@ -399,7 +399,7 @@ def render_check(result: "CheckResult", console: Console) -> None:
     checked = ", ".join(f"{k}={_short(v)}" for k, v in sorted(result.engine.items())) or "—"
     console.print(Text(f"checked: {checked}", style="dim"), no_wrap=False)
     if result.at_start:
-        console.print(Text(f"decided at start (blocking; only the running engine knows them unless given): "
+        console.print(Text(f"decided at start (blocking; not given, or known only to the running engine): "
                            f"{', '.join(result.at_start)}", style="yellow"))
     warning_only = [k for k in result.unchecked if k not in result.at_start]
     if warning_only:

@@ -20,19 +20,14 @@ import types
 from typing import Any, Iterator, Mapping, Sequence
 
 from dspark_calib.errors import CalibError
-from dspark_calib.serve_args import (
-    HARDWARE_KEYS,
-    Resolved,
-    profile_context,
-    strip_command,
-)
+from dspark_calib.serve_args import HARDWARE_KEYS, Resolved, profile_context, strip_command
 
 # Keys a default for them depends on the GPU's memory (vLLM's serve tiers) or on its compute
 # capability (the attention backend the platform picks, which sizes KV blocks and compiles kernels).
 NEEDS_MEMORY = ("max_num_seqs", "max_num_batched_tokens", "cudagraph_capture_sizes", "compilation_hash")
 NEEDS_CAPABILITY = ("kv_block_size", "cudagraph_mode", "compilation_hash")
-_KERNELS = "vllm._C_stable_libtorch"
-SERVING_HOST_GPUS = 64  # imported by vLLM's CUDA platform module; needs libcuda
+_KERNELS = "vllm._C_stable_libtorch"  # imported by vLLM's CUDA platform module; needs libcuda
+SERVING_HOST_GPUS = 64  # vLLM checks the world size against the GPUs present: the serving host has them
 
 
 def resolve(argv: Sequence[str], hardware: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Resolved:
@@ -57,6 +52,7 @@ def resolve(argv: Sequence[str], hardware: Mapping[str, Any], environ: Mapping[s
 
 
 def _unknown_without_facts(facts: Mapping[str, Any], args: Any) -> list[str]:
+    """Keys whose value vLLM took from a GPU fact that was not given (the stand-in's guess)."""
     out: list[str] = []
     defaulted = [k for k in ("max_num_seqs", "max_num_batched_tokens") if getattr(args, k) is None]
     if "gpu_memory_mib" not in facts and defaulted:  # the sizes, and what vLLM derives from them
@@ -134,16 +130,21 @@ def _kernel_free_constants() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_vllm() -> Iterator[None]:
-    """vLLM's loggers at ERROR while it resolves (imported earlier, its level is already set)."""
+    """vLLM's loggers at ERROR while it resolves, and its logging left unconfigured."""
     import logging
 
+    from vllm.engine import arg_utils
+
     logger = logging.getLogger("vllm")
-    level = logger.level
+    level, configure = logger.level, arg_utils.configure_logging_if_needed
     logger.setLevel(logging.ERROR)
+    # create_engine_config configures vLLM's logging for the process it starts; this is check's process
+    arg_utils.configure_logging_if_needed = lambda config: None
     try:
         yield
     finally:
         logger.setLevel(level)
+        arg_utils.configure_logging_if_needed = configure
 
 
 @contextlib.contextmanager
@@ -174,7 +175,8 @@ def _cuda_platform_class() -> type:
 
 @contextlib.contextmanager
 def _stand_in_platform(facts: Mapping[str, Any]) -> Iterator[None]:
-    """vLLM's current platform is the CUDA one, answering device questions from `facts`."""
+    """vLLM's current platform is the CUDA one, answering device questions from `facts` (compute
+    capability 9.0 when not given: the keys it decides are then left to the engine, NEEDS_CAPABILITY)."""
     import vllm.platforms as platforms
     from vllm.platforms.interface import DeviceCapability
 
@@ -206,7 +208,7 @@ def _stand_in_platform(facts: Mapping[str, Any]) -> Iterator[None]:
 
         @classmethod
         def device_count(cls) -> int:
-            return SERVING_HOST_GPUS  # the serving host has the GPUs the flags ask for
+            return SERVING_HOST_GPUS
 
     previous = platforms.current_platform  # resolved now if it was not: restored below
     stand_in = StandIn()

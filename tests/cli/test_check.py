@@ -76,7 +76,7 @@ def test_the_schema_1_0_table_loads_for_its_engine_if_the_keys_decided_at_start_
     assert f"would load if the keys decided at start match: {shelf / SCHEMA10.name} (hash ad4ef3d97317)" in r.stdout
     assert "would load: " not in r.stdout
     given = {"gpu_name", "tensor_parallel_size", "max_num_seqs", "dtype"}
-    at_start = _listed(r.stdout, "decided at start (blocking; only the running engine knows them unless given): ")
+    at_start = _listed(r.stdout, "decided at start (blocking; not given, or known only to the running engine): ")
     warning_only = _listed(r.stdout, "not checked (warning only, not given): ")
     expected = unchecked_keys({k.name: 1 for k in KEYS if k.name in given} | _GIVEN)
     assert at_start | warning_only == set(expected) and not (at_start | warning_only) & given

@@ -87,7 +87,7 @@ def plugin_decision(argv, env):
     from dspark_calib.vllm.engine_info import describe_engine
 
     full = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1", **env}
-    with EA._environment(full), EA._stand_in_platform(HARDWARE), EA._kernel_free_constants():
+    with EA._environment(full), EA._quiet_vllm(), EA._stand_in_platform(HARDWARE), EA._kernel_free_constants():
         ns = make_arg_parser(FlexibleArgumentParser()).parse_args(EA.strip_command(argv))
         ns.model = ns.model_tag or ns.model
         config = AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
@@ -155,9 +155,14 @@ def test_vllms_refusal_of_the_flags_is_one_line():
     one_line_error(r, "serve flags: vLLM refuses them", "full CUDA graphs")
 
 
-def test_resolution_leaves_vllms_platform_as_it_was():
+def test_resolution_leaves_vllms_platform_and_logging_as_they_were():
+    """check resolves inside its own process: vLLM's platform, its logging and the environment
+    are as they were afterwards (the engine would configure them for itself)."""
+    import logging
+
     import vllm.platforms as platforms
 
-    before = platforms.current_platform
-    check_answer(README, {})
-    assert platforms.current_platform is before
+    vllm_logger = logging.getLogger("vllm")
+    before = (platforms.current_platform, vllm_logger.level, list(vllm_logger.handlers), dict(os.environ))
+    check_answer(README, {"VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "1024"})
+    assert (platforms.current_platform, vllm_logger.level, list(vllm_logger.handlers), dict(os.environ)) == before
