@@ -87,10 +87,16 @@ def _typed(key: Any, raw: str) -> Any:
 def describe(*, model: str | None = None, draft: str | None = None, extra: dict[str, Any] | None = None,
              **keys: Any) -> dict[str, Any]:
     """The engine dict the load decision checks, from what the user gave (None: not given, not checked).
-    Model directories become their config hashes, computed as the fingerprint does."""
+    Model directories become their config hashes, computed as the fingerprint does; a dtype is named
+    as vLLM resolves it (auto: the model config's, so without --model it stays unchecked)."""
     from dspark_calib.fingerprint import config_hash, resolve_config_dir
+    from dspark_calib.serve_args import model_dtype
 
     engine = {k: v for k, v in keys.items() if v is not None}
+    if "dtype" in engine:
+        engine["dtype"] = model_dtype(str(engine["dtype"]), model)
+        if engine["dtype"] is None:
+            del engine["dtype"]
     for key, given in (("target_config_hash", model), ("draft_config_hash", draft)):
         if given is not None:
             engine[key] = config_hash(resolve_config_dir(given) or given)

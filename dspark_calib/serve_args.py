@@ -205,6 +205,13 @@ def _dtype(flag: str, config: Mapping[str, Any]) -> str:
     return "bfloat16" if declared == "float32" else DTYPE_NAMES.get(declared, declared)
 
 
+def model_dtype(flag: str, model: str | None) -> str | None:
+    """--dtype as vLLM resolves it for this model (auto without a model: not known, None)."""
+    if flag == "auto" and model is None:
+        return None
+    return _dtype(flag, _config(model) if flag == "auto" and model is not None else {})
+
+
 def _batch_sizes(given: Mapping[str, Any], hardware: Mapping[str, Any], max_model_len: Any) -> dict[str, int]:
     """max_num_batched_tokens and max_num_seqs as `vllm serve` fills them (chunked prefill on):
     a size the flags leave out needs the GPU's memory, else it is left out."""

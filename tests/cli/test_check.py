@@ -366,3 +366,14 @@ def test_serve_flags_after_a_double_dash_light(light):
 def test_serve_flags_and_engine_options_together_are_one_line(light):
     one_line_error(invoke("check", SHIPPED, "--tp", "2", "--", *README_FLAGS), "--tp", "after --")
     one_line_error(invoke("check", SHIPPED, "--", *README_FLAGS, "--max-num-seqs"), "--max-num-seqs needs a value")
+
+
+def test_dtype_auto_is_the_model_configs_as_vllm_resolves_it():
+    """--dtype auto with --model: vLLM serves the config's torch_dtype (bfloat16), and the table loads;
+    without --model, auto is not known and is decided at start."""
+    r = invoke("check", SHIPPED, "--model", MODEL, "--dtype", "auto", "--json")
+    assert r.exit_code == 3, r.output
+    d = json.loads(r.stdout)
+    assert d["engine"]["dtype"] == "bfloat16" and d["loads"]
+    d = json.loads(invoke("check", SHIPPED, "--dtype", "auto", "--json").stdout)
+    assert "dtype" in d["decided_at_start"] and "dtype" not in d["engine"]
