@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -166,3 +167,63 @@ def test_resolution_leaves_vllms_platform_and_logging_as_they_were():
     before = (platforms.current_platform, vllm_logger.level, list(vllm_logger.handlers), dict(os.environ))
     check_answer(README, {"VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "1024"})
     assert (platforms.current_platform, vllm_logger.level, list(vllm_logger.handlers), dict(os.environ)) == before
+
+
+def vllm_config(argv, env):
+    """The VllmConfig vLLM builds from these serve flags on the H200 stand-in, and its profiled context."""
+    from dspark_calib.vllm import engine_args as EA
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    full = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1", **env}
+    with EA._environment(full), EA._quiet_vllm(), EA._stand_in_platform(HARDWARE), EA._kernel_free_constants():
+        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(EA.strip_command(argv))
+        ns.model = ns.model_tag or ns.model
+        return AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+@pytest.mark.parametrize("argv, env, expected", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def test_the_real_patched_plugin_under_strict_agrees_with_check(monkeypatch, argv, env, expected):
+    """vLLM's own AdaptiveVerificationManager, patched by the registered plugin (load mode, strict,
+    probe off: no GPU to time), on the VllmConfig of these flags: it installs the table check names
+    or refuses to start when check says none would load."""
+    import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+    from vllm.v1.worker.gpu import model_runner
+
+    from dspark_calib.vllm import engine_info, plugin, runtime
+    from tests.vllm.test_plugin import SingleRank
+
+    config = vllm_config(argv, env)
+    d = json.loads(check_answer(argv, env).stdout)
+    for key in ("DSPARK_CALIB_CONTEXT_LEN", "DSPARK_CALIB_ALLOW_REFERENCE", "DSPARK_CALIB_TABLE_SHA256"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"DSPARK_CALIB_TABLE": SHELF, "DSPARK_CALIB_POLICY": "strict", "DSPARK_CALIB_PROBE": "0",
+                       "DSPARK_CALIB_CONTEXT_AWARE": "0", **env}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(av, "get_tp_group", lambda: SingleRank())
+    monkeypatch.setattr(engine_info, "hardware", lambda: dict(HARDWARE))  # the H200 this engine runs on
+    monkeypatch.setattr(engine_info, "attention_backends", lambda e, draft: "FLASH_ATTN")  # what its layers resolve
+    plugin.register()
+    try:
+        m = object.__new__(av.AdaptiveVerificationManager)
+        m.req_states = SimpleNamespace(max_num_reqs=config.scheduler_config.max_num_seqs,
+                                       max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
+        m.num_speculative_steps = config.speculative_config.num_speculative_tokens
+        m._cudagraph_limit = 0
+        m.cost_tables = None
+        runtime.state_of(m).vllm_config = config  # as the plugin's factory wrapper keeps it
+        sizes = list(config.compilation_config.cudagraph_capture_sizes)
+        if expected is None:
+            with pytest.raises(RuntimeError, match="policy strict"):
+                list(m.batches_to_profile(sizes))
+            assert not d["loads"]
+            return
+        list(m.batches_to_profile(sizes))
+        m.set_initial_cost_curves([])
+        decision = runtime.state_of(m).run.decision
+        assert decision.load and decision.content_hash == d["chosen"]["content_hash"]
+        assert decision.content_hash.startswith(expected) and m.cost_tables is not None
+    finally:
+        plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
