@@ -77,21 +77,29 @@ CONFIGS = [
 ]
 
 
-def plugin_decision(argv, env):
-    """The plugin's decision (strict) on the VllmConfig vLLM builds from these flags."""
+def vllm_config(argv, env):
+    """The VllmConfig vLLM builds from these serve flags on the H200 stand-in, and its profiled context."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.usage.usage_lib import UsageContext
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from dspark_calib.vllm import engine_args as EA
-    from dspark_calib.vllm.engine_info import describe_engine
 
     full = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1", **env}
     with EA._environment(full), EA._quiet_vllm(), EA._stand_in_platform(HARDWARE), EA._kernel_free_constants():
         ns = make_arg_parser(FlexibleArgumentParser()).parse_args(EA.strip_command(argv))
         ns.model = ns.model_tag or ns.model
-        config = AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
+        return AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+def plugin_decision(argv, env):
+    """The plugin's decision (strict) on the VllmConfig vLLM builds from these flags."""
+    from dspark_calib.vllm import engine_args as EA
+    from dspark_calib.vllm.engine_info import describe_engine
+
+    config = vllm_config(argv, env)
+    with EA._environment({**os.environ, **env}):
         import vllm.envs as envs
 
         vllm_context = int(envs.VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN)
@@ -167,21 +175,6 @@ def test_resolution_leaves_vllms_platform_and_logging_as_they_were():
     before = (platforms.current_platform, vllm_logger.level, list(vllm_logger.handlers), dict(os.environ))
     check_answer(README, {"VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "1024"})
     assert (platforms.current_platform, vllm_logger.level, list(vllm_logger.handlers), dict(os.environ)) == before
-
-
-def vllm_config(argv, env):
-    """The VllmConfig vLLM builds from these serve flags on the H200 stand-in, and its profiled context."""
-    from dspark_calib.vllm import engine_args as EA
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.common.cli_args import make_arg_parser
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    full = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1", **env}
-    with EA._environment(full), EA._quiet_vllm(), EA._stand_in_platform(HARDWARE), EA._kernel_free_constants():
-        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(EA.strip_command(argv))
-        ns.model = ns.model_tag or ns.model
-        return AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
 
 
 @pytest.mark.parametrize("argv, env, expected", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
