@@ -78,7 +78,7 @@ CONFIGS = [
 
 
 def vllm_config(argv, env):
-    """The VllmConfig vLLM builds from these serve flags on the H200 stand-in, and its profiled context."""
+    """The VllmConfig vLLM builds from these serve flags on the H200 stand-in."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.usage.usage_lib import UsageContext
