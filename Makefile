@@ -52,13 +52,17 @@ test: test-light $(FULL)
 
 # The README's main job: review the shipped H200 tables (no GPU needed, seconds once installed).
 # --plot does not create directories (a typo must not grow a tree): make DEMO_OUT first.
-# check exits 1 when no table fits: the second check (an H100 engine) must exit exactly 1.
+# check exits 3 when a table loads if the keys only the running engine knows match (the first check
+# gives the serve flags, not the attention backends or CUDA/torch builds), 1 when no table fits
+# (the second, an H100 engine).
 demo: $(CORE)
 	mkdir -p $(DEMO_OUT)
 	$(BIN)/dspark-calib inspect $(SHIPPED) --context-len 8192 --plot $(DEMO_OUT)/h200-tp1.png
 	$(BIN)/dspark-calib diff $(SHIPPED) $(SHIPPED) --old-context 1024 --new-context 16384 --plot $(DEMO_OUT)/ctx1024-vs-ctx16384.svg
 	$(BIN)/dspark-calib diff $(RESULTS)/h200-tp1-ctx8192-a.parquet $(RESULTS)/h200-tp1-ctx8192-b.parquet --significance --plot $(DEMO_OUT)/stability-a-vs-b.png
-	$(BIN)/dspark-calib check profiles/h200 --model profiles/configs/qwen3-8b --draft profiles/configs/dspark-qwen3-8b-block7 --tp 1 --gpu-name "NVIDIA H200" --vllm-version 0.33.0
+	$(BIN)/dspark-calib check profiles/h200 --gpu-name "NVIDIA H200" --engine gpu_memory_mib=143155 --vllm-version 0.33.0 -- \
+	  profiles/configs/qwen3-8b --speculative-config '{"method": "dspark", "model": "profiles/configs/dspark-qwen3-8b-block7", "num_speculative_tokens": 7, "enable_adaptive_verification": true}' \
+	  --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 32768; test $$? -eq 3
 	$(BIN)/dspark-calib check profiles/h200 --gpu-name "NVIDIA H100"; test $$? -eq 1
 	@echo "plots in $(DEMO_OUT)/"
 

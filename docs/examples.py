@@ -18,6 +18,8 @@ An HTML comment on the line before a block says what in it is not plain output:
 
     <!-- example: skip REASON -->       not run (it needs a GPU, ...); REASON is printed
     <!-- example: needs vllm -->        run only where vllm imports, else skipped (light install)
+    <!-- example: light install -->     run only where vllm does not import (it shows what the
+                                        light install prints), else skipped
     <!-- example: lines 1-12, 40- -->   only these lines of the transcript (and every command
                                         line) are shown; each run of left-out lines is one `...`
     <!-- example: new hash -->          the hash of a table the example writes differs on every
@@ -43,6 +45,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```[\w-]*$")
+# What importing vLLM on a machine without a GPU prints to stderr (torch's deprecation and CUDA
+# lines, vLLM's missing kernels): timestamped or machine-dependent, never dspark-calib's output.
+TORCH_NOISE = re.compile(r"^([WIE]\d{4} \d\d:\d\d:\d\d\.\d+ |Failed to import from vllm\._C)")
 MARKER = re.compile(r"^<!--\s*example:\s*(.*?)\s*-->$")
 PROMPT = "$ dspark-calib"
 ELIDED = "..."
@@ -59,6 +64,7 @@ class Example:
     lines: list[str]
     skip: str = ""
     needs_vllm: bool = False
+    light_only: bool = False
     keep: list[tuple[int, int | None]] = field(default_factory=list)  # 1-based, inclusive; None: to the end
     new_hash: bool = False
 
@@ -74,6 +80,8 @@ def parse_marker(text: str, ex: Example) -> None:
             ex.skip = directive[4:].strip() or "marked skip"
         elif directive == "needs vllm":
             ex.needs_vllm = True
+        elif directive == "light install":
+            ex.light_only = True
         elif directive == "new hash":
             ex.new_hash = True
         elif directive.startswith("lines "):
@@ -144,7 +152,7 @@ def run(ex: Example) -> str:
                               timeout=TIMEOUT_S)
     finally:
         shutil.rmtree(cwd, ignore_errors=True)
-    return "\n".join(line.rstrip() for line in done.stdout.splitlines())
+    return "\n".join(line.rstrip() for line in done.stdout.splitlines() if not TORCH_NOISE.match(line))
 
 
 def shown(ex: Example, transcript: str) -> list[str]:
@@ -184,6 +192,8 @@ def skip_reason(ex: Example) -> str:
         return ex.skip
     if ex.needs_vllm and importlib.util.find_spec("vllm") is None:
         return "needs vllm (not installed here)"
+    if ex.light_only and importlib.util.find_spec("vllm") is not None:
+        return "shows the light install (vllm is installed here)"
     return ""
 
 

@@ -370,6 +370,11 @@ def merge_cmd(
 @handled
 def check_cmd(
     source: Annotated[str, typer.Argument(metavar="TABLE|DIR", help="A table, or a directory of tables, as DSPARK_CALIB_TABLE takes.")],
+    serve_flags: Annotated[Optional[List[str]], typer.Argument(
+        metavar="[-- VLLM_SERVE_FLAGS...]", show_default=False,
+        help="The engine as `vllm serve` is given it, after --: MODEL --speculative-config ... (a leading "
+             "'vllm serve' may stay). Resolved through vLLM's own EngineArgs when vLLM is installed, else "
+             "by vLLM's documented defaults.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", metavar="DIR", help="Target model directory (config.json hashed as the fingerprint does).")] = None,
     draft: Annotated[Optional[str], typer.Option("--draft", metavar="DIR", help="DSpark draft model directory.")] = None,
     tp: Annotated[Optional[int], typer.Option("--tp", min=1, max=MAX_TP, help="tensor_parallel_size.")] = None,
@@ -383,29 +388,63 @@ def check_cmd(
     gpu_name: Annotated[Optional[str], typer.Option("--gpu-name", help="As torch.cuda.get_device_name() says it.")] = None,
     vllm_version: Annotated[Optional[str], typer.Option("--vllm-version")] = None,
     context_len: Annotated[Optional[int], typer.Option("--context-len", min=1, metavar="L", help="DSPARK_CALIB_CONTEXT_LEN: which curve set loads.")] = None,
-    engine: Annotated[Optional[List[str]], typer.Option("--engine", metavar="KEY=VALUE", help="Any other fingerprint key, e.g. cudagraph_capture_sizes=1,2,4,8 (repeatable).")] = None,
+    engine: Annotated[Optional[List[str]], typer.Option("--engine", metavar="KEY=VALUE", help="Any other fingerprint key, e.g. gpu_memory_mib=143155 or attention_backend=FLASH_ATTN (repeatable).")] = None,
     allow_reference: Annotated[bool, typer.Option("--allow-reference", help="As DSPARK_CALIB_ALLOW_REFERENCE=1: reference tables may load.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Which table the plugin would load for the engine described (offline: no GPU, no vLLM import).
+    """Which table the plugin would load for this engine, offline (no GPU).
 
-    Keys not given are not checked (as when an engine cannot report them). Exit 0 if a table would load, 1 if none.
+    Exit 0: a table loads and every blocking key was checked; 3: it loads if the keys decided at start
+    match; 1: none loads; 2: bad input, or a corrupt or unreadable table.
     """
     from dspark_calib.check import check_tables, describe, parse_engine_pairs
+    from dspark_calib.serve_args import HARDWARE_KEYS, profile_context
 
-    described = describe(model=model, draft=draft, extra=parse_engine_pairs(engine or []), tensor_parallel_size=tp,
-                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         num_speculative_tokens=num_speculative_tokens, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                         max_model_len=max_model_len, gpu_name=gpu_name, vllm_version=vllm_version)
-    result = check_tables(source, described, allow_reference=allow_reference, context_len=context_len)
+    extra = parse_engine_pairs(engine or [])
+    engine_options = {"--model": model, "--draft": draft, "--tp": tp, "--max-num-seqs": max_num_seqs,
+                      "--max-num-batched-tokens": max_num_batched_tokens, "--dtype": dtype,
+                      "--num-speculative-tokens": num_speculative_tokens, "--kv-cache-dtype": kv_cache_dtype,
+                      "--max-model-len": max_model_len}
+    if serve_flags:
+        given = [flag for flag, value in engine_options.items() if value is not None]
+        if given:
+            raise CalibError(f"{', '.join(given)}: with vllm serve flags, give {'these' if len(given) > 1 else 'it'} "
+                             "among them (after --)")
+        hardware = {"gpu_name": gpu_name, **{k: v for k, v in extra.items() if k in HARDWARE_KEYS}}
+        resolved = _resolve_serve(serve_flags, hardware)
+        described = {**resolved.engine, **extra, **({"vllm_version": vllm_version} if vllm_version else {})}
+        vllm_context, how = resolved.vllm_context_len, resolved.how
+    else:
+        described = describe(model=model, draft=draft, extra=extra, tensor_parallel_size=tp,
+                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             num_speculative_tokens=num_speculative_tokens, dtype=dtype,
+                             kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, gpu_name=gpu_name,
+                             vllm_version=vllm_version)
+        vllm_context, how = profile_context(), "as the options give it (the vllm serve flags after -- resolve the rest)"
+    result = check_tables(source, described, allow_reference=allow_reference, context_len=context_len,
+                          vllm_context_len=vllm_context, resolution=how)
     if as_json:
         _print_json(result.to_dict())
     else:
         from dspark_calib.render.text import render_check
 
         render_check(result, _console())
-    if not result.loads:
-        raise typer.Exit(1)
+    if result.problem:  # after the report: the line says why the answer cannot be trusted
+        raise CalibError(result.problem, path=source)
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
+def _resolve_serve(flags: List[str], hardware: dict) -> Any:
+    """The engine `vllm serve FLAGS` starts: through vLLM's own classes when it is installed (imported
+    only here), else by its documented defaults."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        from dspark_calib.vllm.engine_args import resolve
+    else:
+        from dspark_calib.serve_args import resolve
+    return resolve(flags, hardware)
 
 
 @app.command("validate")

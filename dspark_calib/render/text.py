@@ -383,11 +383,16 @@ CHECK_STYLE = {"loads": "bold green", "fits": "", "mismatch": "yellow", "unreada
 
 def render_check(result: "CheckResult", console: Console) -> None:
     chosen = result.chosen
-    if chosen:
+    if chosen and not result.at_start:
         _show(console, Text(f"would load: {chosen.path} (hash {chosen.content_hash[:12]})", style="bold green"))
+    elif chosen:
+        _show(console, Text(f"would load if the keys decided at start match: {chosen.path} "
+                            f"(hash {chosen.content_hash[:12]})", style="bold yellow"))
     else:
         _show(console, Text(f"would load: nothing from {result.source}; vLLM profiles at start-up as usual",
                             style="bold yellow"))
+    if result.resolution:
+        console.print(Text(f"engine: {result.resolution}", style="dim"), no_wrap=False)
     rows = [((t.status, t.content_hash[:12] or "—", t.path, t.reason or "—"), CHECK_STYLE.get(t.status) or None)
             for t in result.tables]
     if rows:
@@ -397,8 +402,12 @@ def render_check(result: "CheckResult", console: Console) -> None:
     console.print()
     checked = ", ".join(f"{k}={_short(v)}" for k, v in sorted(result.engine.items())) or "—"
     console.print(Text(f"checked: {checked}", style="dim"), no_wrap=False)
-    if result.unchecked:
-        console.print(Text(f"not checked (not given): {', '.join(result.unchecked)}", style="dim"))
+    if result.at_start:
+        console.print(Text(f"decided at start (blocking; not given, or known only to the running engine): "
+                           f"{', '.join(result.at_start)}", style="yellow"))
+    warning_only = [k for k in result.unchecked if k not in result.at_start]
+    if warning_only:
+        console.print(Text(f"not checked (warning only, not given): {', '.join(warning_only)}", style="dim"))
     if result.unrecorded:
         console.print(Text(f"not recorded by the table (never blocks): {', '.join(result.unrecorded)}", style="dim"))
     if result.ignored:

@@ -9,13 +9,36 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from dspark_calib.check import LOADS, MISMATCH, check_tables, describe, parse_engine_pairs
+from dspark_calib.check import (
+    LOADS,
+    MISMATCH,
+    check_tables,
+    describe,
+    parse_engine_pairs,
+)
 from dspark_calib.cli.app import app
-from dspark_calib.fingerprint import BLOCKING, EQUAL, KEYS, LOAD_RULES, RECORDED, unchecked_keys
-from dspark_calib.table.file import read_metadata, read_table, write_table
+from dspark_calib.fingerprint import (
+    BLOCKING,
+    EQUAL,
+    KEY,
+    KEYS,
+    LOAD_RULES,
+    RECORDED,
+    unchecked_keys,
+)
 from dspark_calib.selection import decide
-from tests.helpers import (DRAFT, MODEL, REPO, SCHEMA10, SHIPPED, assert_command_is_light, build_reference_table,
-                           fixture_json, one_line_error)
+from dspark_calib.table.file import read_metadata, read_table, write_table
+from tests.helpers import (
+    DRAFT,
+    MODEL,
+    REPO,
+    SCHEMA10,
+    SHIPPED,
+    assert_command_is_light,
+    build_reference_table,
+    fixture_json,
+    one_line_error,
+)
 
 runner = CliRunner()
 _GIVEN = {"target_config_hash": "x", "draft_config_hash": "x", "max_num_batched_tokens": 1, "num_speculative_tokens": 1,
@@ -40,20 +63,30 @@ def shelf(tmp_path_factory):
     return d
 
 
-def test_the_schema_1_0_table_loads_for_its_engine(shelf):
+def _listed(stdout, label):
+    text = stdout.split(label)[1].split("\n\n")[0].split("\nnot checked")[0].replace("\n", " ")
+    return {k.strip() for k in text.split(",")}
+
+
+def test_the_schema_1_0_table_loads_for_its_engine_if_the_keys_decided_at_start_match(shelf):
+    """Options that leave blocking keys out (the GPU's memory, the attention backend...) get exit 3
+    and the keys named: never a plain "would load"."""
     r = invoke("check", shelf / SCHEMA10.name, *ENGINE)
-    assert r.exit_code == 0, r.output
-    assert f"would load: {shelf / SCHEMA10.name} (hash ad4ef3d97317)" in r.stdout
+    assert r.exit_code == 3, r.output
+    assert f"would load if the keys decided at start match: {shelf / SCHEMA10.name} (hash ad4ef3d97317)" in r.stdout
+    assert "would load: " not in r.stdout
     given = {"gpu_name", "tensor_parallel_size", "max_num_seqs", "dtype"}
-    unchecked = r.stdout.split("not checked (not given): ")[1].split("\n\n")[0].replace("\n", " ")
-    listed = {k.strip() for k in unchecked.split(",")}
-    assert listed == set(unchecked_keys({k.name: 1 for k in KEYS if k.name in given} | _GIVEN)) and not listed & given
+    at_start = _listed(r.stdout, "decided at start (blocking; not given, or known only to the running engine): ")
+    warning_only = _listed(r.stdout, "not checked (warning only, not given): ")
+    expected = unchecked_keys({k.name: 1 for k in KEYS if k.name in given} | _GIVEN)
+    assert at_start | warning_only == set(expected) and not (at_start | warning_only) & given
+    assert at_start == {k for k in expected if KEY[k].load in BLOCKING} and "attention_backend" in at_start
     assert "plugin log:" in r.stdout and "loaded cost table" in r.stdout
 
 
 def test_directory_reports_every_other_table_by_its_first_misfit(shelf):
     r = invoke("check", shelf, *ENGINE, "--json")
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 3, r.output
     d = json.loads(r.stdout)
     assert d["loads"] and d["chosen"]["path"].endswith(SCHEMA10.name)
     other = next(t for t in d["tables"] if t["path"].endswith("h100.parquet"))
@@ -73,11 +106,12 @@ def test_no_fitting_table_exits_1_naming_the_key(shelf):
     assert "max_num_seqs: table 256 vs engine 128" in r.stdout
 
 
-def test_keys_not_given_are_not_checked_and_never_fail(shelf):
+def test_keys_not_given_are_decided_at_start_never_a_pass(shelf):
     r = invoke("check", shelf / SCHEMA10.name, "--json")
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 3, r.output
     d = json.loads(r.stdout)
     assert d["engine"] == {} and d["unchecked"] == unchecked_keys({}) == [k.name for k in KEYS if k.load in LOAD_RULES]
+    assert d["decided_at_start"] == [k.name for k in KEYS if k.load in BLOCKING] and d["exit_code"] == 3
     assert d["not_recorded"] == []
 
 
@@ -103,13 +137,13 @@ def test_every_blocking_key_can_be_given_and_fails_when_wrong(shelf, tmp_path, k
         path = shelf / SCHEMA10.name
     else:
         r = invoke("check", shelf / SCHEMA10.name, "--engine", f"{key.name}={wrong}", "--json")
-        assert r.exit_code == 0, (key.name, r.output)
+        assert r.exit_code == 3, (key.name, r.output)
         assert json.loads(r.stdout)["not_recorded"] == [key.name]
         table = read_table(SCHEMA10)
         path = write_table(dataclasses.replace(table, fingerprint=table.fingerprint.replace(**{key.name: table_value})),
                            tmp_path / "recorded.parquet")
         ok = ",".join(map(str, table_value)) if isinstance(table_value, list) else str(table_value)
-        assert invoke("check", path, "--engine", f"{key.name}={ok}").exit_code == 0
+        assert invoke("check", path, "--engine", f"{key.name}={ok}").exit_code == 3
     r = invoke("check", path, "--engine", f"{key.name}={wrong}", "--json")
     assert r.exit_code == 1, (key.name, r.output)
     d = json.loads(r.stdout)
@@ -119,7 +153,7 @@ def test_every_blocking_key_can_be_given_and_fails_when_wrong(shelf, tmp_path, k
 def test_a_recorded_only_key_that_differs_loads_and_is_named(shelf):
     key = next(k for k in KEYS if k.load == RECORDED and k.types == (str,))
     r = invoke("check", shelf / SCHEMA10.name, "--engine", f"{key.name}=nope", "--json")
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 3, r.output
     d = json.loads(r.stdout)
     assert d["not_load_checks"] == [key.name] and key.name not in d["unchecked"]
 
@@ -153,14 +187,14 @@ def test_missing_model_dir_is_one_line_error(tmp_path):
 
 
 def test_check_imports_no_torch_or_vllm():
-    assert_command_is_light('check', str(SCHEMA10), '--model', MODEL, '--gpu-name', 'NVIDIA H200')
+    assert_command_is_light('check', str(SCHEMA10), '--model', MODEL, '--gpu-name', 'NVIDIA H200', codes=(3,))
 
 
 def test_unreadable_tables_are_reported_and_a_missing_source_is_one_line(tmp_path):
     shutil.copyfile(SCHEMA10, tmp_path / SCHEMA10.name)
     (tmp_path / "broken.parquet").write_bytes(b"not parquet\n" * 20)
     r = invoke("check", tmp_path, "--gpu-name", "NVIDIA H200", "--json")
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 3, r.output
     d = json.loads(r.stdout)
     broken = next(t for t in d["tables"] if t["path"].endswith("broken.parquet"))
     assert broken["status"] == "unreadable" and "not a readable parquet file" in broken["reason"]
@@ -186,7 +220,7 @@ def test_unrecorded_keys_are_named_for_a_table_under_a_long_path(tmp_path):
                                                                                   k.name)))
     table_value, wrong = _values(key)
     r = invoke("check", deep / SCHEMA10.name, "--engine", f"{key.name}={wrong}", "--json")
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 3, r.output
     assert json.loads(r.stdout)["not_recorded"] == [key.name]
 
 
@@ -200,7 +234,7 @@ def test_the_shipped_directory_picks_the_table_of_the_engines_tp_with_every_key_
         args = list(ENGINE)
         args[args.index("--tp") + 1] = tp
         r = invoke("check", shelf, *args, "--json")
-        assert r.exit_code == 0, r.output
+        assert r.exit_code == 3, r.output
         d = json.loads(r.stdout)
         assert d["loads"] and want in d["chosen"]["path"] and d["not_recorded"] == []
         other = next(t for t in d["tables"] if t["path"] != d["chosen"]["path"])
@@ -218,3 +252,140 @@ def test_tables_are_listed_newest_first(tmp_path):
     result = check_tables(str(tmp_path), {}, allow_reference=True)
     assert [t.path.rsplit("/", 1)[-1] for t in result.tables] == ["c.parquet", "b.parquet", "a.parquet"]
     assert [t.created_at for t in result.tables] == sorted((t.created_at for t in result.tables), reverse=True)
+
+
+# -- the engine's answer: exit codes, corrupt tables, identical tables, serve flags --------------------
+def _every_blocking_key():
+    """Options giving every blocking key, as the shipped table's engine has them."""
+    fp = read_metadata(SHIPPED).fingerprint
+    out = []
+    for key in KEYS:
+        if key.load in BLOCKING:
+            value = getattr(fp, key.name)
+            text = "null" if value is None else ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            out += ["--engine", f"{key.name}={text}"]
+    return out
+
+
+def test_a_load_with_every_blocking_key_checked_is_exit_0():
+    r = invoke("check", SHIPPED, *_every_blocking_key(), "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["decided_at_start"] == [] and d["exit_code"] == 0 and d["loads"]
+
+
+def test_a_junk_table_is_exit_2_not_none_would_load(tmp_path):
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"junk\n")
+    one_line_error(invoke("check", junk), str(junk), "not a readable parquet file")
+
+
+def _damaged_samples(tmp_path):
+    """A copy of the shipped table with one byte of a raw-sample page flipped: its metadata and
+    curves read, its sample pages fail their checksums."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(SHIPPED).metadata
+    samples = meta.row_group(meta.num_row_groups - 1).column(2)  # 'size' of the raw-sample rows
+    data = bytearray(SHIPPED.read_bytes())
+    data[samples.data_page_offset + samples.total_compressed_size - 8] ^= 0xFF
+    path = tmp_path / SHIPPED.name
+    path.write_bytes(bytes(data))
+    assert decide(str(path), {}).load  # what the plugin reads is intact
+    return path
+
+
+def test_a_table_whose_sample_pages_fail_their_checksums_is_corrupt_exit_2(tmp_path):
+    path = _damaged_samples(tmp_path)
+    one_line_error(invoke("check", path, *_every_blocking_key()), str(path), "corrupt")
+    one_line_error(invoke("check", tmp_path, *_every_blocking_key()), "corrupt")  # chosen from a directory
+
+
+def test_nothing_loads_and_a_table_is_unreadable_is_exit_2(tmp_path):
+    shutil.copyfile(SHIPPED, tmp_path / SHIPPED.name)
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet\n" * 20)
+    r = invoke("check", tmp_path, "--tp", "8")
+    assert "would load: nothing" in r.stdout
+    one_line_error(r, "no table would load and 1 could not be read", "broken.parquet")
+
+
+def test_among_identical_tables_the_reason_says_identical(tmp_path):
+    for name in ("a.parquet", "b.parquet"):
+        shutil.copyfile(SHIPPED, tmp_path / name)
+    d = json.loads(invoke("check", tmp_path, *_every_blocking_key(), "--json").stdout)
+    other = next(t for t in d["tables"] if t["status"] == "fits")
+    assert other["content_hash"] == d["chosen"]["content_hash"]
+    assert other["reason"].startswith("identical to the table that loads (same content hash)")
+    assert d["chosen"]["path"] == decide(str(tmp_path), {}).chosen.path  # the plugin's own choice
+
+
+def test_vllms_profile_context_env_is_read(shelf, monkeypatch):
+    """VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN=4096: the engine profiles at 4096, 50 % from the
+    table's nearest context, so nothing loads."""
+    monkeypatch.setenv("VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN", "4096")
+    r = invoke("check", SHIPPED, *_every_blocking_key())
+    assert r.exit_code == 1, r.output
+    assert "from the effective context 4096" in r.stdout
+
+
+README_FLAGS = [MODEL, "--speculative-config", json.dumps({"method": "dspark", "model": DRAFT,
+                                                           "num_speculative_tokens": 7,
+                                                           "enable_adaptive_verification": True}),
+                "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--max-model-len", "32768"]
+H200 = {"gpu_name": "NVIDIA H200", "gpu_memory_mib": 143155}
+
+
+def _drop(flag):
+    i = README_FLAGS.index(flag)
+    return README_FLAGS[:i] + README_FLAGS[i + 2:]
+
+
+def test_serve_flags_resolve_by_vllms_documented_defaults():
+    from dspark_calib.serve_args import resolve
+
+    full = resolve(["vllm", "serve", *README_FLAGS], H200).engine
+    assert (full["max_model_len"], full["max_num_seqs"], full["max_num_batched_tokens"]) == (32768, 256, 8192)
+    assert full["dtype"] == "bfloat16" and full["tensor_parallel_size"] == 1 and full["num_speculative_tokens"] == 7
+    assert resolve(_drop("--max-model-len"), H200).engine["max_model_len"] == 40960  # max_position_embeddings
+    assert resolve(_drop("--max-num-seqs"), H200).engine["max_num_seqs"] == 1024  # >= 70 GiB
+    assert resolve(_drop("--max-num-seqs"), {"gpu_memory_mib": 48 * 1024}).engine["max_num_seqs"] == 256
+    assert "max_num_seqs" not in resolve(_drop("--max-num-seqs"), {}).engine  # no memory: decided at start
+    assert resolve([*README_FLAGS, "--dtype", "auto"], H200).engine["dtype"] == "bfloat16"  # the config's
+    assert resolve([*README_FLAGS, "--block-size", "32"], H200).engine["kv_block_size"] == 32
+    assert resolve(README_FLAGS, H200, {"VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "4096"}).vllm_context_len == 4096
+
+
+@pytest.fixture
+def light(monkeypatch):
+    """check as on the light install: vLLM not importable."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+
+
+def test_serve_flags_after_a_double_dash_light(light):
+    hardware = ["--gpu-name", "NVIDIA H200", "--engine", "gpu_memory_mib=143155"]
+    r = invoke("check", SHIPPED, *hardware, "--json", "--", "vllm", "serve", *README_FLAGS)
+    assert r.exit_code == 3, r.output  # loads if the backends, CUDA and torch builds match
+    d = json.loads(r.stdout)
+    assert d["resolution"].startswith("resolved by vLLM's documented defaults")
+    assert {"attention_backend", "cuda_version", "compilation_hash"} <= set(d["decided_at_start"])
+    r = invoke("check", SHIPPED, *hardware, "--", *_drop("--max-model-len"))
+    assert r.exit_code == 1 and "max_model_len: table 32768 vs engine 40960" in r.stdout
+
+
+def test_serve_flags_and_engine_options_together_are_one_line(light):
+    one_line_error(invoke("check", SHIPPED, "--tp", "2", "--", *README_FLAGS), "--tp", "after --")
+    one_line_error(invoke("check", SHIPPED, "--", *README_FLAGS, "--max-num-seqs"), "--max-num-seqs needs a value")
+
+
+def test_dtype_auto_is_the_model_configs_as_vllm_resolves_it():
+    """--dtype auto with --model: vLLM serves the config's torch_dtype (bfloat16), and the table loads;
+    without --model, auto is not known and is decided at start."""
+    r = invoke("check", SHIPPED, "--model", MODEL, "--dtype", "auto", "--json")
+    assert r.exit_code == 3, r.output
+    d = json.loads(r.stdout)
+    assert d["engine"]["dtype"] == "bfloat16" and d["loads"]
+    d = json.loads(invoke("check", SHIPPED, "--dtype", "auto", "--json").stdout)
+    assert "dtype" in d["decided_at_start"] and "dtype" not in d["engine"]

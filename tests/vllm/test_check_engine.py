@@ -1,0 +1,222 @@
+"""`check` gives the engine's answer: for `vllm serve` flag sets, what `check` says equals what
+the plugin decides on the VllmConfig vLLM builds from the same flags.
+
+The plugin side: vLLM's serve parser and EngineArgs.create_engine_config (the CUDA platform's
+rules, answered for an H200 by engine_args' stand-in), read by describe_engine as a worker reads
+it, plus the attention backends a running engine reports, decided by selection.decide under
+strict with the profiled context vLLM would use. The check side: the command line, flags after --.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+from typer.testing import CliRunner
+
+from dspark_calib.cli.app import app
+from dspark_calib.selection import decide
+from tests.helpers import DRAFT, MODEL, REPO
+
+SHELF = str(REPO / "profiles" / "h200")
+TP1, TP2 = "15b5101f9d84", "00d73c94a383"
+# The H200 the shipped tables were profiled on.
+HARDWARE = {"gpu_name": "NVIDIA H200", "gpu_compute_capability": "9.0", "gpu_memory_mib": 143155,
+            "driver_version": "580.159.04", "cuda_version": "13.0", "torch_version": "2.14.0+cu130"}
+BACKENDS = {"attention_backend": "FLASH_ATTN", "draft_attention_backend": "FLASH_ATTN"}
+SPEC = json.dumps({"method": "dspark", "model": DRAFT, "num_speculative_tokens": 7,
+                   "enable_adaptive_verification": True})
+README = [MODEL, "--speculative-config", SPEC, "--max-num-seqs", "256", "--max-num-batched-tokens", "8192",
+          "--max-model-len", "32768"]
+
+
+def _has(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def without(flag, argv=README):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:]
+
+
+def replaced(flag, value, argv=README):
+    i = argv.index(flag)
+    return argv[:i + 1] + [value] + argv[i + 2:]
+
+
+# (id, serve flags, env, the table the engine loads: a hash, or None when strict refuses)
+CONFIGS = [
+    ("readme", README, {}, TP1),
+    ("readme-as-pasted", ["vllm", "serve", *README], {}, TP1),
+    ("no-max-model-len", without("--max-model-len"), {}, None),  # vLLM fills 40960 from the config
+    ("no-max-num-seqs", without("--max-num-seqs"), {}, None),  # vllm serve on >= 70 GiB fills 1024
+    ("batched-tokens-4096", replaced("--max-num-batched-tokens", "4096"), {}, None),  # the compilation hash
+    ("profile-context-4096", README, {"VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "4096"}, None),
+    ("profile-context-1024", README, {"VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "1024"}, TP1),
+    ("block-size-32", [*README, "--block-size", "32"], {}, None),
+    ("dtype-auto", [*README, "--dtype", "auto"], {}, TP1),
+    ("dtype-float16", [*README, "--dtype", "float16"], {}, None),
+    ("kv-cache-fp8", [*README, "--kv-cache-dtype", "fp8"], {}, None),
+    # TP > 1 on Hopper with flashinfer installed (as in this environment) turns on vLLM's
+    # all-reduce + RMSNorm fusion: another compilation hash than the tp2 table's host had
+    ("tp2", [*README, "--tensor-parallel-size", "2"], {}, None if _has("flashinfer") else TP2),
+    ("max-model-len-32K", replaced("--max-model-len", "32K"), {}, TP1),  # vLLM: K is 1024
+    ("max-model-len-32k", replaced("--max-model-len", "32k"), {}, None),  # and k is 1000
+    ("max-model-len-16384", replaced("--max-model-len", "16384"), {}, None),
+    ("max-num-seqs-128", replaced("--max-num-seqs", "128"), {}, None),
+    ("k5", replaced("--speculative-config", SPEC.replace('"num_speculative_tokens": 7', '"num_speculative_tokens": 5')),
+     {}, None),
+    ("server-only-flags", [*README, "--host", "0.0.0.0", "--port", "8001", "--gpu-memory-utilization", "0.9"], {},
+     TP1),
+    ("block-size-16", [*README, "--block-size", "16"], {}, TP1),
+]
+
+
+def vllm_config(argv, env):
+    """The VllmConfig vLLM builds from these serve flags on the H200 stand-in."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from dspark_calib.vllm import engine_args as EA
+
+    full = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1", **env}
+    with EA._environment(full), EA._quiet_vllm(), EA._stand_in_platform(HARDWARE), EA._kernel_free_constants():
+        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(EA.strip_command(argv))
+        ns.model = ns.model_tag or ns.model
+        return AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+def plugin_decision(argv, env):
+    """The plugin's decision (strict) on the VllmConfig vLLM builds from these flags."""
+    from dspark_calib.vllm import engine_args as EA
+    from dspark_calib.vllm.engine_info import describe_engine
+
+    config = vllm_config(argv, env)
+    with EA._environment({**os.environ, **env}):
+        import vllm.envs as envs
+
+        vllm_context = int(envs.VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN)
+    engine = {**describe_engine(None, [], config, hardware_facts=HARDWARE), **BACKENDS}
+    return decide(SHELF, engine, policy="strict", vllm_context_len=vllm_context)
+
+
+def check_answer(argv, env, *extra):
+    options = [f"--gpu-name={HARDWARE['gpu_name']}", *(f"--engine={k}={v}" for k, v in HARDWARE.items()
+                                                       if k != "gpu_name"),
+               *(f"--engine={k}={v}" for k, v in BACKENDS.items()), *extra]
+    with mock.patch.dict(os.environ, env):
+        r = CliRunner().invoke(app, ["check", SHELF, *options, "--json", "--", *argv])
+    return r
+
+
+@pytest.mark.parametrize("argv, env, expected", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def test_check_gives_the_plugins_answer_for_vllm_serve_flags(argv, env, expected):
+    plugin = plugin_decision(argv, env)
+    r = check_answer(argv, env)
+    assert r.exit_code in (0, 1), r.output
+    d = json.loads(r.stdout)
+    assert d["resolution"].startswith("resolved through vLLM's EngineArgs")
+    assert plugin.load == d["loads"] == (expected is not None), (plugin.lines, d["plugin_log"])
+    if plugin.load:
+        assert plugin.content_hash.startswith(expected) and d["chosen"]["content_hash"] == plugin.content_hash
+        assert r.exit_code == 0 and d["decided_at_start"] == []  # every blocking key was checked
+    else:
+        assert r.exit_code == 1 and plugin.refuse
+
+
+@pytest.mark.parametrize("argv, env", [c[1:3] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def test_the_light_resolution_agrees_with_vllms(argv, env):
+    """Without vLLM, check applies vLLM's documented defaults: every key it resolves has the value
+    vLLM resolves from the same flags."""
+    from dspark_calib import serve_args
+    from dspark_calib.vllm import engine_args
+
+    with mock.patch.dict(os.environ, env):
+        light = serve_args.resolve(argv, HARDWARE)
+        full = engine_args.resolve(argv, HARDWARE)
+    differ = {k: (v, full.engine.get(k)) for k, v in light.engine.items() if full.engine.get(k) != v}
+    assert differ == {}
+    assert light.vllm_context_len == full.vllm_context_len
+    assert {"max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype"} <= set(light.engine)
+
+
+def test_without_the_gpus_facts_its_defaults_are_decided_at_start():
+    """vllm serve fills max_num_seqs by the GPU's memory: not given, it is left to the engine (exit 3),
+    never taken from this machine."""
+    r = CliRunner().invoke(app, ["check", SHELF, "--json", "--", *without("--max-num-seqs")])
+    assert r.exit_code == 3, r.output
+    d = json.loads(r.stdout)
+    assert "max_num_seqs" in d["decided_at_start"] and "gpu_name" in d["decided_at_start"]
+    assert "left to the engine (GPU facts not given): max_num_seqs" in d["resolution"]
+
+
+def test_vllms_refusal_of_the_flags_is_one_line():
+    from tests.helpers import one_line_error
+
+    r = CliRunner().invoke(app, ["check", SHELF, "--", *README, "--enforce-eager"])
+    one_line_error(r, "serve flags: vLLM refuses them", "full CUDA graphs")
+
+
+def test_resolution_leaves_vllms_platform_and_logging_as_they_were():
+    """check resolves inside its own process: vLLM's platform, its logging and the environment
+    are as they were afterwards (the engine would configure them for itself)."""
+    import logging
+
+    import vllm.platforms as platforms
+
+    vllm_logger = logging.getLogger("vllm")
+    before = (platforms.current_platform, vllm_logger.level, list(vllm_logger.handlers), dict(os.environ))
+    check_answer(README, {"VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "1024"})
+    assert (platforms.current_platform, vllm_logger.level, list(vllm_logger.handlers), dict(os.environ)) == before
+
+
+@pytest.mark.parametrize("argv, env, expected", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def test_the_real_patched_plugin_under_strict_agrees_with_check(monkeypatch, argv, env, expected):
+    """vLLM's own AdaptiveVerificationManager, patched by the registered plugin (load mode, strict,
+    probe off: no GPU to time), on the VllmConfig of these flags: it installs the table check names
+    or refuses to start when check says none would load."""
+    import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+    from vllm.v1.worker.gpu import model_runner
+
+    from dspark_calib.vllm import engine_info, plugin, runtime
+    from tests.vllm.test_plugin import SingleRank
+
+    config = vllm_config(argv, env)
+    d = json.loads(check_answer(argv, env).stdout)
+    for key in ("DSPARK_CALIB_CONTEXT_LEN", "DSPARK_CALIB_ALLOW_REFERENCE", "DSPARK_CALIB_TABLE_SHA256"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"DSPARK_CALIB_TABLE": SHELF, "DSPARK_CALIB_POLICY": "strict", "DSPARK_CALIB_PROBE": "0",
+                       "DSPARK_CALIB_CONTEXT_AWARE": "0", **env}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(av, "get_tp_group", lambda: SingleRank())
+    monkeypatch.setattr(engine_info, "hardware", lambda: dict(HARDWARE))  # the H200 this engine runs on
+    monkeypatch.setattr(engine_info, "attention_backends", lambda e, draft: "FLASH_ATTN")  # what its layers resolve
+    plugin.register()
+    try:
+        m = object.__new__(av.AdaptiveVerificationManager)
+        m.req_states = SimpleNamespace(max_num_reqs=config.scheduler_config.max_num_seqs,
+                                       max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
+        m.num_speculative_steps = config.speculative_config.num_speculative_tokens
+        m._cudagraph_limit = 0
+        m.cost_tables = None
+        runtime.state_of(m).vllm_config = config  # as the plugin's factory wrapper keeps it
+        sizes = list(config.compilation_config.cudagraph_capture_sizes)
+        if expected is None:
+            with pytest.raises(RuntimeError, match="policy strict"):
+                list(m.batches_to_profile(sizes))
+            assert not d["loads"]
+            return
+        list(m.batches_to_profile(sizes))
+        m.set_initial_cost_curves([])
+        decision = runtime.state_of(m).run.decision
+        assert decision.load and decision.content_hash == d["chosen"]["content_hash"]
+        assert decision.content_hash.startswith(expected) and m.cost_tables is not None
+    finally:
+        plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
