@@ -396,9 +396,10 @@ def test_dp_replicas_with_different_policies_disagree(monkeypatch, caplog, tmp_p
 def test_judge_refuses_fewer_timed_steps_than_planned_even_when_those_agree(reference_table):
     """Two steps planned, one timed and matching the table: not a pass (a probe that lost a step
     judged on what was left would vouch for sizes it never timed)."""
-    pair = reference_table.curves[8192]
-    median = float(pair.verify.cost_ms[list(pair.verify.size).index(8192)])
+    installed, pairs = installed_at(reference_table, 8192), reference_table.curves
+    median = float(installed[8192][1][8192])
     good = P.Measured(median, 0.0, 8192, 256, False)
-    assert P.judge(pair, [good, good], 2).ok
-    short = P.judge(pair, [good], 2)
+    steps = [P.Step(8192, 8192), P.Step(8192, 8192)]
+    assert P.judge(installed, pairs, [good, good], steps).ok
+    short = P.judge(installed, pairs, [good], steps)
     assert not short.ok and "1 of 2 probe steps were timed" in short.summary()
