@@ -179,13 +179,14 @@ def probe_setup(manager: Any, decision: Any, vllm_batches: list[dict]) -> tuple[
 
 
 def probe_sizes(sizes: list[int], limit: int) -> list[int]:
-    """The dummy-run sizes probed at each context: the smallest captured graph (one request: the
-    curves' low end, where a flat or forged start shows), the capture limit (a full graph: verify
-    and draft at max_num_seqs) and the largest tail size (piecewise, warmed up just before)."""
+    """The dummy-run sizes probed at each context: the capture limit (a full graph: verify and
+    draft at max_num_seqs) and the largest tail size (piecewise, warmed up just before). Not the
+    one-request step: a step of a few milliseconds is mostly host time in its timed window, and
+    on an H200 it read 1.04-1.27x a genuine table's own point (benchmarks/results/h200/
+    2026-12-01-1631-probe-smoke), where these two read 0.96-1.02x."""
     captured = [n for n in sizes if n <= limit]
     tail = [n for n in sizes if n > limit]
-    out = {min(captured)} if captured else set()
-    out |= {limit} if limit in captured else set()
+    out = {limit} if limit in captured else set()
     out |= {max(tail)} if tail else set()
     return sorted(out)
 

@@ -3,13 +3,15 @@
 A fingerprint proves a table was made for this kind of engine, and a content hash
 proves it was not damaged; neither proves the costs are true (a copied fingerprint
 and a recomputed hash make a valid forgery). So load mode times, after the warm-ups,
-three steps at every context the engine will price (plan_probe):
+two steps at every context the engine will price (plan_probe):
 
-* the smallest captured size (one request): the low end of both curves, full graph;
 * the capture limit: a full CUDA-graph step, so both the verify (forward_ms) and
   the draft (drafter_ms) curve are measured at max_num_seqs requests;
 * the largest tail size: a piecewise step, warmed up just before (a first run of a
   piecewise shape includes one-time work and is never judged).
+
+Not the one-request step: a few milliseconds, mostly host time in the timed window, it read
+1.04-1.27x a genuine table on an H200 (load.probe_sizes).
 
 The contexts: every profiled context of a table the context-aware grid prices, else the
 chosen one. Each step is compared with the installed cost, the dense table vLLM's rule
