@@ -437,6 +437,19 @@ def test_exit_flushes_buffered_rows_and_a_late_exit_hook_is_harmless(engine):
     at_exit()  # a late exit hook is a no-op
 
 
+def observed_aware_engine(table, grid, policy):
+    """A runner whose manager loaded `table` at context 8192 and prices context-aware with `policy`
+    on `grid`, observed every step (DSPARK_CALIB_OBSERVE set by the caller)."""
+    clock = Clock()
+    runner = FakeRunner(make_manager(table.dense_tables(8192)), clock)
+    m = runner.adaptive_verification
+    obs = start(runner, clock)
+    ca.install(m, grid, policy)
+    runtime.state_of(m).run = SimpleNamespace(decision=SimpleNamespace(load=True, context_len=8192,
+                                                                      content_hash="ab" * 32))
+    return runner, obs
+
+
 def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatch, tmp_path, reference_table,
                                                                       grid_3ctx):
     from dspark_calib.pricing.policy import CHUNK_RULE
@@ -444,13 +457,7 @@ def test_observe_files_record_the_tail_that_validate_then_prices_with(monkeypatc
 
     monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
     monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "1")
-    clock = Clock()
-    runner = FakeRunner(make_manager(reference_table.dense_tables(8192)), clock)
-    m = runner.adaptive_verification
-    obs = start(runner, clock)
-    ca.install(m, grid_3ctx, aware(250, True))
-    runtime.state_of(m).run = SimpleNamespace(decision=SimpleNamespace(load=True, context_len=8192,
-                                                                      content_hash="ab" * 32))
+    runner, obs = observed_aware_engine(reference_table, grid_3ctx, aware(250, True))
     for n in (8, 64):
         step(runner, n, drafts=7, context=4000, rng=np.random.default_rng(n))
     runner.shutdown()
@@ -480,13 +487,7 @@ def test_steps_above_the_longest_context_are_priced_on_the_line_and_validate_agr
     monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "1")
     grid = ca.grid_for_manager(make_manager(), reference_table.curves, extrapolate_to=32768)
     assert grid.points[-1] == 32768 and grid.costs.extrapolates_above
-    clock = Clock()
-    runner = FakeRunner(make_manager(reference_table.dense_tables(8192)), clock)
-    m = runner.adaptive_verification
-    obs = start(runner, clock)
-    ca.install(m, grid, replace(aware(), extrapolate_to=32768))
-    runtime.state_of(m).run = SimpleNamespace(decision=SimpleNamespace(load=True, context_len=8192,
-                                                                      content_hash="ab" * 32))
+    runner, obs = observed_aware_engine(reference_table, grid, replace(aware(), extrapolate_to=32768))
     for n in (8, 32):
         step(runner, n, drafts=7, context=24000, rng=np.random.default_rng(n))
     runner.shutdown()

@@ -106,12 +106,17 @@ def run_engine(manager, capture_sizes, table, ratio=1.0):
     return batches, timings
 
 
-def start(monkeypatch, caplog, tmp_path, table, recorded_sizes, policy, ratio, **env):
-    monkeypatch.setenv("DSPARK_CALIB_TABLE", write_table(table, tmp_path))
+def load_env(monkeypatch, source, policy, **env):
+    """The env of an engine started with a table (reference tables allowed) under a policy."""
+    monkeypatch.setenv("DSPARK_CALIB_TABLE", str(source))
     monkeypatch.setenv("DSPARK_CALIB_ALLOW_REFERENCE", "1")
     monkeypatch.setenv("DSPARK_CALIB_POLICY", policy)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+
+
+def start(monkeypatch, caplog, tmp_path, table, recorded_sizes, policy, ratio, **env):
+    load_env(monkeypatch, write_table(table, tmp_path), policy, **env)
     m = make_manager()
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
         batches, timings = run_engine(m, recorded_sizes, table, ratio)

@@ -23,7 +23,7 @@ from dspark_calib.telemetry import Reading
 from dspark_calib.vllm import load as loader
 from dspark_calib.vllm import probe as P
 from dspark_calib.vllm import context_aware as ca
-from tests.vllm.test_probe import LIMIT, OURS, PROBES, WARMUPS, make_manager, patched, run_engine  # noqa: F401
+from tests.vllm.test_probe import LIMIT, OURS, PROBES, WARMUPS, load_env, make_manager, patched, run_engine  # noqa: F401
 
 PROBE_LINE = "probe "
 
@@ -95,11 +95,7 @@ def point_at_2_to_40(ctx, kind, cols):
 
 
 def start(monkeypatch, caplog, path, genuine, policy="strict", **env):
-    monkeypatch.setenv("DSPARK_CALIB_TABLE", path)
-    monkeypatch.setenv("DSPARK_CALIB_ALLOW_REFERENCE", "1")
-    monkeypatch.setenv("DSPARK_CALIB_POLICY", policy)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    load_env(monkeypatch, path, policy, **env)
     m = make_manager()
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
         batches, _ = run_engine(m, sizes_of(genuine), genuine)
