@@ -1,8 +1,8 @@
 """What a table was profiled on, and which parts of that must agree: the key registry.
 
 Every fingerprint key has one home, ``KEYS`` below (pyperf's ``_metadata.py`` is
-the model): its type, how it is compared when a table is loaded (``EQUAL``,
-``COVERS``, ``RECORDED``), whether it must agree before two runs are merged, how
+the model): its type, how it is compared when a table is loaded (``EQUAL`` or
+``RECORDED``), whether it must agree before two runs are merged, how
 ``inspect``/``diff``/the docs show it, and why. How each key is read from a
 running engine is apart, in ``vllm/engine_info.READERS`` (pyperf's
 ``_collect_metadata.py``): every key with a load rule has a reader there. Adding
@@ -32,10 +32,9 @@ BACKEND_VLLM = "vllm"
 BACKEND_REFERENCE = "reference"
 
 EQUAL = "equal"  # the table's value must equal the engine's, or the table does not load
-COVERS = "covers"  # the table's value must be >= the engine's
 RECORDED = "recorded"  # compared, a difference is logged at WARNING, never blocks
-LOAD_RULES = (EQUAL, COVERS, RECORDED)
-BLOCKING = (EQUAL, COVERS)
+LOAD_RULES = (EQUAL, RECORDED)
+BLOCKING = (EQUAL,)
 
 
 @dataclass(frozen=True)
@@ -166,7 +165,7 @@ def format_mib(value: Any) -> str:
 class Key:
     name: str
     types: tuple[type, ...]
-    load: str | None  # EQUAL / COVERS / RECORDED; None: not an engine property (the run, or derived)
+    load: str | None  # EQUAL / RECORDED; None: not an engine property (the run, or derived)
     merge: bool  # must agree before two tables' samples are pooled
     label: str  # how inspect, diff and the README name it
     why: str  # one line: why this rule
@@ -235,8 +234,8 @@ KEYS: tuple[Key, ...] = (
     Key("num_speculative_tokens", _INT, EQUAL, True, "speculative tokens", "drafter steps and verify width"),
     Key("max_num_seqs", _INT, EQUAL, True, "max_num_seqs", "dummy runs use min(tokens, max_num_seqs) "
         "requests, so verify points above it depend on it"),
-    Key("max_num_batched_tokens", _INT, COVERS, True, "max_num_batched_tokens", "the table must price every "
-        "batch the engine can schedule"),
+    Key("max_num_batched_tokens", _INT, EQUAL, True, "max_num_batched_tokens", "vLLM compiles its graphs for "
+        "it (compile ranges, in the compilation hash) and profiles verify sizes up to it"),
     Key("max_model_len", _INT, EQUAL, True, "max_model_len", "caps the profiled context (max_model_len - "
         "query_len) and sizes the block tables every step copies", optional=True),
     Key("cudagraph_capture_sizes", _INTS, EQUAL, True, "CUDA-graph sizes", "steps pad to the next captured "
@@ -265,18 +264,12 @@ class Mismatch:
     rule: str = EQUAL
 
     def __str__(self) -> str:
-        want = "covering " if self.rule == COVERS else ""
-        return f"{self.key}: table {_short(self.table_value)} vs engine {want}{_short(self.engine_value)}"
+        return f"{self.key}: table {_short(self.table_value)} vs engine {_short(self.engine_value)}"
 
 
 def _same(key: Key, have: Any, want: Any) -> bool:
     if isinstance(have, tuple) and isinstance(want, (list, tuple)):
         want = tuple(want)
-    if key.load == COVERS:
-        try:
-            return have >= want
-        except TypeError:
-            return False
     return have == want
 
 
@@ -290,7 +283,7 @@ def _compared(table: Fingerprint, engine: Mapping[str, Any], rules: tuple[str, .
 
 
 def load_mismatches(table: Fingerprint, engine: Mapping[str, Any]) -> list[Mismatch]:
-    """Every blocking (EQUAL/COVERS) key on which the table does not fit the running engine.
+    """Every blocking (EQUAL) key on which the table does not fit the running engine.
 
     Keys the engine did not report (absent from `engine`) and keys the table did not
     record are not checked (unchecked_keys / unrecorded_keys name them).
@@ -332,7 +325,7 @@ def display_rows(fp: Fingerprint) -> list[tuple[str, str]]:
     return [(k.label, k.format(getattr(fp, k.name))) for k in KEYS]
 
 
-_RULE_TEXT = {EQUAL: "must be equal", COVERS: "table >= engine", RECORDED: "warning if different",
+_RULE_TEXT = {EQUAL: "must be equal", RECORDED: "warning if different",
               None: "not compared"}
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import (
-    BLOCKING, COVERS, EQUAL, KEYS, LOAD_RULES, RECORDED, Fingerprint, Mismatch, compatibility_markdown,
+    BLOCKING, EQUAL, KEYS, LOAD_RULES, RECORDED, Fingerprint, Mismatch, compatibility_markdown,
     display_rows, load_mismatches, merge_mismatches, recorded_differences)
 from tests.helpers import REPO
 
@@ -53,7 +53,7 @@ def test_decisions_asked_for_are_recorded():
     rules = {k.name: k.load for k in KEYS}
     assert rules["torch_version"] == EQUAL and rules["cuda_version"] == EQUAL
     assert rules["driver_version"] == RECORDED
-    assert rules["max_model_len"] == EQUAL and rules["max_num_batched_tokens"] == COVERS
+    assert rules["max_model_len"] == EQUAL and rules["max_num_batched_tokens"] == EQUAL
     for name in ("attention_backend", "draft_attention_backend", "cudagraph_mode", "compilation_hash",
                  "kv_block_size", "data_parallel_size", "expert_parallel_size", "decode_context_parallel_size",
                  "hf_overrides", "model_impl", "gpu_memory_mib"):
@@ -98,8 +98,7 @@ def test_mismatch_line_is_short_and_escaped():
     m = Mismatch("attention_backend", "FLASH\nATTN" + "x" * 200, "TRITON_ATTN")
     line = str(m)
     assert "\n" not in line and "\\n" in line and len(line) < 160
-    assert str(Mismatch("max_num_batched_tokens", 4096, 8192, COVERS)) == \
-        "max_num_batched_tokens: table 4096 vs engine covering 8192"
+    assert str(Mismatch("max_num_batched_tokens", 4096, 8192)) == "max_num_batched_tokens: table 4096 vs engine 8192"
 
 
 def test_merge_requires_new_engine_keys():
@@ -130,4 +129,4 @@ def test_registry_imports_no_torch_or_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.stdout.strip() == "[]", out.stderr
-    assert BLOCKING == (EQUAL, COVERS)
+    assert BLOCKING == (EQUAL,)

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from dspark_calib.fingerprint import BLOCKING, COVERS, ENGINE_KEYS, KEY, KEYS, RECORDED, Fingerprint
+from dspark_calib.fingerprint import BLOCKING, EQUAL, ENGINE_KEYS, KEY, KEYS, RECORDED, Fingerprint
 from dspark_calib.samples import Sample
 from dspark_calib.table.model import CostTable
 from dspark_calib.table.file import write_table
@@ -42,7 +42,7 @@ def engine_of(fp: Fingerprint) -> dict:
 
 
 def other(key, value):
-    """A value that does not fit: for COVERS, an engine asking for more than the table covers."""
+    """A value that does not fit."""
     if key.name == "quantization":
         return "fp8"
     if isinstance(value, (list, tuple)):
@@ -93,12 +93,17 @@ def test_one_differing_key_is_refused_under_strict_and_falls_back(tmp_path, key)
     assert any(key.name in line for line in fallback.lines)
 
 
-def test_covers_accepts_an_engine_asking_for_less(tmp_path):
-    path = write(tmp_path, FULL)
-    for key in (k for k in KEYS if k.load == COVERS):
+def test_an_engine_with_fewer_batched_tokens_is_another_engine(tmp_path):
+    """vLLM compiles for its max_num_batched_tokens (compile ranges, in the compilation hash), so
+    an engine asking for fewer tokens than the table was profiled with runs other graphs: it is
+    refused naming the key, also where the table recorded no compilation hash (tests/vllm holds
+    the compilation hash's dependence to vLLM's own config classes)."""
+    for name, fp in (("full.parquet", FULL), ("no-hash.parquet", FULL.replace(compilation_hash=None))):
+        path = write(tmp_path, fp, name)
         engine = engine_of(FULL)
-        engine[key.name] = engine[key.name] - 1
-        assert decide(path, engine, policy="strict").load, key.name
+        engine["max_num_batched_tokens"] = 32  # the table's: 64
+        d = decide(path, engine, policy="strict")
+        assert not d.load and "max_num_batched_tokens: table 64 vs engine 32" in d.refuse
 
 
 @pytest.mark.parametrize("key", RECORDED_KEYS, ids=lambda k: k.name)
@@ -136,4 +141,4 @@ def test_registry_rules_are_what_the_loader_reads():
     from dspark_calib.vllm.engine_info import READERS
 
     assert set(READERS) == set(ENGINE_KEYS) >= {k.name for k in BLOCKING_KEYS}
-    assert KEY["max_num_batched_tokens"].load == COVERS
+    assert KEY["max_num_batched_tokens"].load == EQUAL

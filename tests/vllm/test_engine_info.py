@@ -205,3 +205,21 @@ def test_hardware_facts_without_a_gpu(config, monkeypatch):
     d = engine_info.describe_engine(None, [1, 2], config)
     assert d["torch_version"] == torch.__version__ and "gpu_name" not in d and "driver_version" not in d
     assert {"gpu_name", "gpu_memory_mib", "driver_version"} <= set(unchecked_keys(d))
+
+
+def test_the_compilation_hash_follows_max_num_batched_tokens():
+    """Why max_num_batched_tokens must be equal: vLLM compiles for it (compile_ranges_endpoints),
+    so an engine with fewer tokens has another compilation hash, whatever the table says."""
+    from vllm.config import CompilationConfig, SchedulerConfig, VllmConfig
+
+    base = build_config()
+
+    def hash_at(tokens):
+        cfg = VllmConfig(model_config=base.model_config, parallel_config=base.parallel_config,
+                         speculative_config=base.speculative_config, cache_config=base.cache_config,
+                         scheduler_config=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=tokens,
+                                                          max_model_len=32768, is_encoder_decoder=False),
+                         compilation_config=CompilationConfig(), device_config=base.device_config)
+        return describe(cfg)["compilation_hash"]
+
+    assert hash_at(8192) != hash_at(4096) and hash_at(8192) == hash_at(8192)
