@@ -187,7 +187,11 @@ def resolve(argv: Sequence[str], hardware: Mapping[str, Any], environ: Mapping[s
     block = _int(given, "block_size", "--block-size")
     if block:
         engine["kv_block_size"] = block
-    max_model_len = _int(given, "max_model_len", "--max-model-len") or config.get("max_position_embeddings")
+    fit_to_memory = str(given.get("max_model_len", "")).strip().lower() in ("-1", "auto")
+    if fit_to_memory:  # vLLM fits it to the GPU's free memory when the engine starts: decided at start
+        given = {k: v for k, v in given.items() if k != "max_model_len"}
+    max_model_len = None if fit_to_memory else (_int(given, "max_model_len", "--max-model-len")
+                                               or config.get("max_position_embeddings"))
     if isinstance(max_model_len, int):
         engine["max_model_len"] = max_model_len
     engine.update(_batch_sizes(given, hardware, engine.get("max_model_len")))

@@ -289,7 +289,14 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     max_tokens = max(_recorded(observed, "max_num_batched_tokens", fp.max_num_batched_tokens),
                      int(c["num_target_tokens"].max()))
     # R(N) of verify_context is the profiling engine's max_num_seqs (the table's), whatever the files say
-    costs = ContextCosts(table.curves, max_reqs, max_tokens, int(fp.cudagraph_limit),
+    # the contexts the engines priced (the probe may leave some of the table's out of their grids)
+    priced = _recorded_setting(observed, "contexts", (), "priced contexts", "one engine's files at a time",
+                               lambda v: ",".join(map(str, v)) or "all")
+    if priced and not set(priced) <= set(table.curves):
+        raise CalibError(f"the observe files priced contexts {', '.join(map(str, priced))}, not all in this table "
+                         f"({', '.join(map(str, sorted(table.curves)))}): validate them with the table they served")
+    curves = {c: table.curves[c] for c in priced} if priced else table.curves
+    costs = ContextCosts(curves, max_reqs, max_tokens, int(fp.cudagraph_limit),
                          profile_num_reqs=min(int(fp.max_num_seqs), max_tokens),
                          extrapolate_to=recorded_extrapolate_to(observed, table))
     grid = ContextGrid(costs, tolerance=grid_tolerance)

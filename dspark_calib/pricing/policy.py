@@ -53,6 +53,7 @@ class PricingPolicy:
     chunks: bool = False
     chunk_rule: str = CHUNK_RULE
     extrapolate_to: int = 0
+    contexts: tuple[int, ...] = ()  # the profiled contexts the engine prices (); (): all of the table's
 
     @property
     def context_aware(self) -> bool:
@@ -66,6 +67,8 @@ class PricingPolicy:
             meta["context_chunk_rule"] = self.chunk_rule
         if self.extrapolate_to:
             meta["context_extrapolate_to"] = self.extrapolate_to
+        if self.contexts:
+            meta["context_priced"] = list(self.contexts)
         return meta
 
     @classmethod
@@ -91,4 +94,8 @@ class PricingPolicy:
         far = meta.get("context_extrapolate_to", UNRECORDED_EXTRAPOLATE_TO)
         if not (isinstance(far, int) and not isinstance(far, bool) and 0 <= far <= MAX_EXTRAPOLATE_TO):
             raise CalibError(f"an observe file records context_extrapolate_to={far!r} (want 0..{MAX_EXTRAPOLATE_TO})")
-        return cls(CONTEXT_AWARE, static, tail, chunks, rule, far)
+        priced = meta.get("context_priced", [])
+        if not (isinstance(priced, list) and len(priced) <= 64
+                and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_EXTRAPOLATE_TO for c in priced)):
+            raise CalibError(f"an observe file records context_priced={str(priced)[:80]} (want a list of contexts)")
+        return cls(CONTEXT_AWARE, static, tail, chunks, rule, far, tuple(sorted(priced)))

@@ -59,6 +59,8 @@ def _unknown_without_facts(facts: Mapping[str, Any], args: Any) -> list[str]:
         out += [k for k in NEEDS_MEMORY if k in defaulted or k not in ("max_num_seqs", "max_num_batched_tokens")]
     if "gpu_compute_capability" not in facts:
         out += [k for k in NEEDS_CAPABILITY if k not in out and not (k == "kv_block_size" and args.block_size)]
+    if str(getattr(args, "max_model_len", "")).strip().lower() in ("-1", "auto"):
+        out.append("max_model_len")  # vLLM fits it to the GPU's free memory when the engine starts
     return out
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 from dspark_calib import env as E
 from dspark_calib.errors import PREFIX, CalibError, exception_line
 from dspark_calib.pricing.policy import (CHUNK_RULE, CONTEXT_AWARE, DEFAULT_CONTEXT_CHUNKS,
-                                         DEFAULT_CONTEXT_TAIL_MILLI, PricingPolicy)
+                                         DEFAULT_CONTEXT_TAIL_MILLI, MAX_EXTRAPOLATE_TO, PricingPolicy)
 from dspark_calib.selection import Decision, decide, decide_within, no_table
 from dspark_calib.table.sources import SERVE_LIMITS, escape
 from dspark_calib.vllm import probe as P
@@ -351,9 +351,10 @@ def _context_aware(manager: Any, curves: dict, static_context: int) -> None:
     # the engine's longest context: costs above the table's longest profiled one are extrapolated up to it
     model_config = getattr(state_of(manager).vllm_config, "model_config", None)
     max_model_len = getattr(model_config, "max_model_len", 0)
+    far = min(max_model_len, MAX_EXTRAPOLATE_TO) if isinstance(max_model_len, int) and max_model_len > 0 else 0
+    # the contexts priced (the probe may leave some out): recorded, so validate prices with the same
     policy = PricingPolicy(CONTEXT_AWARE, static_context=int(static_context), tail_milli=tail, chunks=chunks,
-                           chunk_rule=CHUNK_RULE,
-                           extrapolate_to=max_model_len if isinstance(max_model_len, int) else 0)
+                           chunk_rule=CHUNK_RULE, extrapolate_to=far, contexts=tuple(sorted(int(c) for c in curves)))
     # never raises; every rank: the same grid
     line = ca.enable(manager, curves, policy, broadcast=False)
     if rank0:

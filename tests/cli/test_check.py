@@ -389,3 +389,14 @@ def test_dtype_auto_is_the_model_configs_as_vllm_resolves_it():
     assert d["engine"]["dtype"] == "bfloat16" and d["loads"]
     d = json.loads(invoke("check", SHIPPED, "--dtype", "auto", "--json").stdout)
     assert "dtype" in d["decided_at_start"] and "dtype" not in d["engine"]
+
+
+@pytest.mark.parametrize("value", ["-1", "auto"])
+def test_max_model_len_fitted_to_memory_is_decided_at_start(light, value):
+    """vLLM fits --max-model-len -1/auto to the GPU's free memory when the engine starts: check
+    cannot know it, and says so (exit 3) instead of answering for the model config's 40960."""
+    flags = [*_drop("--max-model-len"), "--max-model-len", value]
+    r = invoke("check", SHIPPED, "--gpu-name", "NVIDIA H200", "--engine", "gpu_memory_mib=143155", "--json", "--", *flags)
+    assert r.exit_code == 3, r.output
+    d = json.loads(r.stdout)
+    assert "max_model_len" in d["decided_at_start"] and "max_model_len" not in d["engine"]

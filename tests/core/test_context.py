@@ -342,3 +342,16 @@ def test_above_the_longest_context_the_line_through_the_two_longest_holds_on_the
             assert np.median(err) < 0.5 and err.max() < 2.5, (ctx, kind, np.median(err), err.max())
             low = (1 - flat.at(ctx).as_tuple()[kind][1:] / true) * 100
             assert np.median(low) > 19, (ctx, kind, np.median(low))
+
+
+def test_two_longest_contexts_close_together_are_not_extended():
+    """The line through 16000 and 16384 would stretch their noise 300-fold to 131072: costs stay
+    the longest context's there, as below the range where the two shortest are too close."""
+    from dspark_calib.table.file import read_table
+
+    table = read_table(LONG)
+    fp = table.fingerprint
+    close = {16000: table.curves[8192], 16384: table.curves[16384]}
+    costs = ContextCosts(close, fp.max_num_seqs, fp.max_num_batched_tokens, fp.cudagraph_limit, extrapolate_to=131072)
+    assert not costs.extrapolates_above and costs.knots[-1] == 16384
+    np.testing.assert_array_equal(costs.at(100000).verify, costs.tables[16384][1])

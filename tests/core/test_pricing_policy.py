@@ -15,6 +15,7 @@ from dspark_calib.pricing.policy import (CHUNK_RULE, CHUNK_RULE_PER_STEP, CONTEX
     PricingPolicy(CONTEXT_AWARE, 8192, tail_milli=200, chunks=True),
     PricingPolicy(CONTEXT_AWARE, 8192, tail_milli=0, chunks=False),
     PricingPolicy(CONTEXT_AWARE, 1024, tail_milli=1000, chunks=True, chunk_rule=CHUNK_RULE_PER_STEP),
+    PricingPolicy(CONTEXT_AWARE, 8192, 200, True, extrapolate_to=32768, contexts=(1024, 8192)),
 ])
 def test_what_observe_writes_reads_back_as_the_same_policy(policy):
     assert PricingPolicy.from_metadata(policy.metadata()) == policy
@@ -40,6 +41,8 @@ def test_other_modes_price_neither_tail_nor_chunks_whatever_the_file_says():
     ({"context_tail_milli": True}, "context_tail_milli=True"),
     ({"context_chunks": 1}, "context_chunks=1 (want true or false)"),
     ({"context_chunks": True, "context_chunk_rule": "nope"}, "context_chunk_rule='nope'"),
+    ({"context_extrapolate_to": -1}, "context_extrapolate_to=-1"),
+    ({"context_priced": [1024, "x"]}, "context_priced="),
 ])
 def test_a_bad_setting_in_a_context_aware_file_is_one_line(meta, words):
     with pytest.raises(CalibError, match=None) as err:

@@ -203,6 +203,21 @@ def test_engine_sizes_recorded_in_the_files_size_the_tables(reference_table, tmp
     assert res.grid["bytes"] == want.nbytes and res.grid["points"] == len(want)
 
 
+def test_the_contexts_an_engine_priced_are_the_ones_validate_prices_with(reference_table, tmp_path):
+    """An engine whose probe left 1024 out of its grid records the contexts it priced; validate
+    builds its grid from those, as the engine did (a grid over all three prices otherwise)."""
+    meta = {"mode": "context-aware", "context_tail_milli": 0, "context_chunks": False, "context_priced": [8192, 16384]}
+    with ObservedWriter(tmp_path / "two", metadata=meta) as w:
+        for s in synthetic_steps(reference_table, (8192,), per_context=5):
+            w.append(s)
+    res = validate(reference_table, read_observed([tmp_path / "two"]))
+    assert tuple(res.grid["contexts"]) == (8192, 16384)
+    with ObservedWriter(tmp_path / "other", metadata={**meta, "context_priced": [8192, 32768]}) as w:
+        w.append(synthetic_steps(reference_table, (8192,), per_context=1)[0])
+    with pytest.raises(CalibError, match="not all in this table"):
+        validate(reference_table, read_observed([tmp_path / "other"]))
+
+
 def test_verify_context_uses_the_tables_own_max_num_seqs_and_counts_out_of_range(reference_table, tmp_path):
     """Files from an engine with another max_num_seqs: R(N) stays the profiling engine's (the
     table's); decode steps verifying below the shortest profiled context are counted."""

@@ -220,3 +220,13 @@ def test_the_real_patched_plugin_under_strict_agrees_with_check(monkeypatch, arg
         assert decision.content_hash.startswith(expected) and m.cost_tables is not None
     finally:
         plugin.unpatch(av.AdaptiveVerificationManager, model_runner)
+
+
+def test_max_model_len_fitted_to_memory_is_left_to_the_engine():
+    """--max-model-len -1: vLLM fits it to free memory at start; the resolution leaves it out."""
+    from dspark_calib.vllm.engine_args import resolve
+
+    flags = ["vllm", "serve", MODEL, "--speculative-config", json.dumps({"method": "dspark", "model": DRAFT,
+             "num_speculative_tokens": 7, "enable_adaptive_verification": True}), "--max-model-len", "-1"]
+    resolved = resolve(flags, {"gpu_name": "NVIDIA H200", "gpu_memory_mib": 143155, "gpu_compute_capability": "9.0"})
+    assert "max_model_len" not in resolved.engine and "max_model_len" in resolved.how
