@@ -19,7 +19,6 @@ from dspark_calib.check import (
 from dspark_calib.cli.app import app
 from dspark_calib.fingerprint import (
     BLOCKING,
-    EQUAL,
     KEY,
     KEYS,
     LOAD_RULES,
