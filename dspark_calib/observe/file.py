@@ -236,8 +236,7 @@ def _read_one(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
             raise CalibError(f"column {name} has type {col.type}, expected {types[typ]}", path=path)
         if col.null_count and name not in NULLABLE:
             raise CalibError(f"column {name} has {col.null_count} null values", path=path)
-        values, valid = column(arrow, name)
-        values = values.copy() if typ != BOOL else values.astype(bool)
+        values, valid = column(arrow, name)  # fresh arrays (concatenated from the chunks)
         values[~valid] = ABSENT  # nullable budgets and prefill columns: ABSENT where null
         cols[name] = values
     cols, meta, _ = MIGRATIONS.apply(cols, meta, path)

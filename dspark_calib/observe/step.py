@@ -43,8 +43,6 @@ COLUMNS: dict[str, str] = {
 BUDGETS = ("budget_static", "budget_context_aware")
 PREFILL = ("prefill_tokens", "prefill_context_sum", "prefill_pairs")
 NULLABLE = frozenset(BUDGETS + PREFILL)
-# Columns a minor added, and the minor: a file of an older minor reads them as ABSENT (migration).
-ADDED_IN_MINOR = {name: 1 for name in PREFILL}
 ABSENT = -1  # in memory, a null budget
 
 
@@ -111,7 +109,6 @@ def row_problem(r: dict[str, Any]) -> str | None:
             return (f"prefill columns disagree with the step (tokens {tokens}, context sum {ctx_sum}, pairs {pairs}; "
                     f"step: {r['num_target_tokens']} tokens, context sum {total}, max {r['context_max']})")
     return None
-
 
 
 def _positive_int(value: Any) -> int | None:

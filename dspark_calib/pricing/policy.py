@@ -36,8 +36,13 @@ UNRECORDED_CHUNK_RULE = CHUNK_RULE_PER_STEP
 UNRECORDED_EXTRAPOLATE_TO = 0  # above the profiled range: the longest context's costs
 
 
+def _int_in(value: Any, lo: int, hi: int) -> bool:
+    """An integer (not a bool: JSON's true is no context) in lo..hi."""
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
 def valid_tail(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TAIL_MILLI
+    return _int_in(value, 0, MAX_TAIL_MILLI)
 
 
 @dataclass(frozen=True)
@@ -92,10 +97,10 @@ class PricingPolicy:
             raise CalibError(f"an observe file records context_chunk_rule={rule!r} (want one of "
                              f"{', '.join(CHUNK_RULES)})")
         far = meta.get("context_extrapolate_to", UNRECORDED_EXTRAPOLATE_TO)
-        if not (isinstance(far, int) and not isinstance(far, bool) and 0 <= far <= MAX_EXTRAPOLATE_TO):
+        if not _int_in(far, 0, MAX_EXTRAPOLATE_TO):
             raise CalibError(f"an observe file records context_extrapolate_to={far!r} (want 0..{MAX_EXTRAPOLATE_TO})")
         priced = meta.get("context_priced", [])
         if not (isinstance(priced, list) and len(priced) <= 64
-                and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_EXTRAPOLATE_TO for c in priced)):
+                and all(_int_in(c, 0, MAX_EXTRAPOLATE_TO) for c in priced)):
             raise CalibError(f"an observe file records context_priced={str(priced)[:80]} (want a list of contexts)")
         return cls(CONTEXT_AWARE, static, tail, chunks, rule, far, tuple(sorted(priced)))

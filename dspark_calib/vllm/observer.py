@@ -37,7 +37,7 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
-from dspark_calib.errors import PREFIX
+from dspark_calib.errors import PREFIX, exception_line
 from dspark_calib import env as E
 from dspark_calib.vllm.runtime import MARK, log_once, peek_state, state_of
 
@@ -187,10 +187,8 @@ class Observer:
             self.fail(exc)
 
     def fail(self, exc: BaseException) -> None:
-        from dspark_calib.errors import first_line
-
         self.on, self.current = False, None
-        log_once(logging.WARNING, PREFIX + f"observe off ({type(exc).__name__}: {first_line(exc)}); "
+        log_once(logging.WARNING, PREFIX + f"observe off ({exception_line(exc)}); "
                                   "serving continues unobserved")
 
 
@@ -392,9 +390,7 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
                        name=f"dp{dp}-{os.getpid()}-e{next(_engines)}", writer_kwargs=writer_kwargs)
         attach(runner, obs)
     except Exception as exc:  # noqa: BLE001 - an optional mode must not stop an engine
-        from dspark_calib.errors import first_line
-
-        log_once(logging.WARNING, PREFIX + f"observe off ({type(exc).__name__}: {first_line(exc)})")
+        log_once(logging.WARNING, PREFIX + f"observe off ({exception_line(exc)})")
         return None
     log_once(logging.INFO, PREFIX + f"observing 1 in {every} priced steps into {shown} (TP rank 0)")
     return obs

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from dspark_calib.errors import PREFIX, CalibError, first_line
+from dspark_calib.errors import PREFIX, CalibError, exception_line, first_line
 from dspark_calib.fingerprint import check_model_dtype, dspark_block_size
 from dspark_calib.fit import profile_context_len
 from dspark_calib.table.model import CostTable
@@ -316,7 +316,7 @@ def explain_failure(exc: BaseException, capture: CaptureDir | str, log_path: str
     if "out of memory" in low or "outofmemory" in low or "no available memory for the cache" in low:
         return CalibError("out of GPU memory while starting the engine: lower --max-num-seqs, "
                           "--max-num-batched-tokens or --max-model-len, or raise/lower --gpu-memory-utilization")
-    return CalibError(f"vLLM engine failed during start-up/profiling ({type(exc).__name__}: {first_line(exc, 300)}); "
+    return CalibError(f"vLLM engine failed during start-up/profiling ({exception_line(exc, 300)}); "
                       "no table written (details in " + (log_path or "vLLM's log above") + ")")
 
 
