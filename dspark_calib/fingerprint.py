@@ -76,6 +76,7 @@ class Fingerprint:
     decode_context_parallel_size: int | None = None
     model_revision: str | None = None
     draft_revision: str | None = None
+    speculative_method: str | None = None
     hf_overrides: str | None = None
     model_impl: str | None = None
     gpu_memory_mib: int | None = None
@@ -119,7 +120,11 @@ class Fingerprint:
         extra = dict(extra or {})
         # Keys from a newer minor format are kept, not dropped, so a rewrite loses nothing.
         extra.update({k: data[k] for k in unknown})
-        return cls(**{k: data[k] for k in known if k in data and k != "extra"}, extra=extra)
+        values = {k: data[k] for k in known if k in data and k != "extra"}
+        # Every table written before the method was recorded is a DSpark table: profile ran only
+        # DSpark and import-vllm refused any other drafter.
+        values.setdefault("speculative_method", "dspark")
+        return cls(**values, extra=extra)
 
     def replace(self, **changes: Any) -> "Fingerprint":
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -214,6 +219,8 @@ KEYS: tuple[Key, ...] = (
     Key("draft_model", _STR, None, True, "draft", "a name for people; the config hash is checked"),
     Key("draft_config_hash", _STR, EQUAL, True, "draft config.json", "the drafter's shapes and block size"),
     Key("draft_revision", _STR, RECORDED, True, "draft revision", "as the target revision", optional=True),
+    Key("speculative_method", _STR, EQUAL, True, "speculative method", "who drafts and how drafts are ranked "
+        "(DSpark's confidence head, vLLM's acceptance estimator): other drafter steps", optional=True),
     Key("tensor_parallel_size", _INT, EQUAL, True, "tensor parallel", "shard sizes and all-reduces per step"),
     Key("pipeline_parallel_size", _INT, EQUAL, True, "pipeline parallel", "layers per stage and transfers"),
     Key("data_parallel_size", _INT, EQUAL, True, "data parallel", "every step syncs the replicas "
@@ -343,24 +350,9 @@ def compatibility_markdown() -> str:
 # to the installed vLLM. Here so that `profile` and `import-vllm` refuse a typo without vllm.
 VLLM_MODEL_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 RESOLVED_DTYPES = ("bfloat16", "float16", "float32")
-# The draft architectures vLLM runs as DSpark drafters.
-DSPARK_ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel")
-
-
 def check_model_dtype(dtype: str, option: str, choices: tuple[str, ...] = VLLM_MODEL_DTYPES) -> None:
     if dtype not in choices:
         raise CalibError(f"{option} {dtype!r} is not one of vLLM's: {', '.join(choices)}")
-
-
-def dspark_block_size(config: Mapping[str, Any], where: str) -> int | None:
-    """The block size a DSpark drafter was trained for (its config.json), after checking it is
-    one: CalibError naming `where` for any other architecture. None when the config has none."""
-    archs = config.get("architectures") or []
-    if not isinstance(archs, list) or not any(a in DSPARK_ARCHITECTURES for a in archs):
-        raise CalibError(f"not a DSpark drafter: architectures {str(archs)[:80]}, expected one of "
-                         f"{', '.join(DSPARK_ARCHITECTURES)}", path=where)
-    block = config.get("block_size", config.get("dspark_block_size"))
-    return block if type(block) is int and block > 0 else None
 
 
 def config_hash(model_dir: str) -> str:

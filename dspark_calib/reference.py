@@ -18,9 +18,10 @@ from typing import Any, Sequence
 
 from dspark_calib.errors import CalibError, display_path, first_line
 from dspark_calib.fingerprint import (BACKEND_REFERENCE, RESOLVED_DTYPES, Fingerprint, check_model_dtype,
-                                      config_hash, dspark_block_size)
+                                      config_hash)
 from dspark_calib.safe_open import open_local, read_json_file
 from dspark_calib.samples import VLLM_SAMPLE_FIELDS, Sample
+from dspark_calib.speculators import DSPARK, speculator
 from dspark_calib.table.model import MAX_STEP_MS, CostTable
 
 
@@ -111,14 +112,15 @@ def samples_from_startup_json(data: dict[str, Any], path: str) -> list[Sample]:
     return out
 
 
-def check_draft(draft: str, num_speculative_tokens: int) -> None:
-    """The draft is a DSpark drafter, and K is the block it drafts: a start-up profile does not
-    record K, and vLLM runs a DSpark drafter with its block_size unless told otherwise."""
+def check_draft(draft: str, num_speculative_tokens: int, method: str = DSPARK) -> None:
+    """The draft is the method's drafter, and for DSpark K is the block it drafts: a start-up
+    profile does not record K, and vLLM runs a DSpark drafter with its block_size unless told
+    otherwise."""
     path = os.path.join(draft, "config.json") if os.path.isdir(draft) else draft
     config = read_json_file(path)
     if not isinstance(config, dict):
         raise CalibError("not a JSON object (a model config.json)", path=path)
-    block = dspark_block_size(config, path)
+    block = speculator(method).check_drafter(config, path)
     if block is not None and block != num_speculative_tokens:
         raise CalibError(f"--num-speculative-tokens {num_speculative_tokens} is not this drafter's block_size "
                          f"{block}, the K vLLM profiles it with by default (a start-up profile does not record K)",
@@ -140,6 +142,7 @@ def table_from_startup_json(
     tensor_parallel_size: int = 1,
     dtype: str = "bfloat16",
     kv_cache_dtype: str = "auto",
+    method: str = DSPARK,
 ) -> CostTable:
     """The table of vLLM start-up profiles, every input checked before anything is made: the
     options, the draft, each file's engine limits and every sample (one CalibError naming the
@@ -147,7 +150,7 @@ def table_from_startup_json(
     if not paths:
         raise CalibError("no start-up profiles given")
     check_model_dtype(dtype, "--dtype", RESOLVED_DTYPES)
-    check_draft(draft, num_speculative_tokens)
+    check_draft(draft, num_speculative_tokens, method)
     samples: list[Sample] = []
     per_file: dict[str, list[Sample]] = {}
     engine: dict[str, Any] | None = None
@@ -190,6 +193,7 @@ def table_from_startup_json(
         target_config_hash=config_hash(model),
         draft_model=os.path.basename(os.path.normpath(draft)),
         draft_config_hash=config_hash(draft),
+        speculative_method=method,
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=1,
         dtype=dtype,

@@ -158,6 +158,19 @@ def _speculative(raw: Any) -> dict:
     return spec
 
 
+# Methods vLLM keeps as given; any other (none, draft_model, mtp, ...) it may re-detect from the
+# drafter's path and architectures (SpeculativeConfig.__post_init__: "eagle3" in the path makes a
+# draft_model an eagle3 head), which only vLLM's own resolution can answer.
+KEPT_METHODS = ("eagle", "eagle3", "dflash", "dspark")
+
+
+def speculative_method(spec: Mapping[str, Any]) -> str | None:
+    """The method vLLM resolves from a --speculative-config, where it keeps the one given; None
+    (decided at start) where it detects one."""
+    method = spec.get("method")
+    return method if method in KEPT_METHODS else None
+
+
 def resolve(argv: Sequence[str], hardware: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Resolved:
     """The engine `vllm serve ARGV` starts on a GPU with these facts, by vLLM's documented defaults."""
     from dspark_calib.fingerprint import config_hash, resolve_config_dir
@@ -174,6 +187,9 @@ def resolve(argv: Sequence[str], hardware: Mapping[str, Any], environ: Mapping[s
         engine["draft_config_hash"] = config_hash(resolve_config_dir(str(spec["model"])) or str(spec["model"]))
     if isinstance(spec.get("num_speculative_tokens"), int):
         engine["num_speculative_tokens"] = spec["num_speculative_tokens"]
+    method = speculative_method(spec)
+    if method:
+        engine["speculative_method"] = method
     sizes = {k: _int(given, k, f) or 1 for k, f in (("tp", "-tp"), ("pp", "-pp"), ("dp", "-dp"), ("dcp", "-dcp"))}
     engine.update(tensor_parallel_size=sizes["tp"], pipeline_parallel_size=sizes["pp"],
                   data_parallel_size=sizes["dp"], decode_context_parallel_size=sizes["dcp"],

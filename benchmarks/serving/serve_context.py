@@ -148,7 +148,7 @@ OTHER_GIB = 4.09  # activations + CUDA graphs: what makes 97.86 GiB of KV at 0.8
 KV_TOKENS_MEASURED = 625_680  # "GPU KV cache size: 625,680 tokens" (benchmarks/results/h200/2026-11-30-morning/h200-tp1.log)
 KV_HEADROOM = 0.90
 ACCEPTANCE_LENGTH = 4.0  # 3 of 7 drafts + the bonus token
-ARMS = ("stock", "static", "aware")
+ARMS = ("stock", "static", "aware", "fixed")  # fixed: adaptive verification off, every step verifies K
 MARKER_PROMPT, MARKER_TOKENS, MARKER_REQS = 17, 64, 3
 MARKER_MAX_CTX = 100  # a marker step's requests are all below this context
 WARMUP = dict(requests=8, prompt=1024, tokens=32)
@@ -191,6 +191,21 @@ def fit_concurrency(wanted: int, kv_tokens: int, longest_prompt: int, *, output_
     return max(1, c // 8 * 8 if c >= 8 else c)
 
 
+def fit_skewed(w_lens: tuple[int, ...], wanted: int, kv_tokens: int, *, waves: int, output_len: int = OUTPUT_LEN,
+               headroom: float = KV_HEADROOM, cap: int = MAX_NUM_SEQS) -> int:
+    """fit_concurrency for a workload whose longest prompt is one of many (a skewed batch): the worst
+    case is the c largest requests of the whole workload in flight at their end (a closed loop keeps
+    the long ones in flight longest, but there are only so many of them)."""
+    c = min(wanted, cap)
+    while c > 1:
+        n = -(-waves * c // len(w_lens)) * len(w_lens)
+        sizes = sorted((tokens_per_request(w_lens[i % len(w_lens)], output_len) for i in range(n)), reverse=True)
+        if sum(sizes[:c]) <= kv_tokens * headroom:
+            break
+        c -= 1
+    return max(1, c // 8 * 8 if c >= 8 else c)
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
@@ -212,10 +227,25 @@ class Workload:
     def prompt_tokens(self) -> int:
         return sum(self.prompt_len(i) for i in range(self.num_requests))
 
+    @property
+    def worst_case_tokens(self) -> int:
+        """KV tokens when the `concurrency` largest requests are in flight at their end."""
+        sizes = sorted((tokens_per_request(self.prompt_len(i), self.output_len) for i in range(self.num_requests)),
+                       reverse=True)
+        return sum(sizes[:self.concurrency])
+
+    @property
+    def prompts_label(self) -> str:
+        """The prompt lengths as people read them: '1024/8192/16384', or '30000+63x1024'."""
+        if len(self.prompt_lens) > 3 and len(set(self.prompt_lens[1:])) == 1:
+            return f"{self.prompt_lens[0]}+{len(self.prompt_lens) - 1}x{self.prompt_lens[1]}"
+        return "/".join(map(str, self.prompt_lens))
+
 
 # -- the named configs (arms.json) -----------------------------------------------------------------
 CONFIG_PATH = os.path.join(HERE, "arms.json")
-ARM_DEFAULTS = {"observe_every": 4, "context_tail": 0.0, "context_chunks": False, "rerun": False}
+ARM_DEFAULTS = {"observe_every": 4, "context_tail": 0.0, "context_chunks": False, "rerun": False,
+                "speculator": "dspark"}
 
 
 def load_config(path: str = CONFIG_PATH) -> dict[str, Any]:
@@ -226,7 +256,10 @@ def load_config(path: str = CONFIG_PATH) -> dict[str, Any]:
         s = {**ARM_DEFAULTS, **arm}
         if s["pricing"] not in ARMS:
             raise ValueError(f"{path}: arm {name}: pricing must be one of {', '.join(ARMS)}, got {s['pricing']!r}")
-        label = arm_label(s["pricing"], s["observe_every"], s["context_tail"], s["context_chunks"], s["rerun"])
+        if s["speculator"] not in cfg["speculators"]:
+            raise ValueError(f"{path}: arm {name}: unknown speculator {s['speculator']!r}")
+        label = arm_label(s["pricing"], s["observe_every"], s["context_tail"], s["context_chunks"], s["rerun"],
+                          s["speculator"])
         if label != name:
             raise ValueError(f"{path}: arm {name}: its settings make the label {label!r}; name it so")
     for runs in cfg.get("comparisons", {}).values():
@@ -260,7 +293,9 @@ def plan_workloads(kv_tokens: int = KV_TOKENS_MEASURED, *, waves: int = 2, outpu
     for name, lens, wanted in specs:
         if keep is not None and name not in keep:
             continue
-        c = fit_concurrency(wanted, kv_tokens, max(lens), output_len=output_len)
+        skewed = lens.count(max(lens)) == 1 and len(lens) > 3  # one long prompt among many short ones
+        c = (fit_skewed(tuple(lens), wanted, kv_tokens, waves=waves, output_len=output_len) if skewed
+             else fit_concurrency(wanted, kv_tokens, max(lens), output_len=output_len))
         n = waves * c
         n = -(-n // len(lens)) * len(lens)  # a mix gets every prompt length equally often
         out.append(Workload(name, tuple(lens), c, n, output_len, wanted_concurrency=wanted))
@@ -272,7 +307,10 @@ def refit(plan: list[Workload], kv_tokens: int) -> list[Workload]:
     is shrunk (never preempted); the others are left exactly as planned (same in every arm)."""
     out = []
     for w in plan:
-        c = fit_concurrency(w.concurrency, kv_tokens, w.longest, output_len=w.output_len)
+        skewed = w.prompt_lens.count(w.longest) == 1 and len(w.prompt_lens) > 3
+        c = (fit_skewed(w.prompt_lens, w.concurrency, kv_tokens, waves=max(1, w.num_requests // w.concurrency),
+                        output_len=w.output_len) if skewed
+             else fit_concurrency(w.concurrency, kv_tokens, w.longest, output_len=w.output_len))
         if c < w.concurrency:
             n = -(-(w.num_requests * c // w.concurrency) // len(w.prompt_lens)) * len(w.prompt_lens)
             w = Workload(w.name, w.prompt_lens, c, max(n, len(w.prompt_lens)), w.output_len,
@@ -521,11 +559,13 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
         raise ValueError(f"a context tail or chunk pricing prices context-aware steps: arm aware only, got {arm!r}")
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith("DSPARK_CALIB_") and k != "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN"}
+    # the worker imports the estimator probe (engine_kwargs' worker_extension_cls) from here
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH", "")) if p)
     env.update({"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN": "8192",
                 "VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"})
     if every > 0:  # every 0: observe off (the baseline for observe's own throughput cost)
         env.update({"DSPARK_CALIB_OBSERVE": observe_dir, "DSPARK_CALIB_OBSERVE_EVERY": str(every)})
-    if arm != "stock":
+    if arm not in ("stock", "fixed"):
         if not table:
             raise ValueError(f"arm {arm} needs a table")
         env.update({"DSPARK_CALIB_TABLE": table, "DSPARK_CALIB_POLICY": "warn"})
@@ -539,10 +579,12 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
     return env
 
 
-def arm_label(arm: str, observe_every: int, tail: float = 0.0, chunks: bool = False, rerun: bool = False) -> str:
-    """The files' and the report's name: the arm, -tailNN (the tail in hundredths), -chunks, -noobs, -rerun
-    (the same arm again on the same host: the run-to-run spread the other differences are judged by)."""
-    return (arm + (f"-tail{round(tail * 100)}" if tail else "") + ("-chunks" if chunks else "")
+def arm_label(arm: str, observe_every: int, tail: float = 0.0, chunks: bool = False, rerun: bool = False,
+              speculator: str = "dspark") -> str:
+    """The files' and the report's name: the speculator when not DSpark (SPECULATOR-), the arm, -tailNN
+    (the tail in hundredths), -chunks, -noobs, -rerun (the same arm again on the same host: the run-to-run
+    spread the other differences are judged by)."""
+    return (("" if speculator == "dspark" else f"{speculator}-") + arm + (f"-tail{round(tail * 100)}" if tail else "") + ("-chunks" if chunks else "")
             + ("" if observe_every > 0 else "-noobs") + ("-rerun" if rerun else ""))
 
 
@@ -551,9 +593,12 @@ WORKLOAD_SPECS = workload_specs(CONFIG)
 
 
 def speculative_config(acceptance_length: float | None = ACCEPTANCE_LENGTH,
-                       acceptance_rates: list[float] | None = None) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"method": "dspark", "model": DRAFT, "num_speculative_tokens": K,
-                           "enable_adaptive_verification": True, "rejection_sample_method": "synthetic"}
+                       acceptance_rates: list[float] | None = None, *, speculator: str = "dspark",
+                       adaptive: bool = True) -> dict[str, Any]:
+    spec = CONFIG["speculators"][speculator]
+    cfg: dict[str, Any] = {"method": spec["method"], "model": os.path.join(ROOT, spec["draft"]),
+                           "num_speculative_tokens": K, "enable_adaptive_verification": adaptive,
+                           "rejection_sample_method": "synthetic"}
     if acceptance_rates is not None:
         cfg["synthetic_acceptance_rates"] = list(acceptance_rates)
     else:
@@ -562,11 +607,13 @@ def speculative_config(acceptance_length: float | None = ACCEPTANCE_LENGTH,
 
 
 def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
-    """AsyncEngineArgs for the arms: the engine the table is profiled for (profile.sh)."""
+    """AsyncEngineArgs for the arms: the engine the table is profiled for (profile.sh), with the
+    estimator probe mixed into the worker (estimator_probe.py: read between workloads only)."""
     return dict(model=TARGET, speculative_config=spec, load_format="dummy", skip_tokenizer_init=True,
                 max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED, max_model_len=MAX_MODEL_LEN,
                 gpu_memory_utilization=GPU_UTIL, seed=0, disable_log_stats=False,
-                per_request_spec_decode_metrics="summary")
+                per_request_spec_decode_metrics="summary",
+                worker_extension_cls="estimator_probe.EstimatorProbe")
 
 
 # -- the engine child: drives workloads through AsyncLLM (or the fake) ----------------------------
@@ -639,14 +686,37 @@ def _prompt(ids: list[int]) -> Any:
     return TokensPrompt(prompt_token_ids=ids)
 
 
+async def estimator_state(engine: Any) -> Any:
+    """What the draft-model speculator's acceptance estimator has learned (rank 0), or None
+    (DSpark's confidence head, adaptive verification off, or the dry run's fake engine)."""
+    rpc = getattr(engine, "collective_rpc", None)
+    if rpc is None:
+        return None
+    try:
+        states = await rpc("estimator_state")
+    except Exception as exc:  # noqa: BLE001 - a report, not the run: say why and go on
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    return states[0] if states else None
+
+
 async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any]], None], *,
-                deadline: float, est_factor: float = 1.5, now: Callable[[], float] = time.time) -> None:
-    """Warm-up, then per workload: a marker, the workload; a final marker. A workload that would
-    end past the deadline (its estimate x est_factor) is skipped, and so is its marker."""
+                deadline: float, est_factor: float = 1.5, now: Callable[[], float] = time.time,
+                cold: dict[str, int] | None = None) -> None:
+    """Warm-up, the estimator's cold phase when the speculator has one (timed and reported
+    apart: an unfitted estimator trims almost every draft), then per workload: a marker, the
+    workload, what the estimator has learned; a final marker. A workload that would end past the
+    deadline (its estimate x est_factor) is skipped, and so is its marker."""
     recs, wall = await run_requests(engine, "warmup", [make_prompt("warmup", i, WARMUP["prompt"])
                                                        for i in range(WARMUP["requests"])],
                                     WARMUP["tokens"], WARMUP["requests"])
     sink({"event": "warmup", "wall_s": round(wall, 3), "requests": len(recs)})
+    if cold:
+        sink({"event": "estimator", "after": "warmup", "state": await estimator_state(engine)})
+        recs, wall = await run_requests(engine, "cold", [make_prompt("cold", i, cold["prompt"])
+                                                         for i in range(cold["requests"])],
+                                        cold["tokens"], cold["concurrency"])
+        sink({"event": "cold", "summary": summarize_requests(recs, wall), "settings": cold})
+        sink({"event": "estimator", "after": "cold", "state": await estimator_state(engine)})
     markers = 0
 
     async def marker() -> None:
@@ -667,6 +737,8 @@ async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any
         recs, wall = await run_requests(engine, w.name, prompts, w.output_len, w.concurrency)
         sink({"event": "workload", "workload": asdict(w), "estimate_s": round(est, 1),
               "summary": summarize_requests(recs, wall), "requests": recs})
+        if cold:
+            sink({"event": "estimator", "after": w.name, "state": await estimator_state(engine)})
     await marker()
     sink({"event": "markers", "count": markers})
 
@@ -686,7 +758,8 @@ def engine_child(args: argparse.Namespace) -> int:
 
     plan = [Workload(**{**w, "prompt_lens": tuple(w["prompt_lens"])}) for w in json.loads(args.plan)]
     rates = [float(x) for x in args.acceptance_rates.split(",")] if args.acceptance_rates else None
-    spec = speculative_config(args.acceptance_length, rates)
+    spec = speculative_config(args.acceptance_length, rates, speculator=args.speculator, adaptive=not args.fixed)
+    cold = CONFIG["speculators"][args.speculator].get("estimator_cold") if not args.fixed else None
 
     async def main() -> None:
         t0 = time.time()
@@ -709,7 +782,7 @@ def engine_child(args: argparse.Namespace) -> int:
         task = asyncio.current_task()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)  # the parent's deadline
         try:
-            await drive(engine, fitted, sink, deadline=args.child_deadline)
+            await drive(engine, fitted, sink, deadline=args.child_deadline, cold=cold)
         except asyncio.CancelledError:
             sink({"event": "cancelled", "at": round(time.time(), 1)})
         finally:
@@ -875,7 +948,7 @@ def run_arm(args: argparse.Namespace) -> int:
         print(f"arm {arm}: --context-tail {args.context_tail:g} must be a multiple of 0.01 between 0 and 1 "
               f"(the files are named by it)", file=sys.stderr)
         return 2
-    label = arm_label(arm, args.observe_every, args.context_tail, args.context_chunks, args.rerun)
+    label = arm_label(arm, args.observe_every, args.context_tail, args.context_chunks, args.rerun, args.speculator)
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     work = os.path.abspath(args.work or f"/tmp/serve-context-{label}")
@@ -895,7 +968,9 @@ def run_arm(args: argparse.Namespace) -> int:
     child_deadline = deadline - KILL_MARGIN_S
     cmd = [sys.executable, os.path.abspath(__file__), "_engine", "--results", results_path,
            "--plan", json.dumps([asdict(w) for w in plan]), "--child-deadline", str(child_deadline),
-           "--acceptance-length", str(args.acceptance_length)]
+           "--acceptance-length", str(args.acceptance_length), "--speculator", args.speculator]
+    if arm == "fixed":
+        cmd += ["--fixed"]
     if args.acceptance_rates:
         cmd += ["--acceptance-rates", args.acceptance_rates]
     if args.dry_run:
@@ -1110,6 +1185,10 @@ def post_process(arm: str, events: list[dict[str, Any]], obs: str, table: str | 
                      if "Using V2 Model Runner" in ln or "GPU KV cache size" in ln][:4],
         "spec_log": [ln[-600:] for ln in log_text.splitlines() if "SpecDecoding metrics" in ln][-30:],
         "workloads": {},
+        # the draft-model speculator's cold phase (unfitted estimator) and what the estimator learned
+        "cold": next((e for e in events if e.get("event") == "cold"), None),
+        "estimator": [{"after": e.get("after"), **(e.get("state") or {})} for e in events
+                      if e.get("event") == "estimator"],
     }
     reqs = {}
     for e in done:
@@ -1399,8 +1478,8 @@ def run_plan(args: argparse.Namespace) -> int:
     for w in plan_workloads(kv, waves=args.waves):
         est = estimate_seconds(w)
         total += est
-        worst = w.concurrency * tokens_per_request(w.longest)
-        print(f"{w.name:7} prompts {'/'.join(map(str, w.prompt_lens)):16} concurrency {w.concurrency:3} "
+        worst = w.worst_case_tokens
+        print(f"{w.name:7} prompts {w.prompts_label:16} concurrency {w.concurrency:3} "
               f"(wanted {w.wanted_concurrency}) requests {w.num_requests:3}  worst-case KV {worst:7} tokens "
               f"({worst / kv:5.1%})  estimate {est:5.1f} s")
     print(f"workloads ~{total:.0f} s (+ warm-up and markers ~10 s, engine start 30-60 s warm / 230 s cold, "
@@ -1433,7 +1512,9 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--rerun", action="store_true", default=None,
                    help="the same arm a second time on this host (files context-ARM...-rerun.*): the spread")
     a.add_argument("--acceptance-length", type=float, default=ACCEPTANCE_LENGTH)
-    a.add_argument("--acceptance-rates", help="comma list of K non-increasing unconditional rates (instead)")
+    a.add_argument("--acceptance-rates", help="comma list of K non-increasing unconditional rates (instead), "
+                                              "or the name of a schedule in arms.json")
+    a.add_argument("--speculator", default=None, help="a speculator of arms.json (the arm's unless given)")
     a.add_argument("--dry-run", action="store_true", help="fake engine on CPU: the whole control flow, no vLLM")
     e = sub.add_parser("_engine")
     e.add_argument("--results", required=True)
@@ -1441,6 +1522,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--child-deadline", type=float, required=True)
     e.add_argument("--acceptance-length", type=float, default=ACCEPTANCE_LENGTH)
     e.add_argument("--acceptance-rates")
+    e.add_argument("--speculator", default="dspark")
+    e.add_argument("--fixed", action="store_true", help="adaptive verification off: every step verifies K")
     e.add_argument("--dry-run", action="store_true")
     e.add_argument("--table")
     r = sub.add_parser("report")
@@ -1453,6 +1536,8 @@ def main(argv: list[str] | None = None) -> int:
         args.md = args.md or os.path.join(args.results[0], "serve_context.md")
     if args.cmd == "arm":
         apply_arm_config(args)
+        if args.acceptance_rates in CONFIG.get("schedules", {}):
+            args.acceptance_rates = ",".join(f"{x:g}" for x in CONFIG["schedules"][args.acceptance_rates])
     return {"plan": run_plan, "arm": run_arm, "_engine": engine_child, "report": run_report}[args.cmd](args)
 
 

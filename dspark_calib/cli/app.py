@@ -212,6 +212,9 @@ def _root(
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print everything as JSON instead of tables.")]
 PlotOpt = Annotated[Optional[str], typer.Option(
     "--plot", metavar="FILE", help="Also write a plot; .png, .svg or .pdf (the suffix picks the format).")]
+MethodOpt = Annotated[str, typer.Option(
+    "--method", help="vLLM's speculative method: dspark, draft_model, eagle, eagle3, mtp or dflash (the ones "
+                     "vLLM runs adaptive verification for); recorded in the table and checked on load.")]
 ForceOpt = Annotated[bool, typer.Option(
     "--force", help="Replace an existing output file (without it, only a table of the same content hash is).")]
 
@@ -311,7 +314,7 @@ def import_vllm_cmd(
     jsons: Annotated[List[str], typer.Argument(
         metavar="JSON", help="vLLM start-up profiles (rows + batches), one per context length.")],
     model: Annotated[str, typer.Option("--model", metavar="DIR", help="Target model directory (its config.json is hashed).")],
-    draft: Annotated[str, typer.Option("--draft", metavar="DIR", help="DSpark draft model directory.")],
+    draft: Annotated[str, typer.Option("--draft", metavar="DIR", help="Draft model directory (for --method).")],
     gpu_name: Annotated[str, typer.Option(
         "--gpu-name", help="GPU the profile was taken on, as torch.cuda.get_device_name() names it ('NVIDIA H200').")],
     vllm_version: Annotated[str, typer.Option("--vllm-version", help="vllm.__version__ of that engine ('0.33.0').")],
@@ -326,6 +329,7 @@ def import_vllm_cmd(
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1, max=MAX_TP)] = 1,
     dtype: Annotated[str, typer.Option("--dtype", callback=_not_blank)] = "bfloat16",
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", callback=_not_blank)] = "auto",
+    method: MethodOpt = "dspark",
     force: ForceOpt = False,
 ) -> None:
     """Make a table from vLLM's own start-up profiling samples (saved as JSON)."""
@@ -338,7 +342,7 @@ def import_vllm_cmd(
         jsons, model=model, draft=draft, gpu_name=gpu_name, vllm_version=vllm_version,
         num_speculative_tokens=num_speculative_tokens, torch_version=torch_version, driver_version=driver_version,
         cuda_version=cuda_version, gpu_compute_capability=compute_capability,
-        tensor_parallel_size=tensor_parallel_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        tensor_parallel_size=tensor_parallel_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, method=method)
     for line in identity_warnings(gpu_name, vllm_version):  # once the inputs read: bad input stays one line
         _warn(line)
     _write_table(t, target)
@@ -523,11 +527,15 @@ def profile_cmd(
     model: Annotated[str, typer.Option("--model", metavar="DIR|HF_ID",
                                        help="Target model: a directory with config.json, or a Hugging Face id "
                                             "already in the local cache.")],
-    draft: Annotated[str, typer.Option("--draft", metavar="DIR|HF_ID",
-                                       help="DSpark drafter (architectures Qwen3DSparkModel/DSparkDraftModel).")],
+    draft: Annotated[Optional[str], typer.Option(
+        "--draft", metavar="DIR|HF_ID", help="The drafter for --method: a DSpark drafter (architectures "
+                                             "Qwen3DSparkModel/DSparkDraftModel), a draft model, an EAGLE/EAGLE-3 "
+                                             "head, a DFlash drafter; none for mtp (the target's own layers).")] = None,
+    method: MethodOpt = "dspark",
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size, through vLLM's own executor.")] = 1,
     num_speculative_tokens: Annotated[Optional[int], typer.Option(
-        "--num-speculative-tokens", metavar="K", help="Default: the drafter's block_size.")] = None,
+        "--num-speculative-tokens", metavar="K", help="Default: a DSpark drafter's block_size; needed for "
+                                                     "the other methods.")] = None,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens")] = 8192,
     context_len: Annotated[List[int], typer.Option(
@@ -574,7 +582,7 @@ def profile_cmd(
                                    "3 x the points' MAD; re-running is up to you.")] = False,
     force: ForceOpt = False,
 ) -> None:
-    """Profile vLLM's DSpark draft/verify steps on this machine's GPUs and write a cost table."""
+    """Profile vLLM's draft/verify steps on this machine's GPUs and write a cost table."""
     options = dict(locals())
     from dspark_calib.cli import profile as profile_cmd
 

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 
 from dspark_calib.cli.paths import TABLE_SUFFIX, TableOut, table_out
 from dspark_calib.errors import CalibError, display_path
+from dspark_calib.speculators import speculator
 
 
 def check_ranges(*, context_len: Sequence[int], max_num_seqs: int, max_num_batched_tokens: int,
@@ -133,7 +134,7 @@ def output_to(log_path: str) -> Iterator[None]:
             os.close(f)
 
 
-def main(*, model: str, draft: str, tp: int, num_speculative_tokens: int | None, max_num_seqs: int,
+def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative_tokens: int | None, max_num_seqs: int,
          max_num_batched_tokens: int, context_len: Sequence[int], replays: int, warmup: int, load_format: str,
          dtype: str, kv_cache_dtype: str, quantization: str | None, gpu_memory_utilization: float,
          max_model_len: int | None, distributed_executor_backend: str | None, out: str,
@@ -154,12 +155,15 @@ def main(*, model: str, draft: str, tp: int, num_speculative_tokens: int | None,
     from dspark_calib.vllm.profile import driver
     from dspark_calib.vllm.profile.plan import ProfileOptions
 
+    spec = speculator(method)
+    if draft is None and spec.own_drafter:
+        raise CalibError(f"--draft is needed for --method {method} (the {spec.drafter})")
     model_dir, model_id = driver.resolve_model(model, "--model")
-    draft_dir, draft_id = driver.resolve_model(draft, "--draft")
+    draft_dir, draft_id = driver.resolve_model(draft, "--draft") if draft is not None else (model_dir, model_id)
     check_keep_capture(keep_capture)
     out, log_path = check_out(out, force)
     opts = driver.resolve_options(ProfileOptions(
-        model=model_dir, draft=draft_dir, tp=tp, num_speculative_tokens=num_speculative_tokens,
+        model=model_dir, draft=draft_dir, method=method, tp=tp, num_speculative_tokens=num_speculative_tokens,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         context_lens=tuple(sorted(set(context_len))), replays=replays, warmup=warmup, cooldown_s=cooldown,
         load_format=load_format,

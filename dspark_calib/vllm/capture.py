@@ -50,6 +50,16 @@ DEFAULT_REPLAYS = 20
 DEFAULT_WARMUP = 2
 
 
+def _same_batch(reported: int, scheduled: int, max_reqs: int, max_tokens: int) -> bool:
+    """Whether a step that reports `reported` tokens is the `scheduled`-token profile batch: the
+    same count, or vLLM's _dummy_run clamp of it to max_num_batched_tokens - num_reqs x extra
+    query slots per request (1..8: a draft-model speculator has one)."""
+    if reported == scheduled:
+        return True
+    num_reqs = min(scheduled, max_reqs)
+    return reported < scheduled and any(reported == max_tokens - num_reqs * extra for extra in range(1, 9))
+
+
 class CaptureError(RuntimeError):
     """A capture that cannot go on: one line, the engine does not start (profile reports it)."""
 
@@ -387,9 +397,13 @@ class CaptureMode:
             # Every dummy run reaches drafter_end in 0.33; if not, the pairing is lost.
             raise CaptureError(PREFIX + f"vLLM returned {len(samples)} step timings for {len(tags)} "
                                "profile batches; cannot attribute them, no table written")
+        max_reqs = int(manager.req_states.max_num_reqs)
+        max_tokens = int(manager.req_states.max_num_batched_tokens)
         for i, (s, t) in enumerate(zip(samples, tags)):
-            # vLLM records each step's own token count (input_batch.num_tokens): it must be the batch's.
-            if int(s.num_target_tokens) != t.num_tokens:
+            # vLLM records each step's own token count (input_batch.num_tokens): it must be the batch's,
+            # or the batch as _dummy_run clamps it for a speculator that adds query slots per request
+            # (a draft model: max_num_batched_tokens - num_reqs x extra slots).
+            if not _same_batch(int(s.num_target_tokens), t.num_tokens, max_reqs, max_tokens):
                 raise CaptureError(PREFIX + f"step timing {i} reports {s.num_target_tokens} tokens for a "
                                    f"{t.num_tokens}-token profile batch: samples out of batch order, no table written")
         timed = [(s, t) for s, t in zip(samples, tags) if t.replay >= 0]

@@ -150,6 +150,7 @@ READERS: dict[str, Callable[[EngineView], Any]] = {
     "model_impl": lambda e: enum_value(e.vllm_config.model_config.model_impl),
     "draft_config_hash": config_hash_of("draft"),
     "draft_revision": lambda e: e.vllm_config.speculative_config.revision,
+    "speculative_method": lambda e: e.vllm_config.speculative_config.method,
     "tensor_parallel_size": lambda e: int(e.vllm_config.parallel_config.tensor_parallel_size),
     "pipeline_parallel_size": lambda e: int(e.vllm_config.parallel_config.pipeline_parallel_size),
     "data_parallel_size": lambda e: int(e.vllm_config.parallel_config.data_parallel_size),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,17 +45,29 @@ def test_kv_arithmetic_matches_the_h200_log(sc):
 def test_plan_is_pinned_and_never_preempts(sc):
     plan = {w.name: w for w in sc.plan_workloads()}
     assert {n: (w.concurrency, w.num_requests) for n, w in plan.items()} == {
-        "ctx1k": (256, 512), "ctx8k": (64, 128), "ctx16k": (32, 64), "mix": (32, 66)}
+        "ctx1k": (256, 512), "ctx8k": (64, 128), "ctx16k": (32, 64), "mix": (32, 66), "skewed": (64, 128)}
     for w in plan.values():
-        worst = w.concurrency * sc.tokens_per_request(w.longest, w.output_len)
-        assert worst <= 0.9 * sc.KV_TOKENS_MEASURED, w
+        assert w.worst_case_tokens <= 0.9 * sc.KV_TOKENS_MEASURED, w
+        if len(set(w.prompt_lens)) == 1:  # one prompt length: every in-flight request at it
+            assert w.worst_case_tokens == w.concurrency * sc.tokens_per_request(w.longest, w.output_len)
         assert w.concurrency % 8 == 0 and w.output_len == 256
     mix = plan["mix"]
     lens = [mix.prompt_len(i) for i in range(mix.num_requests)]
     assert {L: lens.count(L) for L in set(lens)} == {1024: 22, 8192: 22, 16384: 22}
     # 16k prompts cannot run 256 at once
     assert sc.fit_concurrency(256, sc.KV_TOKENS_MEASURED, 16384) == 32
+    # one 30k request among 63 of 1k: two long ones in 128 requests, counted as such, not 64 x 30k
+    skewed = plan["skewed"]
+    assert [skewed.prompt_len(i) for i in range(skewed.num_requests)].count(30000) == 2
+    assert skewed.worst_case_tokens == 2 * sc.tokens_per_request(30000) + 62 * sc.tokens_per_request(1024)
+    assert skewed.prompts_label == "30000+63x1024"
 
+
+def test_a_skewed_workload_shrinks_until_its_largest_requests_fit(sc):
+    lens = (30000,) + (1024,) * 63
+    assert sc.fit_skewed(lens, 64, sc.KV_TOKENS_MEASURED, waves=2) == 64
+    c = sc.fit_skewed(lens, 64, 60_000, waves=2)  # 2 x 30,272 alone exceed 90 % of 60k
+    assert c < 64 and c % 8 == 0
 
 def test_fit_concurrency_edges(sc):
     assert sc.fit_concurrency(256, 10**9, 1024) == 256  # max_num_seqs caps
@@ -73,7 +86,7 @@ def test_refit_shrinks_only_what_no_longer_fits(sc):
     assert small["ctx16k"].shrunk and small["ctx16k"].concurrency == 16 and small["ctx16k"].num_requests == 32
     assert small["mix"].num_requests % 3 == 0
     for w in small.values():
-        assert w.concurrency * sc.tokens_per_request(w.longest) <= 0.9 * 400_000
+        assert w.worst_case_tokens <= 0.9 * 400_000
 
 
 def test_estimates_fit_one_call(sc):
@@ -257,6 +270,8 @@ def test_arm_envs(sc):
     for env in (stock, static, aware):
         assert env["DSPARK_CALIB_OBSERVE"] == "/o" and env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert aware["DSPARK_CALIB_OBSERVE_EVERY"] == "4" and static["DSPARK_CALIB_POLICY"] == "warn"
+    fixed = sc.arm_env("fixed", None, "/o", base=base)  # adaptive verification off: no table, nothing priced
+    assert "DSPARK_CALIB_TABLE" not in fixed and fixed["PYTHONPATH"].split(os.pathsep)[0] == sc.HERE
     with pytest.raises(ValueError):
         sc.arm_env("fast", None, "/o", base={})
     with pytest.raises(ValueError):
@@ -281,6 +296,30 @@ def test_vllm_accepts_the_engine_config(sc):
     kwargs = sc.engine_kwargs(spec)
     assert set(kwargs) <= {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     AsyncEngineArgs(**kwargs)  # constructs (the engine config itself needs a GPU)
+    # the draft-model arms: vLLM's own method, the Qwen3-0.6B drafter, adaptive on or off (fixed K)
+    for adaptive in (True, False):
+        draft = sc.speculative_config(acceptance_rates=sc.CONFIG["schedules"]["decaying"], speculator="draft",
+                                      adaptive=adaptive)
+        assert draft["method"] == "draft_model" and draft["enable_adaptive_verification"] is adaptive
+        assert os.path.isfile(os.path.join(draft["model"], "config.json"))
+        AsyncEngineArgs(**sc.engine_kwargs(draft))
+
+
+def test_the_named_schedules_are_what_vllm_accepts(sc):
+    pytest.importorskip("vllm")
+    from vllm.config.speculative import SpeculativeConfig
+
+    for name, rates in sc.CONFIG["schedules"].items():
+        assert len(rates) == sc.K and rates == sorted(rates, reverse=True), name
+        assert SpeculativeConfig._resolve_synthetic_acceptance_rates(sc.K, rates, None) == rates
+
+
+def test_draft_model_arms_are_named_by_their_speculator(sc):
+    assert sc.arm_label("fixed", 4, speculator="draft") == "draft-fixed"
+    assert sc.arm_label("aware", 4, 0.2, True, speculator="draft") == "draft-aware-tail20-chunks"
+    assert sc.arm_label("stock", 4, rerun=True) == "stock-rerun"  # DSpark arms keep their names
+    for arm in sc.CONFIG["comparisons"]["draft-goodput"]:
+        assert sc.CONFIG["arms"][arm]["speculator"] == "draft"
 
 
 # -- the drive loop on the fake engine, and the report ------------------------------------------------

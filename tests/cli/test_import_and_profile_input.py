@@ -156,3 +156,23 @@ def test_profile_counts_gpus_from_the_driver_files(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setattr(driver, "vllm_installed", lambda: True)
     one_line_error(invoke(*PROFILE, "--tp", "2", "--out", f"{tmp_path}/"), "--tp 2 needs 2 GPUs, 1 visible")
+
+
+def test_import_records_the_method_and_checks_its_drafter(tmp_path):
+    """A start-up profile of a draft-model speculator imports as one, recorded in the table; a
+    drafter that is not the method's is one line."""
+    from dspark_calib.table.file import read_metadata
+
+    small = str(REPO / "profiles" / "configs" / "qwen3-0.6b")
+    out = tmp_path / "t.parquet"
+    r = invoke("import-vllm", fixture_json(1024), *IDENTITY, "--draft", small, "--method", "draft_model",
+               "--num-speculative-tokens", "7", "--out", out)
+    assert r.exit_code == 0, r.output
+    assert read_metadata(str(out)).fingerprint.speculative_method == "draft_model"
+    one_line_error(invoke("import-vllm", fixture_json(1024), *IDENTITY, "--draft", small,
+                          "--num-speculative-tokens", "7", "--out", tmp_path / "u.parquet"),
+                   "not a DSpark drafter", "for --method dspark")
+    one_line_error(invoke("import-vllm", fixture_json(1024), *IDENTITY, "--draft", small, "--method", "ngram",
+                          "--num-speculative-tokens", "7", "--out", tmp_path / "v.parquet"),
+                   "--method 'ngram': not supported")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet"]

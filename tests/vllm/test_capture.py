@@ -5,6 +5,8 @@ tp 4 path with stubbed group calls."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -306,6 +308,35 @@ def test_samples_out_of_batch_order_are_refused(monkeypatch, tmp_path, disorder)
     with pytest.raises(CaptureError, match="out of batch order|cannot attribute"):
         run_capture(m, samples_for=shuffled)
     assert CaptureDir(tmp_path).read_samples(0) is None and m.cost_tables is None
+
+
+def test_a_draft_model_batch_clamped_by_vllm_is_still_its_batch(monkeypatch, tmp_path):
+    """vLLM's _dummy_run clamps a batch to max_num_batched_tokens - num_reqs x the speculator's
+    extra query slots (a draft model has one: the 8192-token batch runs 7936 tokens on an H200).
+    The capture attributes it to its batch and fits what vLLM fits; any other count is refused."""
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=5, warmup=0))
+
+    def clamped(batches):
+        out = random_samples(batches)
+        return [dataclasses.replace(smp, num_target_tokens=8192 - 256) if b["num_tokens"] == 8192 else smp
+                for smp, b in zip(out, batches)]
+
+    m = make_manager()
+    _, samples = run_capture(m, samples_for=clamped)
+    assert m.cost_tables is not None
+    assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, vllm_fit(samples)))  # vLLM's own fit
+    assert 7936 in {int(smp.num_target_tokens) for smp in samples}
+
+    (tmp_path / "other").mkdir()
+    start_capture(monkeypatch, tmp_path / "other", Plan(context_lens=(1024,), replays=5, warmup=0))
+
+    def off_by_one(batches):
+        out = random_samples(batches)
+        return [dataclasses.replace(smp, num_target_tokens=8191) if b["num_tokens"] == 8192 else smp
+                for smp, b in zip(out, batches)]
+
+    with pytest.raises(CaptureError, match="reports 8191 tokens for a 8192-token profile batch"):
+        run_capture(make_manager(), samples_for=off_by_one)
 
 
 # -- tensor parallel 4, stubbed group calls -------------------------------------------------

@@ -74,6 +74,14 @@ CONFIGS = [
     ("server-only-flags", [*README, "--host", "0.0.0.0", "--port", "8001", "--gpu-memory-utilization", "0.9"], {},
      TP1),
     ("block-size-16", [*README, "--block-size", "16"], {}, TP1),
+    # other speculators on the DSpark tables: the method (and the drafter's config) refuse them
+    ("draft-model", replaced("--speculative-config", json.dumps(
+        {"method": "draft_model", "model": str(REPO / "profiles" / "configs" / "qwen3-0.6b"),
+         "num_speculative_tokens": 7, "enable_adaptive_verification": True})), {}, None),
+    # no method: vLLM detects DSpark from the drafter's architecture (the light path leaves it to
+    # the engine: decided at start)
+    ("no-method", replaced("--speculative-config", json.dumps(
+        {"model": DRAFT, "num_speculative_tokens": 7, "enable_adaptive_verification": True})), {}, TP1),
 ]
 
 

@@ -56,6 +56,43 @@ def test_max_model_len_left_to_vllm_unless_given():
         resolve_options(opts(context_lens=(40960,)))  # beyond the model's 40960 positions
 
 
+SMALL_DRAFT = str(REPO / "profiles" / "configs" / "qwen3-0.6b")
+
+
+def test_a_draft_model_speculator_is_what_vllm_builds():
+    """--method draft_model: vLLM's own SpeculativeConfig takes the Qwen3-0.6B drafter as a draft
+    model with adaptive verification on (its acceptance estimator ranks the drafts)."""
+    from vllm.config import ParallelConfig, SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    kw = engine_kwargs(resolve_options(opts(draft=SMALL_DRAFT, method="draft_model", num_speculative_tokens=7,
+                                            max_model_len=32768)))
+    assert kw["speculative_config"]["method"] == "draft_model"
+    args = EngineArgs(**kw)
+    spec = SpeculativeConfig(**kw["speculative_config"], target_model_config=args.create_model_config(),
+                             target_parallel_config=ParallelConfig())
+    assert spec.method == "draft_model" and spec.uses_draft_model() and spec.enable_adaptive_verification
+    assert spec.draft_model_config.hf_config.architectures == ["Qwen3ForCausalLM"]
+
+
+def test_other_methods_need_k_and_their_own_drafter():
+    with pytest.raises(CalibError, match="--num-speculative-tokens is needed for --method draft_model"):
+        resolve_options(opts(draft=SMALL_DRAFT, method="draft_model"))
+    with pytest.raises(CalibError, match="not a DSpark drafter") as err:
+        resolve_options(opts(draft=SMALL_DRAFT, method="dspark"))
+    assert SMALL_DRAFT in str(err.value) and "--method dspark" in str(err.value)
+    with pytest.raises(CalibError, match=r"--method 'ngram': not supported \(n-gram drafts have no logits"):
+        resolve_options(opts(method="ngram", num_speculative_tokens=3))
+
+
+def test_cli_profile_refuses_a_method_it_does_not_price(tmp_path):
+    res = run_cli("profile", "--model", MODEL, "--method", "suffix", "--out", str(tmp_path))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--method 'suffix': not supported" in res.stderr
+    res = run_cli("profile", "--model", MODEL, "--method", "draft_model", "--out", str(tmp_path))
+    assert res.returncode == 2 and "--draft is needed for --method draft_model" in res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_draft_must_be_dspark(tmp_path):
     with pytest.raises(CalibError, match="not a DSpark drafter") as err:
         resolve_options(opts(draft=MODEL))

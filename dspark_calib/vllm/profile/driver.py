@@ -19,8 +19,9 @@ import time
 from typing import Any, Callable
 
 from dspark_calib.errors import PREFIX, CalibError, exception_line, first_line
-from dspark_calib.fingerprint import check_model_dtype, dspark_block_size
+from dspark_calib.fingerprint import check_model_dtype
 from dspark_calib.fit import profile_context_len
+from dspark_calib.speculators import DSPARK, speculator
 from dspark_calib.table.model import CostTable
 from dspark_calib import env as E
 from dspark_calib.vllm.capture import CaptureDir, CaptureError
@@ -84,22 +85,26 @@ def resolve_model(model: str, option: str) -> tuple[str, str | None]:
     return os.path.dirname(hit), model
 
 
-def check_models(opts: ProfileOptions) -> tuple[dict, dict]:
+def check_models(opts: ProfileOptions) -> tuple[dict, dict, int | None]:
+    """Both configs, and the number of drafts the drafter's config says it was made for."""
     target = read_config(opts.model, "target model")
     draft = read_config(opts.draft, "draft model")
-    dspark_block_size(draft, opts.draft)
-    return target, draft
+    drafts = speculator(opts.method).check_drafter(draft, opts.draft)
+    return target, draft, drafts
 
 
 def resolve_options(opts: ProfileOptions) -> ProfileOptions:
     """Fill defaults that depend on the model configs; refuse impossible settings."""
-    target, draft = check_models(opts)
+    target, _, drafts = check_models(opts)
     try:  # the CLI checked it already; a library caller gets the same one line, as a CalibError
         check_cooldown(opts.cooldown_s)
     except ValueError as exc:
         raise CalibError(str(exc)) from None
     if opts.num_speculative_tokens is None:
-        opts.num_speculative_tokens = int(draft.get("block_size") or 7)
+        if opts.method != DSPARK:
+            raise CalibError(f"--num-speculative-tokens is needed for --method {opts.method} (vLLM has no "
+                             "default for its drafter)")
+        opts.num_speculative_tokens = drafts or 7
     limit = int(target.get("max_position_embeddings") or 1 << 20)
     longest = max(opts.context_lens)
     # vLLM spreads a profile batch over min(tokens, max_num_seqs) requests, so the largest
@@ -125,7 +130,7 @@ def engine_kwargs(opts: ProfileOptions) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         model=opts.model,
         speculative_config={
-            "method": "dspark",
+            "method": opts.method,
             "model": opts.draft,
             "num_speculative_tokens": opts.num_speculative_tokens,
             "enable_adaptive_verification": True,

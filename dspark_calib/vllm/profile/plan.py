@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from dspark_calib.speculators import DSPARK
 from dspark_calib.vllm.capture import Plan, Schedule
 from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S
 
@@ -20,9 +21,10 @@ from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S
 @dataclass
 class ProfileOptions:
     model: str
-    draft: str
+    draft: str  # for mtp, the target itself (its own layers draft)
+    method: str = DSPARK  # vLLM's speculative_config.method (speculators.SPECULATORS)
     tp: int = 1
-    num_speculative_tokens: int | None = None  # default: the drafter's block_size
+    num_speculative_tokens: int | None = None  # default: a DSpark drafter's block_size; needed otherwise
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     context_lens: tuple[int, ...] = (8192,)

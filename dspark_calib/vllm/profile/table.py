@@ -50,7 +50,7 @@ def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) ->
         gpu_name="", gpu_compute_capability="", driver_version="", cuda_version="", torch_version="",
         target_config_hash=config_hash(opts.model), draft_config_hash=config_hash(opts.draft),
         tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=opts.dtype, kv_cache_dtype=opts.kv_cache_dtype,
-        quantization=opts.quantization, max_model_len=opts.max_model_len)
+        quantization=opts.quantization, max_model_len=opts.max_model_len, speculative_method=opts.method)
     return Fingerprint(
         **{**defaults, **read},
         backend=BACKEND_VLLM,
