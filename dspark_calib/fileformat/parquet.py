@@ -181,7 +181,7 @@ class BoundedParquet:
             decoded = self._decoded_bytes(chunks)
         except _Damaged as exc:
             raise CalibError(f"not a readable parquet file ({exc})", path=path) from None
-        check_limit("decoded size (bytes)", decoded, self.limits.max_decoded_bytes, "max_decoded_bytes", path)
+        check_limit("bytes decoded", decoded, self.limits.max_decoded_bytes, "max_decoded_bytes", path)
         arrow = self.file.read_row_groups(list(groups), columns=list(columns))
         if arrow.num_rows != sum(self.group_rows[g] for g in groups):
             raise CalibError("row counts in the parquet footer disagree (damaged file)", path=path)

@@ -58,11 +58,11 @@ METADATA_KEY = b"dspark_calib_observed"
 FILE_PREFIX = "observed-"
 # Reading, as tables are read (fileformat.limits): a writer's file is rows_per_file rows (4096 by
 # default) of ~150 bytes and a footer of kilobytes. validate reads at most MAX_OBSERVED_STEPS
-# steps of all its files together: 256 of the default files, and its working memory stays
+# steps of all its files together: 64 files of the default 4096 rows, a default writer's whole directory, and its working memory stays
 # within a few hundred MB (docs/shared-storage.md).
-MAX_OBSERVED_STEPS = 1 << 20
+MAX_OBSERVED_STEPS = 1 << 18
 READ_LIMITS = ReadLimits(max_file_bytes=256 << 20, max_metadata_bytes=1 << 20, max_rows=MAX_OBSERVED_STEPS,
-                         max_row_groups=64, max_curve_points=0, max_decoded_bytes=256 << 20, max_pages=4096)
+                         max_row_groups=64, max_curve_points=0, max_decoded_bytes=128 << 20, max_pages=4096)
 
 def _utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
