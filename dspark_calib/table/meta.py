@@ -1,6 +1,7 @@
 """What a table file says about itself, checked before any column is read: the metadata
-(TableMeta) and the limits every read stays within (ReadLimits). No pyarrow here: the
-serve-time listing (sources.py) bounds its reads with these before pyarrow is imported.
+(TableMeta), and the limits a table read stays within at serve time and in the CLI
+(fileformat.limits.ReadLimits). No pyarrow here: the serve-time listing (sources.py) bounds
+its reads with these before pyarrow is imported.
 """
 
 from __future__ import annotations
