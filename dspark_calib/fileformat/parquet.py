@@ -27,6 +27,7 @@ from dspark_calib.errors import CalibError, first_line
 from dspark_calib.fileformat.limits import ReadLimits, check_limit
 
 MAX_PAGE_HEADER = 64 << 10  # a page header is tens of bytes (hundreds with statistics)
+PREFETCH = 4 << 20  # the chunks a read decodes, fetched in one read when they span at most this
 # pyarrow lets a chunk run up to 100 bytes past its stated end (files of old parquet-mr
 # writers left the dictionary page header out of the chunk's size; the writer name is the
 # file's own word): pages are walked that far too.
@@ -170,6 +171,7 @@ class BoundedParquet:
         if md.num_rows != sum(self.group_rows):
             raise CalibError("row counts in the parquet footer disagree (damaged file)", path=path)
         self.strings = frozenset(strings)
+        self._span: tuple[int, Any] = (0, b"")
 
     def read(self, groups: Sequence[int], columns: Sequence[str]) -> pa.Table:
         """Row groups `groups`, columns `columns`: their decoded size checked first, their row
@@ -192,7 +194,9 @@ class BoundedParquet:
         here: pyarrow's own accessor (RowGroupMetaData.column) aborts the process on some
         damaged chunk metadata that its reader refuses with an exception."""
         md = self.file.metadata
-        check_limit("column chunks", md.num_row_groups * md.num_columns, MAX_LIST, "the column chunk limit", self.path)
+        if md.num_row_groups * md.num_columns > MAX_LIST:
+            raise CalibError(f"{md.num_row_groups} row groups of {md.num_columns} columns are over the {MAX_LIST} "
+                             "column chunks a file may have", path=self.path)
         footer = _read_at(self.handle, self.data_end, self.footer_bytes)
         row_groups = _Thrift(footer).struct(_FOOTER_CHUNKS).get(4)
         if not isinstance(row_groups, list) or len(row_groups) != len(self.group_rows):
@@ -215,7 +219,7 @@ class BoundedParquet:
     def _decoded_bytes(self, chunks: list[tuple[int, str, dict]]) -> int:
         """What reading these chunks allocates at most: each page as its header says it
         decompresses, 8 bytes a value, and a string column's pages once more (its dictionary)."""
-        total = pages = 0
+        spans = []
         for g, name, meta in chunks:
             values, stored, data_at, dict_at = meta[5], meta[7], meta[9], meta.get(11)
             if values == 0:  # pyarrow reads no page of an empty chunk
@@ -224,11 +228,25 @@ class BoundedParquet:
             start = dict_at if isinstance(dict_at, int) and 0 < dict_at < data_at else data_at
             if start < 4 or stored < 0 or start + stored > self.data_end:
                 raise _Damaged(f"column {name[:40]} of row group {g} lies outside the file's pages")
-            size, n = self._pages(start, min(start + stored + CHUNK_PADDING, self.data_end), values,
-                                  self.limits.max_pages - pages, data_at)
-            pages += n
-            total += size * (2 if name in self.strings else 1) + 8 * values
+            spans.append((name, values, start, min(start + stored + CHUNK_PADDING, self.data_end), data_at))
+        if spans:  # small chunks (curves): their bytes in one read, not one per page (object stores)
+            lo, hi = min(s[2] for s in spans), max(s[3] for s in spans)
+            self._span = (lo, memoryview(_read_at(self.handle, lo, hi - lo))) if hi - lo <= PREFETCH else (0, b"")
+        total = pages = 0
+        try:
+            for name, values, start, end, data_at in spans:
+                size, n = self._pages(start, end, values, self.limits.max_pages - pages, data_at)
+                pages += n
+                total += size * (2 if name in self.strings else 1) + 8 * values
+        finally:
+            self._span = (0, b"")
         return total
+
+    def _bytes(self, pos: int, n: int) -> Any:
+        at, data = self._span
+        if at <= pos and pos + n <= at + len(data):
+            return data[pos - at:pos + n - at]
+        return _read_at(self.handle, pos, n)
 
     def _pages(self, pos: int, end: int, values: int, pages_left: int, data_at: int) -> tuple[int, int]:
         """(bytes the pages decompress to, pages) from pos until `values` values are seen, as
@@ -247,7 +265,7 @@ class BoundedParquet:
                 raise CalibError(f"pages to read exceed the read limit max_pages={self.limits.max_pages}",
                                  path=self.path)
             if not buf_at <= pos < buf_at + len(buf) - 256:  # a header's worth of bytes from pos on
-                buf, buf_at = _read_at(self.handle, pos, min(MAX_PAGE_HEADER, end - pos)), pos
+                buf, buf_at = self._bytes(pos, min(MAX_PAGE_HEADER, end - pos)), pos
             reader = _Thrift(buf, pos - buf_at)
             try:
                 header = reader.struct(_PAGE_HEADER)
