@@ -32,7 +32,7 @@ PREFETCH = 4 << 20  # the chunks a read decodes, fetched in one read when they s
 # writers left the dictionary page header out of the chunk's size; the writer name is the
 # file's own word): pages are walked that far too.
 CHUNK_PADDING = 100
-_DATA_PAGE, _INDEX_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2 = 0, 1, 2, 3
+_DATA_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2 = 0, 2, 3  # page types; 1 (index) and unknown ones pyarrow skips undecoded
 _PAGE_FIELD = {_DATA_PAGE: 5, _DICTIONARY_PAGE: 7, _DATA_PAGE_V2: 8}  # PageHeader field of each page's own header
 
 

@@ -25,8 +25,11 @@ Writing: rows are buffered and written as one file per ``rows_per_file`` rows
 (or ``max_buffer_s`` seconds) through ``atomic.atomic_write`` (temp file, then
 rename: a reader never sees half a file); a writer keeps at most ``max_files``
 of its own files, deleting the oldest, so a long-running server's disk use is
-bounded by rows_per_file * max_files rows. Reading validates every column and
-every row; a bad file is one CalibError naming it, never a traceback.
+bounded by rows_per_file * max_files rows. Reading treats a file as untrusted, as a
+table is (``READ_LIMITS``, fileformat.parquet: regular files only, the decoded size
+bounded before anything is decoded, engine sizes bounded before validate sizes arrays
+by them) and validates every column and every row; a bad file is one CalibError naming
+it, never a traceback.
 
 What a row is, and the checks on rows and columns, live in step.py.
 """
@@ -58,11 +61,12 @@ METADATA_KEY = b"dspark_calib_observed"
 FILE_PREFIX = "observed-"
 # Reading, as tables are read (fileformat.limits): a writer's file is rows_per_file rows (4096 by
 # default) of ~150 bytes and a footer of kilobytes. validate reads at most MAX_OBSERVED_STEPS
-# steps of all its files together: 64 files of the default 4096 rows, a default writer's whole directory, and its working memory stays
-# within a few hundred MB (docs/shared-storage.md).
+# steps of all its files together (64 files of the default 4096 rows: a default writer's whole
+# directory), so its working memory stays within a few hundred MB (docs/shared-storage.md).
 MAX_OBSERVED_STEPS = 1 << 18
 READ_LIMITS = ReadLimits(max_file_bytes=256 << 20, max_metadata_bytes=1 << 20, max_rows=MAX_OBSERVED_STEPS,
                          max_row_groups=64, max_curve_points=0, max_decoded_bytes=128 << 20, max_pages=4096)
+
 
 def _utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
@@ -225,22 +229,22 @@ def _read_one(path: str, rows_left: int) -> tuple[dict[str, np.ndarray], dict[st
     shown = display_path(path)
     handle, size = open_local(path, shown)
     with handle:
-        pq = open_bounded(handle, size, shown, READ_LIMITS)
-        if pq.file.metadata.num_rows > rows_left:
-            raise CalibError(f"{pq.file.metadata.num_rows} observed steps take the files given over the "
+        bp = open_bounded(handle, size, shown, READ_LIMITS)
+        if bp.file.metadata.num_rows > rows_left:
+            raise CalibError(f"{bp.file.metadata.num_rows} observed steps take the files given over the "
                              f"{MAX_OBSERVED_STEPS} steps read at once; validate fewer files at a time", path=shown)
-        raw = pq.schema.metadata or {}
+        raw = bp.schema.metadata or {}
         if METADATA_KEY not in raw:
             raise CalibError("parquet file without dspark-calib observed metadata (not an observe file)", path=shown)
         meta = _parse_meta(raw[METADATA_KEY], shown)
         types = _arrow_types()
-        present = [name for name in COLUMNS if name in pq.schema.names]
+        present = [name for name in COLUMNS if name in bp.schema.names]
         for name in present:
-            typ = pq.schema.field(name).type
+            typ = bp.schema.field(name).type
             if typ != types[COLUMNS[name]]:
                 raise CalibError(f"column {name} has type {typ}, expected {types[COLUMNS[name]]}", path=shown)
         try:
-            arrow = pq.read(range(len(pq.group_rows)), present)
+            arrow = bp.read(range(len(bp.group_rows)), present)
         except CalibError:
             raise
         except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
