@@ -20,7 +20,8 @@ from dspark_calib.errors import CalibError, first_line
 # Engine sizes a file may state. Arrays are sized by them (a dense cost table has an entry per
 # token of a step), so a forged 2^31 is refused, never allocated. Far above any engine: vLLM's
 # default step is 8192 tokens, and the longest model contexts are around 10M tokens.
-MAX_STEP_TOKENS = 1 << 21  # max_num_batched_tokens, max_num_seqs, CUDA-graph sizes, a step's tokens
+MAX_STEP_TOKENS = 1 << 21  # max_num_batched_tokens, CUDA-graph sizes, a step's tokens
+MAX_NUM_SEQS = 1 << 16  # max_num_seqs, a step's requests (vLLM's default: 256 to 1024)
 MAX_CONTEXT_LEN = 1 << 24  # max_model_len, profiled and observed contexts
 
 

@@ -83,6 +83,21 @@ def test_the_normal_paths_run_under_the_cap(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+EDGES = {  # the largest values validate accepts -> observe file builder
+    "262,144 steps": lambda p: C.observed_file(p, rows=1 << 18),
+    "engine sizes": lambda p: C.observed_file(p, meta={"max_num_batched_tokens": 1 << 21, "max_num_reqs": 1 << 16}),
+    "contexts": lambda p: C.observed_file(p, context_max=1 << 24, context_sum=1 << 25, context_mean=float(1 << 24)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EDGES))
+def test_validate_at_the_edges_of_what_it_accepts_runs_under_the_cap(tmp_path, name):
+    observed = EDGES[name](tmp_path / "observed-a.parquet")
+    r = C.run_capped(CAP_MIB, C.cli_code("validate", SHIPPED, observed))
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_validate_at_its_largest_input_runs_under_the_cap(tmp_path):
     from dspark_calib.observe.file import MAX_OBSERVED_STEPS
@@ -101,7 +116,7 @@ OBSERVED = {  # name -> (builder, cause)
     "max_num_batched_tokens=2^28": (lambda p: C.observed_file(p, meta={"max_num_batched_tokens": 1 << 28}),
                                     "metadata max_num_batched_tokens 268435456 is over 2097152"),
     "max_num_reqs=2^28": (lambda p: C.observed_file(p, meta={"max_num_reqs": 1 << 28}),
-                          "metadata max_num_reqs 268435456 is over 2097152"),
+                          "metadata max_num_reqs 268435456 is over 65536"),
     "num_target_tokens=2^31": (lambda p: C.observed_file(p, num_target_tokens=1 << 31, scheduled_drafts=0,
                                                          draft_budget=0),
                                "num_target_tokens must be <= 2097152 (100 bad rows)"),
