@@ -241,3 +241,15 @@ def test_dense_tables_are_bounded_before_they_are_allocated(reference_table):
     curves = {c: reference_table.curves[8192] for c in range(1000, 1000 + 20)}  # 22 x 16 MiB
     with pytest.raises(CalibError, match=f"over the {MAX_DENSE_BYTES >> 20} MiB priced at once"):
         ContextCosts(curves, 256, MAX_STEP_TOKENS, 512)
+
+
+@pytest.mark.slow
+def test_inspect_and_check_at_the_largest_engine_sizes_run_under_the_cap(tmp_path):
+    from dspark_calib.fileformat.limits import MAX_NUM_SEQS, MAX_STEP_TOKENS
+
+    path = C.forged_sizes(tmp_path / "edge.parquet", SHIPPED, max_num_batched_tokens=MAX_STEP_TOKENS,
+                          max_num_seqs=MAX_NUM_SEQS)
+    r = C.run_capped(CAP_MIB, C.cli_code("inspect", path))
+    assert r.returncode == 0 and "2097152" in r.stdout, r.stderr[-2000:]
+    r = C.run_capped(CAP_MIB, C.cli_code("check", path))
+    assert r.returncode == 3 and "loaded cost table" in r.stdout, r.stderr[-2000:]
