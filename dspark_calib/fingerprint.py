@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from dspark_calib.errors import CalibError
+from dspark_calib.fileformat.limits import MAX_CONTEXT_LEN, MAX_NUM_SEQS, MAX_STEP_TOKENS
 
 BACKEND_VLLM = "vllm"
 # Tables not measured by dspark-calib's own profiler (imported vLLM start-up
@@ -94,6 +95,14 @@ class Fingerprint:
                 raise CalibError(f"fingerprint {key.name} must be {key.type_name}, got {_short(value)}")
         if not isinstance(self.extra, dict):
             raise CalibError(f"fingerprint extra must be a JSON object, got {_short(self.extra)}")
+        for name, values, top in (("max_num_seqs", [self.max_num_seqs], MAX_NUM_SEQS),
+                                  ("max_num_batched_tokens", [self.max_num_batched_tokens], MAX_STEP_TOKENS),
+                                  ("cudagraph_capture_sizes", self.cudagraph_capture_sizes, MAX_STEP_TOKENS),
+                                  ("max_model_len", [self.max_model_len or 0], MAX_CONTEXT_LEN),
+                                  ("context_lens", self.context_lens, MAX_CONTEXT_LEN)):
+            if any(not 0 <= v <= top for v in values):
+                raise CalibError(f"fingerprint {name} {_short(list(values) if len(values) > 1 else values[0])} "
+                                 f"is outside 0..{top}")
         if not self.context_lens:
             raise CalibError("fingerprint context_lens is empty")
         if list(self.cudagraph_capture_sizes) != sorted(set(self.cudagraph_capture_sizes)):

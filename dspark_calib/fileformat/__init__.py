@@ -1,2 +1,3 @@
 """The toolkit both file formats share (tables, observed steps): schema versions, the
-append-only migration lists, and Arrow columns decoded straight from their buffers."""
+append-only migration lists, the read limits and the bounded Parquet reader that keeps every
+read within them, and Arrow columns decoded straight from their buffers."""

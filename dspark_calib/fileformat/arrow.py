@@ -43,25 +43,45 @@ def column(arrow: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(values), np.concatenate(valid)
 
 
+_INDEX_TYPES = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64}
+
+
+def _plain_codes(chunk: pa.Array, words: Sequence[str]) -> np.ndarray:
+    n, off = len(chunk), chunk.offset
+    bufs = chunk.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=np.int32)[off:off + n + 1]
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    code = np.full(n, -1, dtype=np.int8)
+    for i, word in enumerate(words):
+        raw = np.frombuffer(word.encode(), dtype=np.uint8)
+        rows = np.flatnonzero(lengths == len(raw))
+        if len(rows):
+            same = (data[starts[rows, None] + np.arange(len(raw))] == raw).all(axis=1)
+            code[rows[same]] = i
+    if bufs[0] is not None and chunk.null_count:
+        code[~_bits(bufs[0], off, n)] = -1
+    return code
+
+
+def _dictionary_codes(chunk: pa.DictionaryArray, words: Sequence[str]) -> np.ndarray:
+    """A dictionary chunk (how the readers read string columns): its few dictionary values are
+    compared, then looked up by index."""
+    known = np.append(_plain_codes(chunk.dictionary, words), np.int8(-1))  # the last: nulls, bad indices
+    indices = chunk.indices
+    n, off = len(indices), indices.offset
+    bufs = indices.buffers()
+    idx = np.frombuffer(bufs[1], dtype=_INDEX_TYPES[indices.type])[off:off + n].astype(np.int64)
+    bad = (idx < 0) | (idx >= len(known) - 1)
+    if bufs[0] is not None and indices.null_count:
+        bad |= ~_bits(bufs[0], off, n)
+    idx[bad] = len(known) - 1
+    return known[idx]
+
+
 def string_codes(arrow: pa.Table, name: str, words: Sequence[str]) -> np.ndarray:
-    """A string column as indices into `words` (-1: null or any other string), by byte comparison."""
-    codes = []
-    for chunk in arrow.column(name).chunks:
-        n, off = len(chunk), chunk.offset
-        if n == 0:
-            continue
-        bufs = chunk.buffers()
-        offsets = np.frombuffer(bufs[1], dtype=np.int32)[off:off + n + 1]
-        data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
-        starts, lengths = offsets[:-1], np.diff(offsets)
-        code = np.full(n, -1, dtype=np.int8)
-        for i, word in enumerate(words):
-            raw = np.frombuffer(word.encode(), dtype=np.uint8)
-            rows = np.flatnonzero(lengths == len(raw))
-            if len(rows):
-                same = (data[starts[rows, None] + np.arange(len(raw))] == raw).all(axis=1)
-                code[rows[same]] = i
-        if bufs[0] is not None and chunk.null_count:
-            code[~_bits(bufs[0], off, n)] = -1
-        codes.append(code)
+    """A string column (plain or dictionary) as indices into `words` (-1: null or any other string),
+    by byte comparison."""
+    codes = [(_dictionary_codes(chunk, words) if pa.types.is_dictionary(chunk.type) else _plain_codes(chunk, words))
+             for chunk in arrow.column(name).chunks if len(chunk)]
     return np.concatenate(codes) if codes else np.zeros(0, dtype=np.int8)

@@ -25,8 +25,11 @@ Writing: rows are buffered and written as one file per ``rows_per_file`` rows
 (or ``max_buffer_s`` seconds) through ``atomic.atomic_write`` (temp file, then
 rename: a reader never sees half a file); a writer keeps at most ``max_files``
 of its own files, deleting the oldest, so a long-running server's disk use is
-bounded by rows_per_file * max_files rows. Reading validates every column and
-every row; a bad file is one CalibError naming it, never a traceback.
+bounded by rows_per_file * max_files rows. Reading treats a file as untrusted, as a
+table is (``READ_LIMITS``, fileformat.parquet: regular files only, the decoded size
+bounded before anything is decoded, engine sizes bounded before validate sizes arrays
+by them) and validates every column and every row; a bad file is one CalibError naming
+it, never a traceback.
 
 What a row is, and the checks on rows and columns, live in step.py.
 """
@@ -45,15 +48,26 @@ import numpy as np
 
 from dspark_calib import __version__
 from dspark_calib.atomic import atomic_write
-from dspark_calib.errors import CalibError, first_line
+from dspark_calib.errors import CalibError, display_path, first_line
 from dspark_calib.fileformat.arrow import column
+from dspark_calib.fileformat.limits import ReadLimits, load_json
 from dspark_calib.fileformat.version import Migrations, parse_version
 from dspark_calib.observe.step import (ABSENT, BOOL, COLUMNS, FLOAT, INT, NULLABLE, PREFILL, ObservedStep, ObserveMeta,
-                                       column_problem)
+                                       column_problem, meta_problem)
+from dspark_calib.safe_open import open_local
 
 OBSERVED_SCHEMA_VERSION = "1.1"
 METADATA_KEY = b"dspark_calib_observed"
 FILE_PREFIX = "observed-"
+# Reading, as tables are read (fileformat.limits): a writer's file is rows_per_file rows (4096 by
+# default) of ~150 bytes and a footer of kilobytes. validate reads at most MAX_OBSERVED_STEPS
+# steps of all its files together (64 files of the default 4096 rows: a default writer's whole
+# directory), so its working memory stays within a few hundred MB (docs/shared-storage.md).
+MAX_OBSERVED_STEPS = 1 << 18
+READ_LIMITS = ReadLimits(max_file_bytes=256 << 20, max_metadata_bytes=1 << 20, max_rows=MAX_OBSERVED_STEPS,
+                         max_row_groups=64, max_curve_points=0, max_decoded_bytes=128 << 20, max_pages=4096)
+
+
 def _utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
@@ -181,9 +195,10 @@ def read_observed(sources: Iterable[str | os.PathLike]) -> ObservedSteps:
     paths = observed_paths(sources)
     if not paths:
         raise CalibError("no observed files given")
-    parts, metas = [], []
+    parts, metas, rows = [], [], 0
     for path in paths:
-        cols, meta = _read_one(path)
+        cols, meta = _read_one(path, MAX_OBSERVED_STEPS - rows)
+        rows += len(cols["step"])
         parts.append(cols)
         metas.append(meta)
     columns = {name: np.concatenate([p[name] for p in parts]) for name in COLUMNS}
@@ -206,54 +221,54 @@ def _m_1_0_to_1_1(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np
         {**meta, "schema_version": "1.1"}
 
 
-def _read_one(path: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    import pyarrow.parquet as pq
+def _read_one(path: str, rows_left: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One file, bounded as a table is (READ_LIMITS; at most rows_left rows), opened once and
+    never waited on (a FIFO is refused)."""
+    from dspark_calib.fileformat.parquet import open_bounded
 
-    if not os.path.exists(path):
-        raise CalibError("no such file", path=path)
-    if not os.path.isfile(path):
-        raise CalibError("not a regular file", path=path)
-    try:
-        pf = pq.ParquetFile(path, page_checksum_verification=True)
-        raw = pf.schema_arrow.metadata or {}
+    shown = display_path(path)
+    handle, size = open_local(path, shown)
+    with handle:
+        bp = open_bounded(handle, size, shown, READ_LIMITS)
+        if bp.file.metadata.num_rows > rows_left:
+            raise CalibError(f"{bp.file.metadata.num_rows} observed steps take the files given over the "
+                             f"{MAX_OBSERVED_STEPS} steps read at once; validate fewer files at a time", path=shown)
+        raw = bp.schema.metadata or {}
         if METADATA_KEY not in raw:
-            raise CalibError("parquet file without dspark-calib observed metadata (not an observe file)", path=path)
-        meta = _parse_meta(raw[METADATA_KEY], path)
-        arrow = pf.read()
-    except CalibError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
-        raise CalibError(f"not a readable parquet file ({first_line(exc)})", path=path) from None
-    if arrow.num_rows != pf.metadata.num_rows:
-        raise CalibError("row counts in the parquet footer disagree (damaged file)", path=path)
-    types = _arrow_types()
+            raise CalibError("parquet file without dspark-calib observed metadata (not an observe file)", path=shown)
+        meta = _parse_meta(raw[METADATA_KEY], shown)
+        types = _arrow_types()
+        present = [name for name in COLUMNS if name in bp.schema.names]
+        for name in present:
+            typ = bp.schema.field(name).type
+            if typ != types[COLUMNS[name]]:
+                raise CalibError(f"column {name} has type {typ}, expected {types[COLUMNS[name]]}", path=shown)
+        try:
+            arrow = bp.read(range(len(bp.group_rows)), present)
+        except CalibError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
+            raise CalibError(f"not a readable parquet file ({first_line(exc)})", path=shown) from None
     cols: dict[str, np.ndarray] = {}
-    for name, typ in COLUMNS.items():
-        if name not in arrow.column_names:
-            continue  # a column of a newer minor than the file's: its migration adds it, else refused below
+    for name in present:  # a column of a newer minor than the file's: its migration adds it, else refused below
         col = arrow.column(name)
-        if col.type != types[typ]:
-            raise CalibError(f"column {name} has type {col.type}, expected {types[typ]}", path=path)
         if col.null_count and name not in NULLABLE:
-            raise CalibError(f"column {name} has {col.null_count} null values", path=path)
+            raise CalibError(f"column {name} has {col.null_count} null values", path=shown)
         values, valid = column(arrow, name)  # fresh arrays (concatenated from the chunks)
         values[~valid] = ABSENT  # nullable budgets and prefill columns: ABSENT where null
         cols[name] = values
-    cols, meta, _ = MIGRATIONS.apply(cols, meta, path)
+    cols, meta, _ = MIGRATIONS.apply(cols, meta, shown)
     missing = [name for name in COLUMNS if name not in cols]
     if missing:
-        raise CalibError(f"column {missing[0]} is missing", path=path)
-    problem = column_problem(cols)
+        raise CalibError(f"column {missing[0]} is missing", path=shown)
+    problem = column_problem(cols) or meta_problem(meta)
     if problem:
-        raise CalibError(problem, path=path)
+        raise CalibError(problem, path=shown)
     return cols, meta
 
 
 def _parse_meta(raw: bytes, path: str) -> dict[str, Any]:
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CalibError(f"malformed observed metadata JSON ({first_line(exc)})", path=path) from None
+    meta = load_json(raw, path, READ_LIMITS, "observed metadata")
     if not isinstance(meta, dict) or "schema_version" not in meta:
         raise CalibError("observed metadata lacks schema_version", path=path)
     version = parse_version(meta["schema_version"], path, what="observed schema_version")

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from dspark_calib.errors import CalibError
+from dspark_calib.fileformat.limits import MAX_CONTEXT_LEN, MAX_NUM_SEQS, MAX_STEP_TOKENS
 from dspark_calib.pricing.policy import STOCK, PricingPolicy
 
 INT, FLOAT, BOOL = "int64", "float64", "bool"
@@ -147,6 +148,17 @@ class ObserveMeta:
         return PricingPolicy.from_metadata(self.raw)
 
 
+def meta_problem(raw: Mapping[str, Any]) -> str | None:
+    """The first engine size in an observe file's metadata that no engine has (validate sizes
+    its dense tables by them), or None."""
+    for name, top in (("max_num_reqs", MAX_NUM_SEQS), ("max_num_batched_tokens", MAX_STEP_TOKENS),
+                      ("max_model_len", MAX_CONTEXT_LEN)):
+        value = _positive_int(raw.get(name))
+        if value is not None and value > top:
+            return f"metadata {name} {value} is over {top} (no engine has it; damaged or forged)"
+    return None
+
+
 def column_problem(c: dict[str, np.ndarray]) -> str | None:
     """Vectorised row_problem over whole columns: the first bad row, named."""
     checks: list[tuple[np.ndarray, str]] = []
@@ -155,6 +167,11 @@ def column_problem(c: dict[str, np.ndarray]) -> str | None:
     for name, low in (("step", 0), ("num_target_tokens", 1), ("num_reqs", 1), ("context_max", 0),
                       ("context_sum", 0), ("scheduled_drafts", 0), ("priced_context", 0)):
         checks.append((c[name] < low, f"{name} must be >= {low}"))
+    # validate sizes arrays by these (one entry per token of a step, per context): bounded
+    for name, top in (("num_target_tokens", MAX_STEP_TOKENS), ("num_reqs", MAX_NUM_SEQS),
+                      ("scheduled_drafts", MAX_STEP_TOKENS), ("context_max", MAX_CONTEXT_LEN),
+                      ("priced_context", MAX_CONTEXT_LEN)):
+        checks.append((c[name] > top, f"{name} must be <= {top}"))
     n = np.maximum(c["num_reqs"], 1)
     mean = c["context_sum"] / n
     checks.append((np.abs(c["context_mean"] - mean) > 1e-9 * np.maximum(1.0, mean), "context_mean != context_sum / num_reqs"))

@@ -32,6 +32,11 @@ from dspark_calib.pricing.policy import CHUNK_RULE
 from dspark_calib.pricing.rules import chunk_kv_ratio
 
 Tables = tuple[np.ndarray, np.ndarray]
+# The dense tables of every context together (and the two extrapolated ones): a table's sizes
+# and contexts come from a file, and the sizes alone are bounded per value (fileformat.limits),
+# so their product is bounded here, before anything is allocated. 8 contexts of a 2M-token
+# engine fit.
+MAX_DENSE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,11 @@ class ContextCosts:
         if not 1 <= self.profile_num_reqs <= self.max_num_batched_tokens:
             raise CalibError(f"profiled max_num_seqs {self.profile_num_reqs} is outside 1..max_num_batched_tokens "
                              f"{self.max_num_batched_tokens}")
+        need = 8 * (len(self.contexts) + 2) * (self.max_num_reqs + self.max_num_batched_tokens + 2)
+        if need > MAX_DENSE_BYTES:
+            raise CalibError(f"dense tables of {len(self.contexts)} contexts at max_num_batched_tokens "
+                             f"{self.max_num_batched_tokens} need {need >> 20} MiB, over the {MAX_DENSE_BYTES >> 20} "
+                             "MiB priced at once")
         by_ctx = {int(c): p for c, p in curves.items()}
         self.tables: dict[int, Tables] = {}
         # N_max of the chunk pair price: the largest verify size profiled (the profile's largest

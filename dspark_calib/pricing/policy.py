@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from dspark_calib.errors import CalibError
+from dspark_calib.fileformat.limits import MAX_CONTEXT_LEN
 
 STOCK = "stock"  # vLLM's own start-up profile
 TABLE = "table"  # a loaded table's curves at one context
@@ -17,7 +18,7 @@ CONTEXT_AWARE = "context-aware"  # each step priced for the context its batch ha
 MODES = (STOCK, TABLE, CONTEXT_AWARE)
 
 MAX_TAIL_MILLI = 1000  # t = 1: every request priced at the batch's longest context
-MAX_EXTRAPOLATE_TO = 1 << 24  # 16M tokens of context: far above any model's; a bigger value is damage
+MAX_EXTRAPOLATE_TO = MAX_CONTEXT_LEN  # far above any model's context; a bigger value is damage
 CHUNK_RULE = "largest-step"  # a chunk's pair at R(N_max) / N_max KV tokens (docs/pricing.md)
 CHUNK_RULE_PER_STEP = "per-step"  # the first rule: R(N) / N at the step's own N
 CHUNK_RULES = (CHUNK_RULE, CHUNK_RULE_PER_STEP)

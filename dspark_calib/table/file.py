@@ -56,7 +56,9 @@ from dspark_calib.table.identity import content_hash, hash_1_0, hash_1_1, meta_1
 from dspark_calib.table.model import SCHEMA_VERSION, CostTable
 from dspark_calib.telemetry import Telemetry
 from dspark_calib.fileformat.version import Migrations, parse_version
-from dspark_calib.table.meta import CLI_LIMITS, METADATA_KEY, ReadLimits, TableMeta, check_limit, parse_created_at, parse_meta
+from dspark_calib.fileformat.limits import ReadLimits, check_limit
+from dspark_calib.fileformat.parquet import open_bounded
+from dspark_calib.table.meta import CLI_LIMITS, METADATA_KEY, TableMeta, parse_created_at, parse_meta
 
 RECORD_SAMPLE = "sample"
 RECORD_KINDS = (DRAFT, VERIFY, RECORD_SAMPLE)
@@ -131,26 +133,9 @@ class TableFile:
     def __init__(self, handle: Any, size: int, path: str, limits: ReadLimits):
         self._handle, self.path, self.limits = handle, path, limits
         try:
-            check_limit("file size", size, limits.max_file_bytes, "max_file_bytes", path)
-            if size < 12:
-                raise CalibError("not a readable parquet file (too short)", path=path)
-            handle.seek(size - 8)
-            tail = handle.read(8)
-            if tail[4:] != b"PAR1":
-                raise CalibError("not a readable parquet file (no PAR1 footer)", path=path)
-            footer = int.from_bytes(tail[:4], "little")
-            check_limit("parquet footer bytes", footer, limits.max_metadata_bytes, "max_metadata_bytes", path)
-            if footer + 12 > size:
-                raise CalibError("not a readable parquet file (footer longer than the file)", path=path)
-            handle.seek(0)
-            self._pf = pq.ParquetFile(handle, page_checksum_verification=True)
-            md = self._pf.metadata
-            check_limit("row groups", md.num_row_groups, limits.max_row_groups, "max_row_groups", path)
-            check_limit("rows", md.num_rows, limits.max_rows, "max_rows", path)
-            self._groups = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
-            if md.num_rows != sum(self._groups):
-                raise CalibError("row counts in the parquet footer disagree (damaged file)", path=path)
-            schema = self._pf.schema_arrow
+            # `record` as a dictionary: a string repeated on every row is held once
+            self._pq = open_bounded(handle, size, path, limits, dictionary=("record",))
+            self._groups, schema = self._pq.group_rows, self._pq.schema
             self.meta = parse_meta(schema.metadata, path, limits)
         except CalibError:
             self.close()
@@ -187,7 +172,7 @@ class TableFile:
         columns, so only its record/context_len values of sample rows are read)."""
         path, raw = self.path, self.meta.raw
         version = parse_version(raw["schema_version"], path)
-        groups, columns = list(range(len(self._groups))), list(self._pf.schema_arrow.names)
+        groups, columns = list(range(len(self._groups))), list(self._pq.schema.names)
         if not samples:
             columns = [c for c in CURVE_READ_COLUMNS if c in columns]
             if version >= (1, 1):  # only the leading row groups that hold the curve_rows curve points
@@ -199,15 +184,7 @@ class TableFile:
                 check_limit("rows in the curve row groups", sum(self._groups[i] for i in groups),
                             self.limits.max_curve_points, "max_curve_points", path)
         try:
-            arrow = self._pf.read_row_groups(groups, columns=columns)
-            # Page checksums do not cover the footer: a damaged count there makes pyarrow read fewer
-            # rows without complaint. Our columns are flat: every chunk holds one value per row.
-            # (Checked only for chunks just read: pyarrow aborts the process on some damaged
-            # column metadata it has not parsed yet, so never touch what we did not read.)
-            md, index = self._pf.metadata, {n: j for j, n in enumerate(self._pf.schema_arrow.names)}
-            if arrow.num_rows != sum(self._groups[i] for i in groups) or any(
-                    md.row_group(i).column(index[c]).num_values != self._groups[i] for i in groups for c in columns):
-                raise CalibError("row counts in the parquet footer disagree (damaged file)", path=path)
+            arrow = self._pq.read(groups, columns)
         except CalibError:
             raise
         except Exception as exc:  # noqa: BLE001

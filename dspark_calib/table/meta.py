@@ -1,18 +1,19 @@
 """What a table file says about itself, checked before any column is read: the metadata
-(TableMeta) and the limits every read stays within (ReadLimits). No pyarrow here: the
-serve-time listing (sources.py) bounds its reads with these before pyarrow is imported.
+(TableMeta), and the limits a table read stays within at serve time and in the CLI
+(fileformat.limits.ReadLimits). No pyarrow here: the serve-time listing (sources.py) bounds
+its reads with these before pyarrow is imported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from dspark_calib.errors import CalibError, first_line
+from dspark_calib.errors import CalibError
+from dspark_calib.fileformat.limits import ReadLimits, check_limit, load_json
 from dspark_calib.fileformat.version import parse_version
 from dspark_calib.fingerprint import Fingerprint
 
@@ -21,29 +22,14 @@ EARLIEST = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
 
 
 # -- limits -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ReadLimits:
-    """Upper bounds checked before the matching allocation; each refusal is one line."""
-
-    max_file_bytes: int
-    max_metadata_bytes: int  # the parquet footer (schema, key-value metadata, row-group index)
-    max_rows: int
-    max_row_groups: int
-    max_curve_points: int  # all curves of all context lengths together
-
-
 # Serving reads curves only: a real table's are a few thousand points and a footer of kilobytes.
 SERVE_LIMITS = ReadLimits(max_file_bytes=256 << 20, max_metadata_bytes=1 << 20, max_rows=4_000_000,
-                          max_row_groups=256, max_curve_points=1 << 18)
-# The CLI reads what a user points it at: generous, still far from exhausting a workstation.
-# (20M rows decode to ~1.5 GB: 20-50x the largest real profile.)
+                          max_row_groups=256, max_curve_points=1 << 18, max_decoded_bytes=64 << 20, max_pages=4096)
+# The CLI reads what a user points it at, raw samples too: the largest real table is a few
+# thousand rows; 128 MiB decoded is about a million (docs/shared-storage.md: the bounds).
 CLI_LIMITS = ReadLimits(max_file_bytes=4 << 30, max_metadata_bytes=64 << 20, max_rows=20_000_000,
-                        max_row_groups=1 << 16, max_curve_points=1 << 22)
-
-
-def check_limit(what: str, value: int, limit: int, name: str, path: str) -> None:
-    if value > limit:
-        raise CalibError(f"{what} {value} exceeds the read limit {name}={limit}", path=path)
+                        max_row_groups=1 << 16, max_curve_points=1 << 22, max_decoded_bytes=128 << 20,
+                        max_pages=1 << 16)
 
 
 # -- metadata ---------------------------------------------------------------------------
@@ -81,10 +67,7 @@ class TableMeta:
 def parse_meta(raw: dict | None, path: str, limits: ReadLimits) -> TableMeta:
     if not raw or METADATA_KEY not in raw:
         raise CalibError("parquet file without dspark-calib metadata (not a cost table)", path=path)
-    try:
-        meta = json.loads(raw[METADATA_KEY].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CalibError(f"malformed metadata JSON ({first_line(exc)[:80]})", path=path) from None
+    meta = load_json(raw[METADATA_KEY], path, limits)
     if not isinstance(meta, dict):
         raise CalibError("malformed metadata: not a JSON object", path=path)
     for key in ("schema_version", "fingerprint", "content_hash", "created_at"):

@@ -45,7 +45,20 @@ def engine_description(manager: Any, capture_sizes: list[int]) -> dict[str, Any]
 
 
 def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
-    """Everything the env asks for, decided on this rank within the deadline; never raises."""
+    """Everything the env asks for, decided on this rank within the deadline; never raises.
+
+    The decision runs on a thread of this worker, bounded by what it reads rather than stopped
+    from outside: a thread cannot be killed, and at the deadline it is only told to stop
+    between candidates, so what one read can cost must be bounded before the read starts.
+    It is: every read's decoded size is summed from the page headers and refused over
+    SERVE_LIMITS.max_decoded_bytes before pyarrow decodes a page (fileformat.parquet), footer
+    JSON is capped in elements, curve reads are capped in number, and the engine sizes a table
+    states are bounded. So a thread left running after the deadline finishes its current read
+    within that budget and stops. A subprocess was the other way, and is not taken: a fresh
+    interpreter in every TP rank 0 costs seconds of start-up inside vLLM's start-up, forking a
+    process that holds CUDA state is unsafe, and its answer (curves, reports) would have to
+    cross a pipe; and `check` must decide exactly as this does, which the shared bounded
+    reader gives for free."""
     from dspark_calib.vllm.engine_info import current_context_len
 
     try:

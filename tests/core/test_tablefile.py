@@ -265,7 +265,10 @@ def test_deeply_nested_metadata_json_is_one_line(tmp_path, t8192):
     arrow = to_arrow(t8192)
     bomb = b"[" * 100_000 + b"]" * 100_000
     pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: bomb}), tmp_path / "n.parquet")
-    with pytest.raises(CalibError, match="malformed metadata JSON"):
+    with pytest.raises(CalibError, match="metadata JSON elements 100001 exceeds the read limit max_json_elements="):
+        read_metadata(tmp_path / "n.parquet")
+    pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: b"[" * 40 + b"]" * 40}), tmp_path / "n.parquet")
+    with pytest.raises(CalibError, match="metadata JSON nesting depth 40 exceeds the read limit max_json_depth=32"):
         read_metadata(tmp_path / "n.parquet")
 
 

@@ -87,10 +87,12 @@ def _imports_in_fresh_process(**env):
 
 
 def _beyond_stdlib(modules):
-    # env.py (every DSPARK_CALIB_* name), the pricing policy (its defaults), runtime.py and errors.py
-    # import only the standard library themselves: anything they pulled in would show up here as well.
+    # env.py (every DSPARK_CALIB_* name), the pricing policy (its defaults; the context bound from
+    # fileformat.limits), runtime.py and errors.py import only the standard library themselves:
+    # anything they pulled in would show up here as well.
     ours = {"dspark_calib", "dspark_calib.vllm", "dspark_calib.vllm.plugin", "dspark_calib.env",
-            "dspark_calib.errors", "dspark_calib.pricing", "dspark_calib.pricing.policy", "dspark_calib.vllm.runtime"}
+            "dspark_calib.errors", "dspark_calib.pricing", "dspark_calib.pricing.policy", "dspark_calib.vllm.runtime",
+            "dspark_calib.fileformat", "dspark_calib.fileformat.limits"}
     return [m for m in modules if m not in ours and m.split(".")[0] not in sys.stdlib_module_names]
 
 
