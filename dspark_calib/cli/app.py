@@ -18,6 +18,7 @@ import typer
 import typer.core
 
 from dspark_calib import __version__
+from dspark_calib.env import is_decimal
 from dspark_calib.errors import PREFIX, CalibError
 from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI  # standard library only
 
@@ -130,7 +131,7 @@ def _columns() -> int | None:
     """The width to render at: COLUMNS when it is a usable number, else 100 when piped (CI logs,
     README snippets: wider than rich's 80), else the terminal's."""
     raw = os.environ.get("COLUMNS")
-    if raw is not None and raw.strip().isdigit() and int(raw) > 0:
+    if raw is not None and is_decimal(raw.strip()) and int(raw) > 0:
         return max(int(raw), MIN_COLUMNS)
     if not sys.stdout.isatty():
         return 100

@@ -313,7 +313,7 @@ def test_only_pinned_tables_load(tmp_path, reference_table, engine, policy):
 def test_pin_env_parsing():
     h = "ab" * 32
     assert E.pinned_hashes({}) is None
-    assert E.pinned_hashes({E.TABLE_SHA256: f" {h.upper()} , sha256:{'cd' * 32},"}) == {h, "cd" * 32}
+    assert E.pinned_hashes({E.TABLE_SHA256: f" {h.upper()} , sha256:{'cd' * 32},{h},"}) == (h, "cd" * 32)  # in order
     for bad in ("abc", h + "0", "zz" * 32, ",", "\x1b[2J"):
         with pytest.raises(E.CalibError) as err:
             E.pinned_hashes({E.TABLE_SHA256: bad})
