@@ -143,9 +143,9 @@ def _columns() -> int | None:
 
 
 def _console() -> Any:
-    from rich.console import Console
+    from dspark_calib.render.text import Terminal
 
-    class _Console(Console):
+    class _Console(Terminal):
         def on_broken_pipe(self) -> None:
             # `dspark-calib inspect t | head`: rich exits 1, which reads as "threshold exceeded" /
             # "no table"; handled() turns BrokenPipeError into exit 0 instead.
