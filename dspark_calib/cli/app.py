@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 from typing import Annotated, Any, Callable, List, Optional, TypeVar
@@ -191,8 +192,20 @@ def _plot(draw: Callable[..., str], path: str, *args: Any, **kwargs: Any) -> str
 
 
 def _print_json(data: Any) -> None:
-    # allow_nan=False: the library already maps NaN to null; a NaN here is a bug worth a failure.
-    typer.echo(json.dumps(data, indent=2, allow_nan=False))
+    """Strict JSON whatever the numbers: NaN (nothing to say) is null, an infinity (a step measured at
+    ~0 ms in an observe file, say) the string "inf" or "-inf"; the command exits as it would
+    without --json."""
+    typer.echo(json.dumps(_finite(data), indent=2, allow_nan=False))
+
+
+def _finite(data: Any) -> Any:
+    if isinstance(data, float) and not math.isfinite(data):
+        return None if math.isnan(data) else ("inf" if data > 0 else "-inf")
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data
 
 
 def _version_callback(value: bool) -> None:
