@@ -139,8 +139,8 @@ def _judge(tf: Any, shown: str, engine: dict, *, allow_reference: bool, pins: tu
                                          f"pinned by {E.TABLE_SHA256}"), [])
     if pins is not None and parse_version(meta.schema_version) < (1, 1):
         return _Examined(CandidateReport(**base, status="mismatch", reason=(
-            f"schema {escape(meta.schema_version, 10)} under {E.TABLE_SHA256}: its content hash leaves out the "
-            "spreads, created_at and the samples, so a pin does not fix them; a pin needs schema 1.1 or newer")),
+            f"schema {escape(meta.schema_version, 10)} under {E.TABLE_SHA256}: its hash leaves out its spreads, "
+            "created_at and samples; a pin needs schema 1.1 or newer")),
             [], loadable=False)
     try:
         mismatches = load_mismatches(fp, engine)
