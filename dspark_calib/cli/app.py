@@ -84,8 +84,6 @@ def _not_blank(value: Optional[str]) -> Optional[str]:
 def _finite(value: Optional[float]) -> Optional[float]:
     """A threshold option's check: click's range lets nan and inf through, and a nan threshold is
     never exceeded, so a CI gate would silently pass."""
-    import math
-
     if value is not None and not math.isfinite(value):
         raise typer.BadParameter(f"{value} is not a finite number")
     return value
@@ -195,16 +193,16 @@ def _print_json(data: Any) -> None:
     """Strict JSON whatever the numbers: NaN (nothing to say) is null, an infinity (a step measured at
     ~0 ms in an observe file, say) the string "inf" or "-inf"; the command exits as it would
     without --json."""
-    typer.echo(json.dumps(_finite(data), indent=2, allow_nan=False))
+    typer.echo(json.dumps(_json_numbers(data), indent=2, allow_nan=False))
 
 
-def _finite(data: Any) -> Any:
+def _json_numbers(data: Any) -> Any:
     if isinstance(data, float) and not math.isfinite(data):
         return None if math.isnan(data) else ("inf" if data > 0 else "-inf")
     if isinstance(data, dict):
-        return {k: _finite(v) for k, v in data.items()}
+        return {k: _json_numbers(v) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
-        return [_finite(v) for v in data]
+        return [_json_numbers(v) for v in data]
     return data
 
 

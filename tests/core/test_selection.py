@@ -502,25 +502,22 @@ def test_a_table_dated_ahead_of_this_host_is_ordered_last_and_said(tmp_path, ref
 
 
 def test_the_deadline_line_says_what_was_measured():
-    """A decision busy on this host's CPU is not blamed on the source; one waiting is."""
-    stop = threading.Event()
-
-    def busy() -> L.Decision:
-        while not stop.is_set():
-            sum(range(1000))
-        return L.Decision(True, ("late",))
-
-    progress = L.Progress(phase="reading metadata", listed=100_010, examined=4_512)
-    d = L.decide_within(0.5, "strict", "/shelf", busy, progress=progress)
-    stop.set()
-    line = d.lines[0]
-    assert d.refuse and "no decision within 0.5 s" in line and "stopped reading metadata, 4512 of 100010" in line
-    assert "busy on this host" in line and "not a slow source" in line and "slow or not answering" not in line
+    """A decision busy on this host's CPU, or waiting while memory grew, is not blamed on the
+    source; one mostly waiting with calm memory is. Where it stopped is said either way."""
+    busy = L.Progress(phase="reading metadata", listed=100_010, examined=4_512)
+    line = L.missed_deadline(5.0, busy, 4.6, 30 * 1024, 0)
+    assert "no decision within 5 s" in line and "stopped reading metadata, 4512 of 100010 listed files" in line
+    assert "ran 4.6 s on CPU" in line and "busy on this host" in line and "not a slow source" in line
+    assert "slow or not answering" not in line
+    line = L.missed_deadline(5.0, busy, 0.4, 3 << 20, 40_000)
+    assert "memory grew" in line and "3072 MiB" in line and "not the source" in line
+    line = L.missed_deadline(5.0, L.Progress(), 0.1, 1024, 0)
+    assert "still listing the source" in line and "slow or not answering" in line
     gate = threading.Event()
-    d = L.decide_within(0.2, "fallback", "s3://b/t", lambda: gate.wait(30) or L.Decision(True, ("late",)),
+    d = L.decide_within(0.2, "strict", "s3://b/t", lambda: gate.wait(30) or L.Decision(True, ("late",)),
                         progress=L.Progress())
     gate.set()
-    assert "still listing the source" in d.lines[0] and "slow or not answering" in d.lines[0]
+    assert d.refuse and "still listing the source" in d.lines[0] and "its thread ran" in d.lines[0]
 
 
 def test_table_files_over_the_count_are_counted_and_check_says_the_same(tmp_path, reference_table, engine):
