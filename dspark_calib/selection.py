@@ -410,7 +410,7 @@ def _usage() -> tuple[int, int]:
 def missed_deadline(timeout_s: float, progress: Progress | None, cpu_s: float | None, rss_kib: int, faults: int) -> str:
     """What a decision that missed its deadline was doing, as measured: where it stopped, how much
     of the wait its thread ran on this host's CPU, and what this process's memory did meanwhile.
-    A slow or silent source is named only when the thread was mostly waiting and memory was calm."""
+    The source is named as a possible cause only when the thread was mostly waiting and memory was calm."""
     said = f"no decision within {timeout_s:g} s ({E.LOAD_TIMEOUT})" + (f"; {progress.where()}" if progress else "")
     memory = f"peak memory +{rss_kib / 1024:.0f} MiB, {faults} major page faults"
     if cpu_s is None:
@@ -420,7 +420,8 @@ def missed_deadline(timeout_s: float, progress: Progress | None, cpu_s: float | 
         return f"{said}: busy on this host (too many or too large files for the deadline, not a slow source); {memory}"
     if faults > 100 or rss_kib > 256 * 1024:
         return f"{said}: mostly waiting while memory grew ({memory}): this host's memory, not the source"
-    return f"{said}: mostly waiting on reads ({memory}): the table source is slow or not answering"
+    return (f"{said}: mostly waiting ({memory}): on the source's reads, or on this host's CPU or disk if the "
+            "source is local")
 
 
 def decide_within(timeout_s: float, policy: str, source: str, fn: Callable[[], Decision],
