@@ -412,7 +412,7 @@ def missed_deadline(timeout_s: float, progress: Progress | None, cpu_s: float | 
     of the wait its thread ran on this host's CPU, and what this process's memory did meanwhile.
     The source is named as a possible cause only when the thread was mostly waiting and memory was calm."""
     said = f"no decision within {timeout_s:g} s ({E.LOAD_TIMEOUT})" + (f"; {progress.where()}" if progress else "")
-    memory = f"peak memory +{rss_kib / 1024:.0f} MiB, {faults} major page faults"
+    memory = f"this process's peak RSS +{rss_kib / 1024:.0f} MiB, {faults} major page faults"
     if cpu_s is None:
         return f"{said}; {memory} (its CPU time cannot be read here)"
     said += f"; its thread ran {cpu_s:.1f} s on CPU"
