@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from dspark_calib.env import is_decimal
 from dspark_calib.errors import CalibError
 
 EXIT_LOADS, EXIT_NONE, EXIT_CORRUPT, EXIT_IF_MATCH = 0, 1, 2, 3
@@ -66,10 +68,10 @@ def _typed(key: Any, raw: str) -> Any:
         return None
     if key.types == (tuple,):
         parts = [p.strip() for p in raw.strip("[]").split(",") if p.strip()]
-        if parts and all(p.isdigit() for p in parts):  # sizes: never negative
+        if parts and all(is_decimal(p) for p in parts):  # sizes: never negative
             return [int(p) for p in parts]
     elif key.types == (int,):
-        if raw.isdigit():  # sizes and counts: never negative
+        if is_decimal(raw):  # sizes and counts: never negative
             return int(raw)
     else:  # a string key: the text, or a JSON string when quoted
         text = raw
@@ -181,20 +183,29 @@ class CheckResult:
 
 
 def check_tables(source: str, engine: dict[str, Any], *, allow_reference: bool = False,
-                 context_len: int | None = None, vllm_context_len: int = 8192, resolution: str = "") -> CheckResult:
+                 context_len: int | None = None, vllm_context_len: int = 8192, resolution: str = "",
+                 env: Mapping[str, str] | None = None) -> CheckResult:
     """The plugin's decision for this engine, every table's status, and the chosen table read whole.
 
     The plugin reads a table's curves only; its raw samples are checked here (page checksums,
     the samples digest), so a damaged file is reported as such, never as a fit. A table that
     cannot be read where the answer depends on it (the file asked about, the one chosen) is a
     CalibError: one line, exit 2; when none loads and some file could not be read, the report
-    carries the problem (exit 2 after it is shown)."""
-    from dspark_calib.selection import decide
+    carries the problem (exit 2 after it is shown).
 
+    As the engine decides: under the pins of DSPARK_CALIB_TABLE_SHA256 and within the deadline of
+    DSPARK_CALIB_LOAD_TIMEOUT (from `env`, the process environment by default; a malformed value is
+    a CalibError, as it is an engine's refusal), with the same bounds on what is read."""
+    from dspark_calib import env as E
+    from dspark_calib.selection import Progress, decide, decide_within
+
+    pins, timeout = E.pinned_hashes(env), E.load_timeout(env)
     if "://" not in source and not os.path.lexists(source):  # a typo is the user's error, not "no table"
         raise CalibError("no such file or directory", path=source)
-    decision = decide(source, engine, policy="fallback", allow_reference=allow_reference, context_len=context_len,
-                      vllm_context_len=vllm_context_len)
+    cancel, progress = threading.Event(), Progress()
+    decision = decide_within(timeout, "fallback", source, lambda: decide(
+        source, engine, policy="fallback", allow_reference=allow_reference, context_len=context_len,
+        vllm_context_len=vllm_context_len, pins=pins, cancel=cancel, progress=progress), cancel, progress)
     if decision.source_error:  # a URI typo or an unreachable bucket: the user's error, as a local typo is
         raise CalibError(f"cannot list tables here: {decision.source_error}", path=source)
     chosen = decision.chosen if decision.load else None  # fallback: only a fitting table is chosen
@@ -209,7 +220,7 @@ def check_tables(source: str, engine: dict[str, Any], *, allow_reference: bool =
         names = "; ".join(f"{c.path}: {c.reason}" for c in broken[:2]) + (" ..." if len(broken) > 2 else "")
         problem = f"no table would load and {len(broken)} could not be read ({names})"
     reports = [TableReport(c.path, c.content_hash, c.created_at, _STATUS.get(c.status, MISMATCH),
-                           c.reason or _fit_reason(c, chosen)) for c in decision.candidates]
+                           c.reason or _fit_reason(c, chosen, pins is not None)) for c in decision.candidates]
     reports.sort(key=lambda t: t.created_at, reverse=True)  # newest first, as the plugin prefers
     # from the decision's own reading (the report's path is escaped and cut for display: not reopened)
     unrecorded = list(decision.unrecorded) if chosen else []
@@ -218,12 +229,14 @@ def check_tables(source: str, engine: dict[str, Any], *, allow_reference: bool =
                        resolution, problem)
 
 
-def _fit_reason(c: Any, chosen: Any) -> str:
+def _fit_reason(c: Any, chosen: Any, pinned: bool = False) -> str:
     """Why a fitting table is not the one loaded: said truly for an identical file too."""
     if c.status != "fits" or chosen is None:
         return ""
     if c.content_hash and c.content_hash == chosen.content_hash:
         return "identical to the table that loads (same content hash); the plugin takes the one it lists first"
+    if pinned:
+        return "fits, but the plugin loads the fitting table whose hash DSPARK_CALIB_TABLE_SHA256 lists first"
     if c.created_at < chosen.created_at:
         return "fits, but the plugin loads a newer fitting table"
     return "fits as well; the plugin takes the one it lists first (newest modification)"

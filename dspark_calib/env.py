@@ -83,15 +83,28 @@ def policy(env: Mapping[str, str] | None = None) -> str:
     return value
 
 
+def is_decimal(text: str) -> bool:
+    """ASCII digits only: str.isdigit() and int() also take '١٢' (Arabic-Indic), '²' or '1_000',
+    which no operator means as a number and which a log line would show as something else."""
+    return text.isascii() and text.isdigit()
+
+
+_ASCII_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)", re.IGNORECASE)
+
+
 def _number(env: Mapping[str, str] | None, name: str, convert: Any, what: str) -> Any:
-    """The variable as a number, None when unset or empty; anything else is one CalibError line."""
+    """The variable as a number, None when unset or empty; anything else is one CalibError line.
+    Written in ASCII only (Python's int/float also read other scripts' digits and underscores)."""
     raw = (_get(env, name) or "").strip()
     if not raw:
         return None
+    plain = _ASCII_NUMBER.fullmatch(raw) and (convert is float or is_decimal(raw.lstrip("+-")))
     try:
+        if not plain:
+            raise ValueError(raw)
         return convert(raw)
     except ValueError:
-        raise CalibError(f"{name}={shown(raw)} is not {what}") from None
+        raise CalibError(f"{name}={shown(raw)} is not {what} (ASCII digits)") from None
 
 
 def context_len(env: Mapping[str, str] | None = None) -> int | None:
@@ -162,8 +175,9 @@ def load_timeout(env: Mapping[str, str] | None = None) -> float:
     return value
 
 
-def pinned_hashes(env: Mapping[str, str] | None = None) -> frozenset[str] | None:
-    """The pinned content hashes, or None when nothing is pinned.
+def pinned_hashes(env: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
+    """The pinned content hashes in the order given (the first that fits loads), or None when
+    nothing is pinned.
 
     A set but malformed pin list is an error, never "no pin": an operator who pins
     has said the bucket is not trusted, so a typo must not open it to every table.
@@ -171,7 +185,7 @@ def pinned_hashes(env: Mapping[str, str] | None = None) -> frozenset[str] | None
     raw = _get(env, TABLE_SHA256)
     if raw is None or not raw.strip():
         return None
-    pins = set()
+    pins: dict[str, None] = {}
     for item in raw.split(","):
         item = item.strip().lower().removeprefix("sha256:")
         if not item:
@@ -179,7 +193,7 @@ def pinned_hashes(env: Mapping[str, str] | None = None) -> frozenset[str] | None
         if not _HEX64.fullmatch(item):
             raise CalibError(f"{TABLE_SHA256}: {shown(item, 20)} is not a full 64-hex content hash "
                              "(`dspark-calib inspect TABLE --json` prints it as content_hash)")
-        pins.add(item)
+        pins[item] = None
     if not pins:
         raise CalibError(f"{TABLE_SHA256}={shown(raw)} names no hash")
-    return frozenset(pins)
+    return tuple(pins)

@@ -56,6 +56,26 @@ def open_local(path: str, shown: str) -> tuple[BinaryIO, int]:
         raise
 
 
+def open_lock_file(path: str, shown: str) -> int:
+    """A lock file's descriptor, read-write, created when absent: never through a symlink (its
+    target would be truncated and written), never a FIFO or a device (a FIFO blocks, and
+    ftruncate fails on it), O_NONBLOCK so a swapped-in FIFO cannot block the open. Every problem
+    is one CalibError naming the file."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            raise CalibError("is a symlink; a lock file is never followed (remove it)", path=shown) from None
+        raise CalibError(os_reason(exc), path=shown) from None
+    try:
+        _refuse_non_regular(os.fstat(fd).st_mode, shown)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_fs(filesystem: Any, path: str, shown: str) -> tuple[Any, int]:
     import pyarrow.fs as pafs
 

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from dspark_calib.env import is_decimal
 from dspark_calib.errors import CalibError
 
 PROFILE_CONTEXT_ENV = "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN"
@@ -51,7 +52,7 @@ def profile_context(environ: Mapping[str, str] | None = None) -> int:
     raw = (os.environ if environ is None else environ).get(PROFILE_CONTEXT_ENV, "").strip()
     if not raw:
         return DEFAULT_PROFILE_CONTEXT
-    if not raw.isdigit() or int(raw) < 1:
+    if not is_decimal(raw) or int(raw) < 1:
         raise CalibError(f"{PROFILE_CONTEXT_ENV}={raw[:40]!r}: must be a positive integer")
     return int(raw)
 
@@ -130,7 +131,7 @@ def _int(given: Mapping[str, Any], key: str, flag: str) -> int | None:
     text = str(raw).strip()
     scale = HUMAN_SCALE.get(text[-1:], 1)
     digits = text[:-1] if scale > 1 else text
-    if not digits.isdigit() or int(digits) < 1:
+    if not is_decimal(digits) or int(digits) < 1:
         raise CalibError(f"serve flags: {flag} {str(raw)[:40]!r} must be a positive integer")
     return int(digits) * scale
 

@@ -86,9 +86,10 @@ class ErrorStats:
     def of(cls, predicted: np.ndarray, measured: np.ndarray) -> "ErrorStats":
         if len(measured) == 0:
             return cls(0, math.nan, math.nan, math.nan)
-        signed = (predicted - measured) / measured * 100.0
-        err = np.abs(signed)
-        return cls(len(err), float(np.median(err)), float(np.percentile(err, 90)), float(np.median(signed)))
+        with np.errstate(over="ignore", invalid="ignore"):  # a ~0 ms measurement: an infinite error, said as inf
+            signed = (predicted - measured) / measured * 100.0
+            err = np.abs(signed)
+            return cls(len(err), float(np.median(err)), float(np.percentile(err, 90)), float(np.median(signed)))
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self.__dict__.items()}

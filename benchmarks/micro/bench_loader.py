@@ -8,7 +8,8 @@ plugin runs it, with tracemalloc on (Python-level peak) and ru_maxrss before/aft
     PYTHONPATH=. python benchmarks/micro/bench_loader.py [--out benchmarks/results/micro/loader_bench_<host>.json]
 
 The cases are generated in a temporary directory: a directory of 10,000 tables,
-10,000 junk files, a FIFO, a huge sparse file, a row bomb (millions of constant
+10,000 junk files, 100,010 one-byte junk files, 400 tables with a 0.9 MiB footer beside an
+older good one, a FIFO, a huge sparse file, a row bomb (millions of constant
 rows that compress to a small file), a metadata bomb, 24 hard links to it, deeply
 nested JSON metadata, and a silent object-store endpoint.
 """
@@ -32,24 +33,26 @@ DEADLINE_S = 5.0
 
 CHILD = r"""
 import json, resource, sys, time, tracemalloc
-from dspark_calib.vllm import load as L
+from dspark_calib import selection as L
 from dataclasses import replace
 from dspark_calib.table.sources import SERVE_LIMITS
 source, engine, policy, deadline = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 import pyarrow, pyarrow.parquet, numpy  # imported by any real decision: not part of the case's cost
-from dspark_calib.table.model import model as table  # noqa
+import dspark_calib.table.file  # noqa: F401 - the reader's own imports, as a decision has them
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 tracemalloc.start()
 t = time.perf_counter()
+progress = L.Progress()  # as the engine passes it: where a decision stopped at its deadline
 d = L.decide_within(deadline, policy, source, lambda: L.decide(source, engine, policy=policy, allow_reference=True,
-                     limits=replace(SERVE_LIMITS, io_timeout_s=min(SERVE_LIMITS.io_timeout_s, 0.8 * deadline))))
+                     limits=replace(SERVE_LIMITS, io_timeout_s=min(SERVE_LIMITS.io_timeout_s, 0.8 * deadline)),
+                     progress=progress), progress=progress)
 wall = time.perf_counter() - t
 peak = tracemalloc.get_traced_memory()[1]
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"wall_s": round(wall, 4), "tracemalloc_peak_mb": round(peak / 2**20, 2),
                   "maxrss_mb": round(rss / 1024, 1), "maxrss_after_imports_mb": round(base / 1024, 1),
                   "load": d.load, "refuse": bool(d.refuse), "line_chars": len(d.lines[0]),
-                  "line": d.lines[0][:300]}))
+                  "line": d.lines[0][:400]}))
 sys.stdout.flush()
 import os; os._exit(0)  # a daemon thread may still wait on a silent endpoint: do not wait for it
 """
@@ -57,6 +60,8 @@ import os; os._exit(0)  # a daemon thread may still wait on a silent endpoint: d
 
 def make_cases(root: str) -> tuple[dict[str, str], dict]:
     sys.path.insert(0, REPO)
+    from dataclasses import replace
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -86,6 +91,17 @@ def make_cases(root: str) -> tuple[dict[str, str], dict]:
     for i in range(10_000):
         with open(os.path.join(d, f"junk-{i:05}.parquet"), "wb") as fh:
             fh.write(b"junk")
+    d = fresh("junk_100010")  # past the directory-entry and table-file counts
+    for i in range(100_010):
+        with open(os.path.join(d, f"j{i:06}.parquet"), "wb") as fh:
+            fh.write(b"j")
+    d = fresh("fat_footers_400")  # 400 copies of a table whose footer holds 100,000 {} (~0.9 MiB, under the limit)
+    fat = write_table(replace(table, fingerprint=fp.replace(extra={"pad": [{}] * 100_000})),
+                      os.path.join(root, "fat.parquet"))
+    for i in range(400):
+        shutil.copyfile(fat, os.path.join(d, f"fat{i:03}.parquet"))
+    shutil.copyfile(one, os.path.join(d, "good.parquet"))
+    os.utime(os.path.join(d, "good.parquet"), (1e9, 1e9))  # the oldest: found past every fat one
     d = fresh("fifo")
     os.mkfifo(os.path.join(d, "x.parquet"))
     d = fresh("huge_sparse_1gb")
@@ -153,7 +169,7 @@ def main() -> None:
                 shown = {k: r.get(k) for k in ("wall_s", "tracemalloc_peak_mb", "maxrss_mb", "load", "refuse")}
                 print(f"{name:34} {policy:8} {json.dumps(shown)}")
         doc = {"host": host(), "deadline_s": DEADLINE_S, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "limits": __import__("dataclasses").asdict(__import__("dspark_calib.table.model.model.sources", fromlist=["x"]).SERVE_LIMITS),
+               "limits": __import__("dataclasses").asdict(__import__("dspark_calib.table.sources", fromlist=["x"]).SERVE_LIMITS),
                "results": results}
         with open(args.out, "w") as fh:
             json.dump(doc, fh, indent=1)

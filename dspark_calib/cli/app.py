@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 from typing import Annotated, Any, Callable, List, Optional, TypeVar
@@ -18,6 +19,7 @@ import typer
 import typer.core
 
 from dspark_calib import __version__
+from dspark_calib.env import is_decimal
 from dspark_calib.errors import PREFIX, CalibError
 from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI  # standard library only
 
@@ -82,8 +84,6 @@ def _not_blank(value: Optional[str]) -> Optional[str]:
 def _finite(value: Optional[float]) -> Optional[float]:
     """A threshold option's check: click's range lets nan and inf through, and a nan threshold is
     never exceeded, so a CI gate would silently pass."""
-    import math
-
     if value is not None and not math.isfinite(value):
         raise typer.BadParameter(f"{value} is not a finite number")
     return value
@@ -130,7 +130,7 @@ def _columns() -> int | None:
     """The width to render at: COLUMNS when it is a usable number, else 100 when piped (CI logs,
     README snippets: wider than rich's 80), else the terminal's."""
     raw = os.environ.get("COLUMNS")
-    if raw is not None and raw.strip().isdigit() and int(raw) > 0:
+    if raw is not None and is_decimal(raw.strip()) and int(raw) > 0:
         return max(int(raw), MIN_COLUMNS)
     if not sys.stdout.isatty():
         return 100
@@ -142,9 +142,9 @@ def _columns() -> int | None:
 
 
 def _console() -> Any:
-    from rich.console import Console
+    from dspark_calib.render.text import Terminal
 
-    class _Console(Console):
+    class _Console(Terminal):
         def on_broken_pipe(self) -> None:
             # `dspark-calib inspect t | head`: rich exits 1, which reads as "threshold exceeded" /
             # "no table"; handled() turns BrokenPipeError into exit 0 instead.
@@ -190,8 +190,20 @@ def _plot(draw: Callable[..., str], path: str, *args: Any, **kwargs: Any) -> str
 
 
 def _print_json(data: Any) -> None:
-    # allow_nan=False: the library already maps NaN to null; a NaN here is a bug worth a failure.
-    typer.echo(json.dumps(data, indent=2, allow_nan=False))
+    """Strict JSON whatever the numbers: NaN (nothing to say) is null, an infinity (a step measured at
+    ~0 ms in an observe file, say) the string "inf" or "-inf"; the command exits as it would
+    without --json."""
+    typer.echo(json.dumps(_json_numbers(data), indent=2, allow_nan=False))
+
+
+def _json_numbers(data: Any) -> Any:
+    if isinstance(data, float) and not math.isfinite(data):
+        return None if math.isnan(data) else ("inf" if data > 0 else "-inf")
+    if isinstance(data, dict):
+        return {k: _json_numbers(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_json_numbers(v) for v in data]
+    return data
 
 
 def _version_callback(value: bool) -> None:

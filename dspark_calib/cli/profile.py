@@ -275,5 +275,6 @@ def _profile(opts: Any, out: TableOut, log_path: str, keep_capture: str | None, 
         terminal.print(f"telemetry ({table.telemetry.source}): {table.telemetry.note}", markup=False, highlight=False)
     from dspark_calib.inspection import inspect_table
     from dspark_calib.render import render_summary
+    from dspark_calib.render.text import Terminal
 
-    render_summary(inspect_table(table, path=path), Console())
+    render_summary(inspect_table(table, path=path), Terminal())

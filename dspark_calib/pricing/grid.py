@@ -13,7 +13,6 @@ tolerance is loosened to fit and ``max_rel_error`` says what was achieved.
 from __future__ import annotations
 
 import math
-from array import array
 from bisect import bisect_left
 from typing import Any, Sequence
 
@@ -64,9 +63,9 @@ class ContextGrid:
         # Prebuilt tuples of row views: a step assigns one, allocating nothing.
         self._tables: list[Tables] = [(self.draft[i], self.verify[i]) for i in range(n)]
         self._lo, self._hi = points[0], points[-1]
-        # _slot[L - lo] = index of the first point >= L, for every integer L in the range.
-        slots = np.searchsorted(np.asarray(points), np.arange(self._lo, self._hi + 1), side="left")
-        self._slot = array("I", slots.astype(np.uint32).tobytes())
+        # A row is found by bisecting the points (O(log points), no allocation): never a per-token
+        # index over lo..hi, whose size would follow the longest context, not the point count.
+        self._last = n - 1
         self._build_head(tolerance, max(row_bytes, max_bytes // 4))
         self.max_rel_error = self._achieved_error()
 
@@ -148,8 +147,7 @@ class ContextGrid:
 
     @property
     def nbytes(self) -> int:
-        return (self.draft.nbytes + self.verify.nbytes + self.head.nbytes + self._buffer.verify.nbytes
-                + self._slot.itemsize * len(self._slot))
+        return self.draft.nbytes + self.verify.nbytes + self.head.nbytes + self._buffer.verify.nbytes
 
     def __len__(self) -> int:
         return len(self.points)
@@ -157,21 +155,19 @@ class ContextGrid:
     def index(self, context_len: int) -> int:
         """Grid row for a context: the first point >= it, clamped to the grid (its first knot, 0
         when the costs extrapolate below the shortest profiled context, to the longest)."""
-        i = context_len - self._lo
-        if i <= 0:
+        if context_len <= self._lo:
             return 0
         if context_len >= self._hi:
-            return len(self._tables) - 1
-        return self._slot[i]
+            return self._last
+        return bisect_left(self.points, context_len)
 
     def tables_for(self, context_len: int) -> Tables:
         """The (draft, verify) tables for a step at this (integer) context: O(1), no allocation."""
-        i = context_len - self._lo
-        if i <= 0:
+        if context_len <= self._lo:
             return self._tables[0]
         if context_len >= self._hi:
             return self._tables[-1]
-        return self._tables[self._slot[i]]
+        return self._tables[bisect_left(self.points, context_len)]
 
     def step_tables(self, context_sum: int, num_reqs: int, buffer: "StepBuffer | None" = None,
                     verify_sum: int | None = None) -> Tables:

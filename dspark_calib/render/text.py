@@ -7,6 +7,7 @@ from inspection.py and compare.py; nothing here decides anything.
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -14,6 +15,7 @@ import numpy as np
 from rich.console import Console
 from rich.text import Text
 
+from dspark_calib.errors import escape
 from dspark_calib.fit import CURVE_KINDS, DRAFT, Curve
 from dspark_calib.inspection import (
     FALLING_MEDIAN, FEW_SAMPLES, HIGH_SPREAD, NOTE, WARNING, CostByContext, DecisionMap, Inspection, TableWarning,
@@ -33,6 +35,43 @@ MAX_WARNINGS_PER_GROUP = 8
 SIZE_LABEL = {DRAFT: "num_reqs", "verify": "num_target_tokens"}
 FLAG = {FEW_SAMPLES: "few", HIGH_SPREAD: "noisy", FALLING_MEDIAN: "dip"}
 SEVERITY_STYLE = {WARNING: ("!", "yellow"), NOTE: ("·", "dim")}
+
+
+# -- the render boundary: what reaches the terminal ------------------------------------------
+def _cell(text: str) -> str:
+    """A table cell as one line: every non-printable character (a newline too) an escape."""
+    return text if text.isprintable() else escape(text, sys.maxsize)
+
+
+def printable(text: Text) -> Text:
+    """The Text with every non-printable character but its own line breaks escaped (errors.escape),
+    styles kept: a table's strings (names, notes, versions) reach the terminal as text, never as
+    escape codes, carriage returns or bidi overrides."""
+    plain = text.plain
+    if all(line.isprintable() for line in plain.split("\n")):
+        return text
+    cuts = sorted({0, len(plain), *(s.start for s in text.spans), *(s.end for s in text.spans)})
+    out = text.blank_copy()
+    for a, b in zip(cuts, cuts[1:]):
+        start = len(out)
+        out.append("\n".join(_cell(line) for line in plain[a:b].split("\n")))
+        for span in text.spans:
+            if span.start <= a and span.end >= b:
+                out.stylize(span.style, start, len(out))
+    return out
+
+
+class Terminal(Console):
+    """The console every text view prints to: each Text (and str, its markup rendered as rich
+    would) passes through printable()."""
+
+    def print(self, *objects: Any, **kw: Any) -> None:  # type: ignore[override]
+        def safe(o: Any) -> Any:
+            if isinstance(o, str):
+                o = self.render_str(o, markup=kw.get("markup"), emoji=kw.get("emoji"), highlight=kw.get("highlight"))
+            return printable(o) if isinstance(o, Text) else o
+
+        super().print(*(safe(o) for o in objects), **kw)
 
 
 # -- small helpers -----------------------------------------------------------------------
@@ -98,7 +137,8 @@ def grid(title: str | None, headers: Sequence[str], rows: Iterable[Any], *, left
     str (drawn in the row's style) or a Text (its own style wins).
     `left`: indices of left-aligned columns (the rest align right, as numbers do).
     """
-    rows = list(rows)
+    rows = [row if row is SECTION else ([c if isinstance(c, Text) else _cell(c) for c in row[0]], row[1])
+            for row in rows]  # a newline in a cell would draw a row of its own
     widths = [len(h) for h in headers]
     for row in rows:
         if row is not SECTION:

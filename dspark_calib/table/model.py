@@ -18,6 +18,7 @@ import numpy as np
 
 from dspark_calib import __version__
 from dspark_calib.errors import CalibError
+from dspark_calib.fileformat.version import parse_version
 from dspark_calib.fingerprint import Fingerprint, merge_mismatches
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, CurvePair, fit_curves
 from dspark_calib.samples import SAMPLE_COLUMNS, Sample, Samples
@@ -212,7 +213,7 @@ class CostTable:
                 if bad.any():
                     i = int(np.flatnonzero(bad)[0])
                     raise CalibError(f"{where}, size {c.size[i]}: cost {float(c.cost_ms[i])!r} ms is not a plausible step "
-                                     f"({'> 0' if kind == DRAFT else f'>= {MIN_STEP_MS:g}'} and <= {MAX_STEP_MS:g} ms)")
+                                     f"({'> 0' if kind == DRAFT else f'> {MIN_STEP_MS:g}'} and <= {MAX_STEP_MS:g} ms)")
                 iqr = np.nan_to_num(np.maximum(c.p75_ms - c.p25_ms, 0.0))
                 peak = np.maximum.accumulate(c.cost_ms)
                 at_peak = np.maximum.accumulate(np.where(c.cost_ms == peak, np.arange(len(c)), 0))
@@ -252,8 +253,9 @@ def merge_tables(tables: Sequence[CostTable], names: Sequence[str] | None = None
     """One table from several runs of the same engine: samples pooled, curves refitted.
 
     Refused when any MERGE_KEYS key differs (naming it and both values), a table has no
-    raw samples (its curves cannot be refitted honestly), or two inputs hold the same
-    measurements (same content hash or samples, one merged into the other, shared timings:
+    raw samples (its curves cannot be refitted honestly) or is schema 1.0 (its hash leaves its
+    samples out: forged samples in a file that verifies would become the merged curves), or two
+    inputs hold the same measurements (same content hash or samples, one merged into the other, shared timings:
     `merge T T` or `merge T merge(T, U)` would fake replays). `names` (the files) name the
     inputs in errors; by default "input N (hash)".
     """
@@ -270,6 +272,10 @@ def merge_tables(tables: Sequence[CostTable], names: Sequence[str] | None = None
     for name, t in zip(names, tables):
         if t.samples is None or not len(t.samples):
             raise CalibError(f"{name} has no raw samples to merge")
+        if parse_version(t.schema_version) < (1, 1):  # the refit would turn unverified samples into curves
+            raise CalibError(f"{name} is a schema {t.schema_version} table: its content hash does not cover its raw "
+                             "samples, so curves refitted from them are not what its hash vouches for; merge takes "
+                             "schema 1.1 or newer tables")
     seen: dict[str, int] = {}
     for i, t in enumerate(tables):
         for key in (t.content_hash, t.samples_digest):

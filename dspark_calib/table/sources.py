@@ -5,10 +5,11 @@ so everything here is bounded and nothing trusts a name or a byte:
 
 * only regular files are opened: stat before opening, open with O_NONBLOCK and
   fstat the handle (a FIFO or device named x.parquet is refused, never waited on);
-* every listed file's metadata (footer, bounded by the footer limits) is checked;
-  at most `max_candidates` curve reads per decision (the best candidates by their
-  checked metadata first), the rest skipped with a count; at most `max_scan`
-  directory entries looked at;
+* the metadata (footer, bounded by the footer limits) of at most `max_tables`
+  table files is checked, the newest by modification time (a fixed count, so every
+  host examines the same files); at most `max_candidates` curve reads per decision
+  (the best candidates by their checked metadata first), the rest counted in the
+  line; at most `max_scan` directory entries looked at;
 * each file is opened once (file.TableFile): its metadata and its curves come from
   that one handle and the curve read verifies the content hash the checked metadata
   states, so what is checked is what is loaded; raw samples are never read;
@@ -36,7 +37,8 @@ from dspark_calib.table.meta import ReadLimits
 class Limits:
     """Serve-time bounds: the listing's own, plus the reader's ReadLimits (defaults: meta.SERVE_LIMITS)."""
 
-    max_candidates: int = 64  # curve reads per decision (metadata checks: max_scan and the deadline)
+    max_candidates: int = 64  # curve reads per decision
+    max_tables: int = 1000  # table files whose metadata a decision checks (newest modification first)
     max_scan: int = 100_000  # directory entries looked at
     io_timeout_s: float = 5.0  # object stores: connect and per-request
     max_file_bytes: int = _READ.max_file_bytes  # only the footer and curve rows are read, never the samples
@@ -58,9 +60,10 @@ SERVE_LIMITS = Limits()
 
 @dataclass(frozen=True)
 class Listing:
-    paths: tuple[str, ...]  # to check, newest modification first
+    paths: tuple[str, ...]  # to check, newest modification first (at most max_tables)
     refused: tuple[tuple[str, str], ...] = ()  # (path, why) not opened at all
-    skipped: int = 0  # beyond max_scan
+    skipped: int = 0  # directory entries beyond max_scan, not looked at
+    over: int = 0  # table files beyond max_tables (the oldest by modification), not examined
 
 
 # -- filesystems ------------------------------------------------------------------------
@@ -158,10 +161,12 @@ def _list_local(path: str, limits: Limits) -> Listing:
 
 
 def _cap(found: list[tuple[int, str]], refused: list, limits: Limits, unscanned: int) -> Listing:
-    # No cap by modification time here (64 newer junk or mismatching files would hide the
-    # engine's table): the load decision caps the curve reads, the expensive part, instead.
+    # A fixed count, not the deadline, bounds the metadata reads: the same files are examined on
+    # every host, so `check` says what the engine does (1000 footers read well within the
+    # default deadline). The newest by modification time are kept; the line counts the rest.
     found.sort(key=lambda item: (-item[0], item[1]))
-    return Listing(tuple(p for _, p in found), tuple(refused), unscanned)
+    kept = found[: limits.max_tables]
+    return Listing(tuple(p for _, p in kept), tuple(refused), unscanned, len(found) - len(kept))
 
 
 # -- one bounded read -------------------------------------------------------------------

@@ -37,7 +37,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-from dspark_calib.errors import PREFIX
+from dspark_calib.errors import PREFIX, CalibError
+from dspark_calib.safe_open import open_lock_file
 from dspark_calib.atomic import atomic_write, atomic_write_json
 from dspark_calib import env as E
 from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S, Cooldown, check_cooldown
@@ -189,10 +190,9 @@ class CaptureDir:
         if key in _HELD:
             return
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        except OSError as exc:
-            raise CaptureError(PREFIX + f"{E.CAPTURE}={self.path}: cannot create {LOCK_FILE} "
-                               f"({exc.strerror})") from None
+            fd = open_lock_file(self.lock_path, LOCK_FILE)
+        except CalibError as exc:  # ".lock: is a symlink ...": one line, never an OSError into vLLM's profile loop
+            raise CaptureError(PREFIX + f"{E.CAPTURE}={self.path}: {exc}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -201,8 +201,12 @@ class CaptureDir:
             who = f" (pid {holder})" if holder.isdigit() else ""
             raise CaptureError(PREFIX + f"{E.CAPTURE}={self.path}: another engine is capturing into this "
                                f"directory{who}; give each profile run its own directory") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        except OSError as exc:  # a full or read-only file system: said in one line, never raised into vLLM
+            os.close(fd)
+            raise CaptureError(PREFIX + f"{E.CAPTURE}={self.path}: cannot write {LOCK_FILE} ({exc.strerror})") from None
         _HELD[key] = fd
 
     def unlock(self) -> None:

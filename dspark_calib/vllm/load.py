@@ -31,7 +31,7 @@ from dspark_calib import env as E
 from dspark_calib.errors import PREFIX, CalibError, exception_line
 from dspark_calib.pricing.policy import (CHUNK_RULE, CONTEXT_AWARE, DEFAULT_CONTEXT_CHUNKS,
                                          DEFAULT_CONTEXT_TAIL_MILLI, MAX_EXTRAPOLATE_TO, PricingPolicy)
-from dspark_calib.selection import Decision, decide, decide_within, no_table
+from dspark_calib.selection import Decision, Progress, decide, decide_within, no_table
 from dspark_calib.table.sources import SERVE_LIMITS, escape
 from dspark_calib.vllm import probe as P
 from dspark_calib.vllm.runtime import log, state_of
@@ -81,14 +81,14 @@ def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
     # Object-store requests give up before the deadline, so the thread ends soon after it.
     limits = replace(SERVE_LIMITS, io_timeout_s=min(SERVE_LIMITS.io_timeout_s, 0.8 * timeout))
 
-    cancel = threading.Event()
+    cancel, progress = threading.Event(), Progress()
 
     def run() -> Decision:
         return decide(source, engine_description(manager, capture_sizes), policy=policy, allow_reference=allow,
                       context_len=ctx, vllm_context_len=vllm_ctx, pins=pins, probe=probe, limits=limits,
-                      cancel=cancel)
+                      cancel=cancel, progress=progress)
 
-    return decide_within(timeout, policy, source, run, cancel)
+    return decide_within(timeout, policy, source, run, cancel, progress)
 
 
 def untested_vllm() -> str:

@@ -232,3 +232,20 @@ def test_inspect_of_the_shipped_table_opens_with_its_verdict_and_hides_notes():
     d = json.loads(invoke("inspect", REPO / SHIPPED, "--json").stdout)
     assert d["verdict"] == {"fit": True, "line": lines[0], "reasons": [], "warnings": 3, "notes": 28}
     assert len(d["warnings"]) == 31  # --json carries every finding, notes included
+
+
+ESCAPES = "\x1b[2J\x1b]0;pwned\x07\nFORGED LINE\r\u202e"
+
+
+def test_inspect_and_diff_print_table_strings_as_text_never_as_escape_codes(tmp_path, reference_table_8192):
+    """Every string a table holds (fingerprint values, extra notes, the tool version) reaches the
+    terminal escaped: no escape sequence, carriage return or bidi override, and no line it starts."""
+    t = reference_table_8192
+    fp = t.fingerprint.replace(gpu_name="H200" + ESCAPES, target_model="m" + ESCAPES, extra={"n" + ESCAPES: ESCAPES})
+    evil = write_table(dataclasses.replace(t, fingerprint=fp, tool_version="0.1" + ESCAPES), tmp_path / "evil.parquet")
+    good = write_table(t, tmp_path / "good.parquet")
+    for args in (("inspect", evil), ("inspect", evil, "--all"), ("diff", good, evil), ("diff", evil, good)):
+        r = invoke(*args)
+        assert r.exit_code in (0, 1), r.output
+        assert not any(ch in r.output for ch in "\x1b\x07\r\u202e"), (args, repr(r.output[:400]))
+        assert "\\x1b[2J" in r.output and not any(line.startswith("FORGED") for line in r.output.splitlines())

@@ -108,3 +108,21 @@ def test_chunks_option(shipped_observed):
     # rows without their chunks recorded: nothing can be priced by pairs, whatever the setting
     assert [d["by_pairs"] for d in docs.values()] == [False, False, False]
     assert all(d["recorded"] == 0 and d["pairs"] is None for d in docs.values())  # rows without their chunks recorded
+
+
+def test_json_with_an_infinite_error_is_valid_json_and_the_normal_exit(tmp_path):
+    """Steps measured at the smallest positive double give an infinite % error: --json still prints
+    strict JSON (infinity as "inf", nothing-to-say as null) and exits as the text report does."""
+    import dataclasses
+
+    steps = synthetic_steps(read_table(SCHEMA10, samples=False), (1024,), per_context=50)
+    with ObservedWriter(tmp_path, rows_per_file=100, metadata={"mode": "context_aware"}) as w:
+        for s in steps:
+            w.append(dataclasses.replace(s, forward_ms=5e-324, drafter_ms=5e-324))
+    for extra, code in (((), 0), (("--max-error", "5"), 1)):
+        text = invoke("validate", SCHEMA10, tmp_path, *extra)
+        r = invoke("validate", SCHEMA10, tmp_path, "--json", *extra)
+        assert text.exit_code == r.exit_code == code, r.output
+        d = json.loads(r.stdout)
+        draft = next(g for g in d["overall"] if g["kind"] == "draft")
+        assert draft["context_aware"]["median_pct"] == "inf"

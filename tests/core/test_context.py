@@ -355,3 +355,52 @@ def test_two_longest_contexts_close_together_are_not_extended():
     costs = ContextCosts(close, fp.max_num_seqs, fp.max_num_batched_tokens, fp.cudagraph_limit, extrapolate_to=131072)
     assert not costs.extrapolates_above and costs.knots[-1] == 16384
     np.testing.assert_array_equal(costs.at(100000).verify, costs.tables[16384][1])
+
+
+# -- the grid's row lookup -----------------------------------------------------------------------
+def _per_token_rows(points: tuple[int, ...], lo: int, hi: int) -> np.ndarray:
+    """The row of every integer context lo..hi as the grid looked it up before: a per-token index
+    of the first point at or above it (clamped to the grid's ends)."""
+    ctx = np.arange(lo, hi + 1)
+    return np.searchsorted(np.asarray(points), np.clip(ctx, points[0], points[-1]), side="left")
+
+
+def test_grid_rows_are_those_of_the_per_token_index_at_every_context(reference_table):
+    """Bisecting the points prices every context exactly as the per-token index did: below the
+    range, between contexts, and in the line above the longest up to extrapolate_to."""
+    fp = reference_table.fingerprint
+    costs = ContextCosts(reference_table.curves, fp.max_num_seqs, fp.max_num_batched_tokens, fp.cudagraph_limit,
+                         extrapolate_to=40960)
+    grid = ContextGrid(costs)
+    assert costs.knots[0] == 0 and costs.knots[-1] == 40960
+    lo, hi = -3, 40970
+    want = _per_token_rows(grid.points, lo, hi)
+    got = np.array([grid.index(c) for c in range(lo, hi + 1)])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(grid.indices(np.arange(lo, hi + 1)), want)
+    for c in range(lo, hi + 1, 7):
+        draft, verify = grid.tables_for(c)
+        assert draft is grid.draft[want[c - lo]].base or np.shares_memory(draft, grid.draft[want[c - lo]])
+        np.testing.assert_array_equal(draft, grid.draft[want[c - lo]])
+        np.testing.assert_array_equal(verify, grid.verify[want[c - lo]])
+
+
+def test_grid_memory_does_not_follow_the_longest_context(reference_table):
+    """A context far above the profiled ones (the engine's max_model_len, or a forged table's)
+    costs the grid no memory per token of the range: only its points."""
+    import tracemalloc
+
+    fp = reference_table.fingerprint
+
+    def peak(far: int) -> int:
+        costs = ContextCosts(reference_table.curves, fp.max_num_seqs, fp.max_num_batched_tokens,
+                             fp.cudagraph_limit, extrapolate_to=far)
+        tracemalloc.start()
+        try:
+            ContextGrid(costs)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    near, far = peak(40960), peak(1 << 24)
+    assert far - near < 32 << 20, (near, far)  # a per-token index: 4 bytes a token, 64 MiB here

@@ -313,7 +313,7 @@ def test_only_pinned_tables_load(tmp_path, reference_table, engine, policy):
 def test_pin_env_parsing():
     h = "ab" * 32
     assert E.pinned_hashes({}) is None
-    assert E.pinned_hashes({E.TABLE_SHA256: f" {h.upper()} , sha256:{'cd' * 32},"}) == {h, "cd" * 32}
+    assert E.pinned_hashes({E.TABLE_SHA256: f" {h.upper()} , sha256:{'cd' * 32},{h},"}) == (h, "cd" * 32)  # in order
     for bad in ("abc", h + "0", "zz" * 32, ",", "\x1b[2J"):
         with pytest.raises(E.CalibError) as err:
             E.pinned_hashes({E.TABLE_SHA256: bad})
@@ -409,3 +409,155 @@ def test_object_store_filesystems_are_built_with_bounded_waits():
     assert C.filesystem_for("file:///tmp/x.parquet") == (None, "/tmp/x.parquet")  # local: stat before open
     with pytest.raises(C.CalibError, match="unsupported S3 URI option"):
         C.filesystem_for("s3://bucket/dir?proxy_options=evil")
+
+
+# -- bounded memory and lines that say what happened ----------------------------------------
+def _with_context(table, ctx: int, like: int):
+    """The table with one more profiled context, its curves copied from `like` (a forger's fit)."""
+    curves = {**table.curves, ctx: table.curves[like]}
+    fp = table.fingerprint.replace(context_lens=tuple(sorted(curves)))
+    return replace(table, curves=curves, fingerprint=fp)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_context_above_max_model_len_is_left_out_and_said(tmp_path, reference_table, engine, policy):
+    """A table context no step of this engine reaches (2^31 with max_model_len 32768) is never
+    priced: context-aware mode would place grid points up to it. The rest of the table loads."""
+    far = 1 << 31
+    write_unchecked(_with_context(reference_table, far, 16384), tmp_path / "far.parquet")
+    d = run(tmp_path, {**engine, "max_model_len": 32768}, policy)
+    line = assert_policy(d, policy, loads_good=True)
+    assert f"table context {far} above the engine's max_model_len 32768 left out (no step reaches it)" in line
+    assert sorted(d.curves) == sorted(d.pairs) == [1024, 8192, 16384] and d.context_len == 8192
+    d = run(tmp_path, {**engine, "max_model_len": 8000}, policy)  # the chosen context (8192, nearest) stays
+    assert d.load and d.context_len == 8192 and sorted(d.curves) == [1024, 8192]
+    assert "table contexts 16384, 2147483648 above the engine's max_model_len 8000 left out" in d.lines[0]
+
+
+def test_a_decision_keeps_no_listed_file_s_parsed_metadata(tmp_path, reference_table, engine):
+    """Twenty copies of a table whose footer holds 40,000 {} in extra: each parsed footer is
+    dropped once judged (the decision's peak stays near one copy's), and the good one loads."""
+    import tracemalloc
+
+    fat = replace(reference_table, fingerprint=reference_table.fingerprint.replace(extra={"pad": [{}] * 40_000}))
+    for i in range(20):
+        write_table(replace(fat, created_at=f"2026-06-01T00:00:{i:02}Z"), tmp_path / f"fat{i}.parquet")
+    write_table(reference_table, tmp_path / "good.parquet")
+    L.decide(str(tmp_path), engine, allow_reference=True)  # imports and caches outside the measurement
+    tracemalloc.start()
+    try:
+        d = L.decide(str(tmp_path), engine, allow_reference=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert d.load and d.content_hash == reference_table.content_hash
+    assert peak < 16 << 20, peak >> 20  # 3 MiB; 20 parsed footers kept: 55 MiB
+
+
+def test_schema_1_0_never_loads_under_a_pin(tmp_path):
+    """A 1.0 hash leaves the spreads (the probe's tolerance), created_at and the samples out:
+    a pin cannot vouch for them. Without a pin the same file loads."""
+    from tests.helpers import SCHEMA10
+    from dspark_calib.table.file import read_metadata
+
+    path = tmp_path / SCHEMA10.name
+    path.write_bytes(SCHEMA10.read_bytes())
+    pin = read_metadata(path).content_hash
+    assert run(tmp_path, {}).load
+    for policy in POLICIES:
+        d = run(tmp_path, {}, policy, pins=(pin,))
+        line = assert_policy(d, policy)
+        assert f"schema 1.0 under {E.TABLE_SHA256}" in line and "schema 1.1 or newer" in line
+
+
+def test_under_a_pin_the_pin_order_decides_not_the_dates(tmp_path, reference_table, engine):
+    older = write_table(replace(reference_table, created_at="2026-01-01T00:00:00Z"), tmp_path / "older.parquet")
+    newer = replace(forged(reference_table, scale=1.01), created_at="2026-06-01T00:00:00Z")
+    write_table(newer, tmp_path / "newer.parquet")
+    from dspark_calib.table.file import read_metadata
+
+    first = read_metadata(older).content_hash
+    assert run(tmp_path, engine).content_hash == newer.content_hash  # no pin: the newest
+    for pins in ((first, newer.content_hash), (first,)):
+        d = run(tmp_path, engine, pins=pins)
+        assert d.load and d.content_hash == first and f"pinned by {E.TABLE_SHA256}" in d.lines[0]
+    assert run(tmp_path, engine, pins=(newer.content_hash, first)).content_hash == newer.content_hash
+
+
+def test_a_table_dated_ahead_of_this_host_is_ordered_last_and_said(tmp_path, reference_table, engine):
+    """23 h ahead passes the reader (a day of skew), but does not win 'newest': ordered after
+    every table dated up to now, and the line says why. Alone, it still loads."""
+    import datetime as dt
+
+    ahead = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=23)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    future = replace(forged(reference_table, scale=1.01), created_at=ahead)
+    write_table(future, tmp_path / "future.parquet")
+    d = run(tmp_path, engine)
+    assert d.load and d.content_hash == future.content_hash
+    assert "23.0 h ahead of this host's clock" in d.lines[0] or "22.9 h ahead" in d.lines[0]
+    write_table(replace(reference_table, created_at="2026-01-01T00:00:00Z"), tmp_path / "today.parquet")
+    d = run(tmp_path, engine)
+    assert d.load and d.content_hash != future.content_hash and "h ahead of this host's clock" in d.lines[0]
+    assert run(tmp_path, engine, pins=(future.content_hash,)).content_hash == future.content_hash  # the pin decides
+
+
+def test_the_deadline_line_says_what_was_measured():
+    """A decision busy on this host's CPU, or waiting while memory grew, is not blamed on the
+    source; one mostly waiting with calm memory is. Where it stopped is said either way."""
+    busy = L.Progress(phase="reading metadata", listed=100_010, examined=4_512)
+    line = L.missed_deadline(5.0, busy, 4.6, 30 * 1024, 0)
+    assert "no decision within 5 s" in line and "stopped reading metadata, 4512 of 100010 listed files" in line
+    assert "ran 4.6 s on CPU" in line and "busy on this host" in line and "not a slow source" in line
+    assert "source's reads" not in line
+    line = L.missed_deadline(5.0, busy, 0.4, 3 << 20, 40_000)
+    assert "memory grew" in line and "3072 MiB" in line and "not the source" in line
+    line = L.missed_deadline(5.0, L.Progress(), 0.1, 1024, 0)
+    assert "still listing the source" in line and "mostly waiting" in line and "on the source's reads" in line
+    gate = threading.Event()
+    d = L.decide_within(0.2, "strict", "s3://b/t", lambda: gate.wait(30) or L.Decision(True, ("late",)),
+                        progress=L.Progress())
+    gate.set()
+    assert d.refuse and "still listing the source" in d.lines[0] and "its thread ran" in d.lines[0]
+
+
+def test_table_files_over_the_count_are_counted_and_check_says_the_same(tmp_path, reference_table, engine):
+    """A fixed count of files examined (newest first), the same on every host: what check says
+    is what the engine decides, whatever the engine's speed."""
+    from dspark_calib.check import check_tables
+
+    limits = replace(C.SERVE_LIMITS, max_tables=5)
+    good = write_table(reference_table, tmp_path / "good.parquet")
+    os.utime(good, (1, 1))
+    for i in range(6):
+        (tmp_path / f"junk{i}.parquet").write_bytes(b"j")
+    d = run(tmp_path, engine, limits=limits)
+    assert not d.load and "2 more *.parquet files not examined (over the 5-file limit" in d.lines[0]
+    d = run(tmp_path, engine)  # the default count examines all 7
+    assert d.load
+    result = check_tables(str(tmp_path), engine, allow_reference=True, env={})
+    assert result.loads and result.lines == d.lines
+
+
+def test_check_honours_the_pin_and_the_deadline_of_the_environment(tmp_path, reference_table, engine, monkeypatch):
+    from dspark_calib.check import check_tables
+
+    write_table(reference_table, tmp_path / "good.parquet")
+    assert check_tables(str(tmp_path), engine, allow_reference=True, env={}).loads
+    result = check_tables(str(tmp_path), engine, allow_reference=True, env={E.TABLE_SHA256: "ab" * 32})
+    assert not result.loads and "1 unpinned" in result.lines[0] and result.tables[0].status == "mismatch"
+    with pytest.raises(E.CalibError, match=E.TABLE_SHA256):
+        check_tables(str(tmp_path), engine, env={E.TABLE_SHA256: "abc"})
+    gate = threading.Event()
+    monkeypatch.setattr(L, "list_candidates", lambda *a, **k: gate.wait(30))
+    result = check_tables(str(tmp_path), engine, allow_reference=True, env={E.LOAD_TIMEOUT: "0.2"})
+    gate.set()
+    assert not result.loads and "no decision within 0.2 s" in result.lines[0]
+
+
+@pytest.mark.parametrize("raw", ["\u0661\u0662", "\u00b2", "1_000", "\uff11\uff12"])
+def test_env_numbers_are_ascii_digits(raw):
+    for name, parse in ((E.CONTEXT_LEN, E.context_len), (E.LOAD_TIMEOUT, E.load_timeout),
+                        (E.OBSERVE_EVERY, E.observe_every), (E.CONTEXT_TAIL, E.context_tail_milli)):
+        with pytest.raises(E.CalibError, match=name):
+            parse({name: raw})
+    assert E.context_len({E.CONTEXT_LEN: " 4096 "}) == 4096 and E.load_timeout({E.LOAD_TIMEOUT: "2.5"}) == 2.5

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from packaging.requirements import Requirement
@@ -288,6 +289,16 @@ def test_implausible_costs_are_refused_naming_the_point(tmp_path, t8192, kind, i
         assert str(forged) in msg and f"{kind} curve at context 8192" in msg and f"size {size}" in msg
 
 
+def test_the_bound_a_refused_cost_names_excludes_it(tmp_path, t8192):
+    """A verify cost of exactly MIN_STEP_MS is refused: the line says the bound is strict."""
+    from dspark_calib.table.model import MIN_STEP_MS
+
+    forged = forge(tmp_path / "f.parquet", with_cost(t8192, 8192, "verify", 0, MIN_STEP_MS))
+    with pytest.raises(CalibError, match="not a plausible step") as err:
+        read_table(forged)
+    assert f"(> {MIN_STEP_MS:g} and" in str(err.value) and ">=" not in str(err.value)
+
+
 def test_small_dips_within_the_spread_are_fine(tmp_path, t8192):
     verify = t8192.curves[8192].verify
     dipped = with_cost(t8192, 8192, "verify", 20, verify.cost_ms[19] * 0.999)  # a 0.1 % dip
@@ -514,3 +525,26 @@ def test_a_fifo_swapped_in_after_the_stat_is_refused_by_the_fstat(tmp_path, path
                         lambda p, *a, **kw: real_stat(path8192) if os.fspath(p) == str(fifo) else real_stat(p, *a, **kw))
     with pytest.raises(CalibError, match="is a FIFO, not a regular file"):
         safe_open.open_local(str(fifo), str(fifo))
+
+
+def _launder(src: Path, dest: Path, factor: float) -> Path:
+    """A 1.0 file whose raw samples are scaled, its metadata (and so its 1.0 hash) untouched:
+    1.0 hashed the fingerprint and the (size, cost) pairs only."""
+    arrow = pq.read_table(src)
+    sample = pc.equal(arrow["record"], "sample")
+    forward = pc.if_else(sample, pc.multiply(arrow["forward_ms"], factor), arrow["forward_ms"])
+    arrow = arrow.set_column(arrow.schema.get_field_index("forward_ms"), "forward_ms", forward)
+    pq.write_table(arrow, dest)
+    return dest
+
+
+def test_merge_refuses_schema_1_0_whose_samples_its_hash_does_not_cover(tmp_path):
+    """Merging refits from raw samples; a 1.0 file's hash leaves them out, so forged samples
+    in a file that still verifies would come out as the merged table's curves."""
+    a, b = BENCH_RESULTS[:2]
+    forged = read_table(_launder(a, tmp_path / "a.parquet", 100.0))
+    genuine = read_table(a)
+    assert forged.content_hash == genuine.content_hash and forged.schema_version == "1.0"
+    with pytest.raises(CalibError, match="schema 1.0") as err:
+        merge_tables([forged, read_table(b)], names=["a.parquet", "b.parquet"])
+    assert "a.parquet" in str(err.value) and "content hash" in str(err.value)

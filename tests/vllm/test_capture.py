@@ -466,3 +466,26 @@ def test_no_batch_from_vllm_is_left_for_profile_in_the_capture_dir(monkeypatch, 
     with pytest.raises(CaptureError, match="yielded no batch") as err:
         run_capture(make_manager(), sizes=[])
     assert CaptureDir(tmp_path).read_refusal() == str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "fifo"])
+def test_a_lock_file_that_is_not_a_regular_file_is_one_line(tmp_path, kind):
+    """The lock never follows a symlink (its target would be truncated) and never opens a FIFO
+    (ftruncate fails on it): a CaptureError naming the directory, the target left as it was."""
+    target = tmp_path / "precious.txt"
+    if kind == "fifo":
+        os.mkfifo(tmp_path / ".lock")
+    else:
+        if kind == "symlink":
+            target.write_text("keep me")
+        os.symlink(target, tmp_path / ".lock")
+    with pytest.raises(CaptureError) as err:
+        CaptureDir(tmp_path).lock()
+    line = str(err.value)
+    assert "\n" not in line and str(tmp_path) in line and ".lock" in line
+    assert ("symlink" in line) if kind != "fifo" else ("FIFO" in line)
+    assert not CaptureDir(tmp_path).locked
+    if kind == "symlink":
+        assert target.read_text() == "keep me"
+    if kind == "dangling symlink":
+        assert not target.exists()
