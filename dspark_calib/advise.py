@@ -28,7 +28,7 @@ context for every step) or when its one-chunk logit limit caps the budget below 
 K's drafts (``vocab_size``). What the model leaves out (estimated instead of exact
 acceptance, the per-step host work of choosing a budget, variable-length graphs) is why a
 change away from adaptive verification is advised only for a gain of at least
-``min_gain`` (1 %, as TensorRT-LLM's planner).
+``min_gain`` (1 %).
 
 Acceptance from observe files: per position, the drafts graded (all before it accepted,
 itself verified) and accepted, summed over the files' steps; the schedule is the
@@ -41,7 +41,7 @@ Analysis only: numpy, no torch, no vllm.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -316,27 +316,25 @@ def advise(table: Any, acceptance: Acceptance, *, contexts: Sequence[int] | None
     one_draft, one_verify = costs.tables[one_ctx]
     survival = np.asarray(rates, dtype=np.float64)
     conf = _confidences(rates)
-    warnings = [str(costs.at(c).warning) for c in ctxs if costs.at(c).warning is not None]
+    warnings = [str(w) for w in (costs.at(c).warning for c in ctxs) if w is not None]
     cells = []
     for ctx in ctxs:
         for n in batch_sizes(top):
-            draft, verify = grid.step_tables(n * ctx, n)
-            draft, verify = np.array(draft), np.array(verify)  # the grid's buffer is rewritten by the next step
             feasible = [K for K in range(1, k + 1) if n * (1 + K) <= max_tokens]
-            scheduled = max(feasible, default=0)
-            options = tuple(_option(fixed(K), n, n * K, survival, draft, verify) if K in feasible else None
-                            for K in range(1, k + 1))
             if not feasible:
                 continue  # not even one draft each fits max_num_batched_tokens: no speculative step
-            conf_n = np.broadcast_to(conf, (n, k))
-            args = dict(scheduled_drafts=[scheduled] * n, non_draft_tokens=[1] * n,
-                        max_total_logits=max_total_logits)
-            b = choose_draft_budget(draft, verify, conf_n, **args)
-            b_one = choose_draft_budget(one_draft, one_verify, conf_n, **args)
+            draft, verify = grid.step_tables(n * ctx, n)
+            draft, verify = np.array(draft), np.array(verify)  # the grid's buffer is rewritten by the next step
+            options = tuple(_option(fixed(K), n, n * K, survival, draft, verify) if K in feasible else None
+                            for K in range(1, k + 1))
+            # every request schedules the most drafts that fit, one non-draft token each (a decode step)
+            rule = dict(confidences=np.broadcast_to(conf, (n, k)), scheduled_drafts=[max(feasible)] * n,
+                        non_draft_tokens=[1] * n, max_total_logits=max_total_logits)
+            b = choose_draft_budget(draft, verify, **rule)
+            b_one = choose_draft_budget(one_draft, one_verify, **rule)
             cells.append(Cell(n, ctx, options, _option(ADAPTIVE, n, b, survival, draft, verify),
                               _option(f"{ADAPTIVE}@{one_ctx}", n, b_one, survival, draft, verify), min_gain))
     if not cells:
         raise CalibError(f"no batch fits max_num_batched_tokens {max_tokens} with a draft per request")
-    return Advice(str(getattr(table, "content_hash", "")), k, Acceptance(rates, acceptance.source, acceptance.files,
-                  acceptance.steps, acceptance.graded, acceptance.accepted), ctxs, batch_sizes(top), one_ctx,
-                  tuple(cells), min_gain, max_total_logits, tuple(warnings))
+    return Advice(str(getattr(table, "content_hash", "")), k, replace(acceptance, rates=rates), ctxs,
+                  batch_sizes(top), one_ctx, tuple(cells), min_gain, max_total_logits, tuple(warnings))

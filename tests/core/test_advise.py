@@ -158,3 +158,13 @@ def test_a_position_never_graded_is_refused(tmp_path, hand_table):
     d = observed_dir(tmp_path, hand_table, [((8, 6, 0), (6, 3, 0))])
     with pytest.raises(CalibError, match="no draft at position 3 was ever graded"):
         observed_acceptance(hand_table, read_observed([d]))
+
+
+def test_a_k_that_does_not_fit_the_token_budget_is_no_option(hand_table):
+    """max_num_batched_tokens 3: one request fits 2 drafts, so K=3 is no option and adaptive schedules 2."""
+    import dataclasses
+
+    small = dataclasses.replace(hand_table, fingerprint=hand_table.fingerprint.replace(max_num_batched_tokens=3))
+    c = advise(small, given(), contexts=[1024]).cell(1, 1024)
+    assert c.fixed[2] is None and c.best_fixed.name == "K=2" and c.adaptive.drafts_per_request == 2
+    assert advise(small, given(), contexts=[1024]).to_dict()["cells"][0]["fixed"][2] is None
