@@ -532,6 +532,72 @@ def validate_cmd(
         raise typer.Exit(1)
 
 
+@app.command("advise")
+@handled
+def advise_cmd(
+    table: Annotated[str, typer.Argument(metavar="TABLE", help="The cost table to model the engine with.")],
+    observed: Annotated[Optional[List[str]], typer.Argument(
+        metavar="[OBSERVED...]", show_default=False,
+        help="Observe-mode files (a directory stands for its observed-*.parquet files) of an engine of the "
+             "table's fingerprint: the acceptance they measured.")] = None,
+    acceptance: Annotated[Optional[str], typer.Option(
+        "--acceptance", metavar="RATES",
+        help="k comma-separated non-increasing rates in [0, 1], k the table's num_speculative_tokens: rate i is "
+             "the probability that the first i drafts are all accepted (vLLM's synthetic_acceptance_rates).")] = None,
+    context: Annotated[Optional[List[int]], typer.Option(
+        "--context", min=0, metavar="L", help="Context of every request (repeatable; default: the table's "
+                                              "profiled contexts).")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option(
+        "--max-num-seqs", min=1, metavar="N", help="Largest batch modelled (default: the table's max_num_seqs); "
+                                                   "batches 1, 2, 4, ... N.")] = None,
+    vocab_size: Annotated[Optional[int], typer.Option(
+        "--vocab-size", min=1, metavar="V", help="The target's vocabulary: adaptive verification then verifies at "
+                                                 "most 2^30 / (4 V) logits a step, as vLLM's rejection sampler "
+                                                 "(default: no limit modelled).")] = None,
+    all_fixed: Annotated[bool, typer.Option("--all", help="A column for every fixed K.")] = False,
+    as_json: JsonOpt = False,
+    plot: PlotOpt = None,
+    force: ForceOpt = False,
+) -> None:
+    """Modelled goodput of fixed K and adaptive verification per batch size and context; where adaptive loses.
+
+    Offline (no GPU, no torch, no vLLM).
+    """
+    from dspark_calib.cli.paths import plot_path, refuse_duplicate_inputs
+    from dspark_calib.observe.file import observed_paths
+
+    if (acceptance is None) == (not observed):
+        raise CalibError("give the acceptance either as --acceptance RATES or as observe files, one of the two")
+    files = observed_paths(observed or [])
+    refuse_duplicate_inputs(files, "observe file")
+    plot = plot_path(plot, [table, *files], force=force)  # before any work
+    from dspark_calib.advise import Acceptance, advise, check_schedule, observed_acceptance, parse_rates
+    from dspark_calib.table.file import read_table
+
+    t = read_table(table, samples=False)
+    k = int(t.fingerprint.num_speculative_tokens)
+    if acceptance is not None:
+        given = Acceptance(check_schedule(parse_rates(acceptance), k), "given")
+    else:
+        from dspark_calib.observe.file import read_observed
+
+        given = observed_acceptance(t, read_observed(files))
+    result = advise(t, given, contexts=context, max_num_seqs=max_num_seqs, vocab_size=vocab_size)
+    if plot:
+        from dspark_calib.render import plot_advice
+
+        plot = _plot(plot_advice, plot, result)
+    if as_json:
+        _print_json({**result.to_dict(), "plot": plot})
+        return
+    from dspark_calib.render.advice import render_advice
+
+    console = _console()
+    render_advice(result, console, all_fixed=all_fixed)
+    if plot:
+        console.print(f"plot written to {plot}", markup=False, soft_wrap=True)  # a path, whole
+
+
 # -- profile (the vLLM backend; imports vllm/torch only when it runs) --------------------------
 @app.command("profile")
 @handled

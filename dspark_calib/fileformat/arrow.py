@@ -79,6 +79,32 @@ def _dictionary_codes(chunk: pa.DictionaryArray, words: Sequence[str]) -> np.nda
     return known[idx]
 
 
+def list_column(arrow: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(values, valid) of a list<int64> column: values (rows, widest list), shorter lists padded
+    with 0; values of invalid (null) rows are meaningless."""
+    rows, valid = [], []
+    for chunk in arrow.column(name).chunks:
+        n, off = len(chunk), chunk.offset
+        if n == 0:
+            continue
+        bufs = chunk.buffers()  # validity, int32 offsets, child validity, child int64 values
+        valid.append(np.ones(n, dtype=bool) if bufs[0] is None or chunk.null_count == 0 else _bits(bufs[0], off, n))
+        offsets = np.frombuffer(bufs[1], dtype=np.int32)[off:off + n + 1].astype(np.int64)
+        child = chunk.values  # the whole child array: offsets index it directly
+        data = (np.frombuffer(bufs[3], dtype=np.int64)[child.offset:child.offset + len(child)] if bufs[3] is not None
+                else np.zeros(len(child), dtype=np.int64))
+        lengths = np.diff(offsets)
+        out = np.zeros((n, int(lengths.max(initial=0))), dtype=np.int64)
+        mask = np.arange(out.shape[1])[None, :] < lengths[:, None]
+        out[mask] = data[(offsets[:-1, None] + np.arange(out.shape[1])[None, :])[mask]]
+        rows.append(out)
+    if not rows:
+        return np.zeros((0, 1), dtype=np.int64), np.zeros(0, dtype=bool)
+    width = max(1, max(r.shape[1] for r in rows))
+    return (np.concatenate([np.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in rows]),
+            np.concatenate(valid))
+
+
 def string_codes(arrow: pa.Table, name: str, words: Sequence[str]) -> np.ndarray:
     """A string column (plain or dictionary) as indices into `words` (-1: null or any other string),
     by byte comparison."""

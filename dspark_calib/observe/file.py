@@ -16,6 +16,13 @@ Format history (OBSERVED_SCHEMA_VERSION, "major.minor"):
   prices by it). Migration (``MIGRATIONS``, the same toolkit as tables): a 1.0 file reads
   with the three ABSENT (not recorded), and ``validate`` then leaves prefill-carrying
   steps at the plain KV sum.
+* 1.2 (dspark-calib 0.1.0): two nullable list columns at the end, one int64 per draft position
+  (num_speculative_tokens of them): ``position_graded`` (requests whose draft there was judged:
+  every draft before it accepted, itself verified) and ``position_accepted`` (those whose draft
+  there was accepted), read from the rejection sampler's num_sampled / num_rejected; and the
+  metadata key ``engine``: the engine's fingerprint keys as the load decision reads them
+  (``advise`` refuses files of another engine than its table). Migration: a 1.1 file reads with
+  both columns ABSENT (no acceptance recorded).
 
 Compatibility rules, as for tables: a reader accepts every minor of its major
 (columns a newer minor adds are ignored; a minor may only add columns); a newer
@@ -49,14 +56,14 @@ import numpy as np
 from dspark_calib import __version__
 from dspark_calib.atomic import atomic_write
 from dspark_calib.errors import CalibError, display_path, first_line
-from dspark_calib.fileformat.arrow import column
+from dspark_calib.fileformat.arrow import column, list_column
 from dspark_calib.fileformat.limits import ReadLimits, load_json
 from dspark_calib.fileformat.version import Migrations, parse_version
-from dspark_calib.observe.step import (ABSENT, BOOL, COLUMNS, FLOAT, INT, NULLABLE, PREFILL, ObservedStep, ObserveMeta,
-                                       column_problem, meta_problem)
+from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COLUMNS, FLOAT, INT, NULLABLE, POSITIONS, PREFILL,
+                                       ObservedStep, ObserveMeta, column_problem, meta_problem)
 from dspark_calib.safe_open import open_local
 
-OBSERVED_SCHEMA_VERSION = "1.1"
+OBSERVED_SCHEMA_VERSION = "1.2"
 METADATA_KEY = b"dspark_calib_observed"
 FILE_PREFIX = "observed-"
 # Reading, as tables are read (fileformat.limits): a writer's file is rows_per_file rows (4096 by
@@ -75,7 +82,7 @@ def _utc_now() -> str:
 def _arrow_types() -> dict[str, Any]:
     import pyarrow as pa
 
-    return {INT: pa.int64(), FLOAT: pa.float64(), BOOL: pa.bool_()}
+    return {INT: pa.int64(), FLOAT: pa.float64(), BOOL: pa.bool_(), POSITIONS: pa.list_(pa.int64())}
 
 
 class ObservedWriter:
@@ -201,10 +208,19 @@ def read_observed(sources: Iterable[str | os.PathLike]) -> ObservedSteps:
         rows += len(cols["step"])
         parts.append(cols)
         metas.append(meta)
-    columns = {name: np.concatenate([p[name] for p in parts]) for name in COLUMNS}
+    columns = {name: _concatenate([p[name] for p in parts]) for name in COLUMNS}
     for arr in columns.values():
         arr.flags.writeable = False
     return ObservedSteps(columns=columns, files=tuple(paths), metadata=tuple(ObserveMeta.from_dict(m) for m in metas))
+
+
+def _concatenate(parts: list[np.ndarray]) -> np.ndarray:
+    """Rows of several files; per-position columns padded with 0 (nothing graded there) to the
+    widest file's positions."""
+    if parts[0].ndim == 1:
+        return np.concatenate(parts)
+    width = max(p.shape[1] for p in parts)
+    return np.concatenate([np.pad(p, ((0, 0), (0, width - p.shape[1]))) for p in parts])
 
 
 # -- migrations: a minor only adds columns; an older minor's file reads them as ABSENT ------------
@@ -219,6 +235,14 @@ def _m_1_0_to_1_1(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np
     rows = len(next(iter(cols.values()))) if cols else 0
     return {**cols, **{name: np.full(rows, ABSENT, dtype=COLUMNS[name]) for name in PREFILL}}, \
         {**meta, "schema_version": "1.1"}
+
+
+@migration("1.1", "1.2")
+def _m_1_1_to_1_2(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """1.2 added the per-position acceptance: a 1.1 engine recorded none (advise refuses such files)."""
+    rows = len(next(iter(cols.values()))) if cols else 0
+    return {**cols, **{name: np.full((rows, 1), ABSENT, dtype=np.int64) for name in ACCEPTANCE}}, \
+        {**meta, "schema_version": "1.2"}
 
 
 def _read_one(path: str, rows_left: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -254,8 +278,8 @@ def _read_one(path: str, rows_left: int) -> tuple[dict[str, np.ndarray], dict[st
         col = arrow.column(name)
         if col.null_count and name not in NULLABLE:
             raise CalibError(f"column {name} has {col.null_count} null values", path=shown)
-        values, valid = column(arrow, name)  # fresh arrays (concatenated from the chunks)
-        values[~valid] = ABSENT  # nullable budgets and prefill columns: ABSENT where null
+        values, valid = (list_column if COLUMNS[name] == POSITIONS else column)(arrow, name)  # fresh arrays
+        values[~valid] = ABSENT  # nullable budgets, prefill and acceptance columns: ABSENT where null
         cols[name] = values
     cols, meta, _ = MIGRATIONS.apply(cols, meta, shown)
     missing = [name for name in COLUMNS if name not in cols]

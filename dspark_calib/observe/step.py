@@ -17,6 +17,7 @@ from dspark_calib.fileformat.limits import MAX_CONTEXT_LEN, MAX_NUM_SEQS, MAX_ST
 from dspark_calib.pricing.policy import STOCK, PricingPolicy
 
 INT, FLOAT, BOOL = "int64", "float64", "bool"
+POSITIONS = "int64[]"  # one int64 per draft position (a list column; in memory a (rows, positions) array)
 # Column -> type, in file order. Every step the engine observed:
 COLUMNS: dict[str, str] = {
     "step": INT,  # the engine's step counter (increasing per writer)
@@ -40,11 +41,17 @@ COLUMNS: dict[str, str] = {
     "prefill_tokens": INT,
     "prefill_context_sum": INT,
     "prefill_pairs": INT,
+    # 1.2: the drafts judged per position (null: not recorded), as vLLM's acceptance estimator labels
+    # them: position i is graded in a request whose first i drafts were accepted and which verified an
+    # (i+1)-th; accepted when that draft was accepted too
+    "position_graded": POSITIONS,
+    "position_accepted": POSITIONS,
 }
 BUDGETS = ("budget_static", "budget_context_aware")
 PREFILL = ("prefill_tokens", "prefill_context_sum", "prefill_pairs")
-NULLABLE = frozenset(BUDGETS + PREFILL)
-ABSENT = -1  # in memory, a null budget
+ACCEPTANCE = ("position_graded", "position_accepted")
+NULLABLE = frozenset(BUDGETS + PREFILL + ACCEPTANCE)
+ABSENT = -1  # in memory, a null budget; a null acceptance row is ABSENT at every position
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +77,8 @@ class ObservedStep:
     prefill_tokens: int | None = None
     prefill_context_sum: int | None = None
     prefill_pairs: int | None = None
+    position_graded: tuple[int, ...] | None = None
+    position_accepted: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         problem = row_problem({f.name: getattr(self, f.name) for f in fields(self)})
@@ -109,6 +118,35 @@ def row_problem(r: dict[str, Any]) -> str | None:
                 or not 2 * tokens <= pairs <= tokens * (r["context_max"] + tokens):
             return (f"prefill columns disagree with the step (tokens {tokens}, context sum {ctx_sum}, pairs {pairs}; "
                     f"step: {r['num_target_tokens']} tokens, context sum {total}, max {r['context_max']})")
+    graded, accepted = r["position_graded"], r["position_accepted"]
+    if (graded is None) != (accepted is None):
+        return "position_graded and position_accepted must both be recorded or both be None"
+    if graded is not None:
+        if len(graded) != len(accepted) or not graded or not all(
+                isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (*graded, *accepted)):
+            return f"position_graded/accepted must be equal-length lists of integers, got {graded!r}, {accepted!r}"
+        bad = acceptance_problem(np.array([graded]), np.array([accepted]), np.array([n]), np.array([r["draft_budget"]]))
+        if bad is not None:
+            return f"{bad[1]} (graded {list(graded)}, accepted {list(accepted)})"
+    return None
+
+
+def acceptance_problem(graded: np.ndarray, accepted: np.ndarray, num_reqs: np.ndarray,
+                       draft_budget: np.ndarray) -> tuple[np.ndarray, str] | None:
+    """(bad rows, what) of the first rule recorded acceptance rows break, or None. Rows whose first
+    entry is ABSENT are not recorded. A request graded at position i+1 had its draft i accepted,
+    and each graded draft was verified: graded never rises along positions, accepted[i] lies
+    between graded[i+1] and graded[i], graded[0] <= num_reqs and the graded sum <= draft_budget."""
+    known = graded[:, 0] != ABSENT
+    nxt = np.concatenate([graded[:, 1:], np.zeros((len(graded), 1), dtype=graded.dtype)], axis=1)
+    for bad, what in (((accepted[:, 0] != ABSENT) != known, "position_graded/accepted null in one, not both"),
+                      (known & ((graded < 0).any(axis=1) | (accepted < 0).any(axis=1)), "negative acceptance counts"),
+                      (known & (graded[:, 0] > num_reqs), "more requests graded at position 1 than the step has"),
+                      (known & (graded.sum(axis=1) > draft_budget), "more drafts graded than verified"),
+                      (known & ((accepted > graded) | (accepted < nxt)).any(axis=1),
+                       "accepted drafts outside graded[i+1]..graded[i]")):
+        if bad.any():
+            return bad, what
     return None
 
 
@@ -188,6 +226,9 @@ def column_problem(c: dict[str, np.ndarray]) -> str | None:
                             | (ctx_sum > c["context_sum"]) | ((tokens == 0) & (ctx_sum != 0)) | (pairs < 2 * tokens)
                             | (pairs > tokens * (c["context_max"] + tokens))),
                    "prefill columns disagree with the step's tokens and contexts"))
+    acceptance = acceptance_problem(c["position_graded"], c["position_accepted"], c["num_reqs"], c["draft_budget"])
+    if acceptance is not None:
+        checks.append(acceptance)
     for bad, what in checks:
         if bad.any():
             row = int(np.flatnonzero(bad)[0])

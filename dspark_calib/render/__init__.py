@@ -16,10 +16,16 @@ def plot_table(*args: Any, **kwargs: Any) -> str:
     return draw(*args, **kwargs)
 
 
+def plot_advice(*args: Any, **kwargs: Any) -> str:
+    from dspark_calib.render.plots import plot_advice as draw
+
+    return draw(*args, **kwargs)
+
+
 def plot_diff(*args: Any, **kwargs: Any) -> str:
     from dspark_calib.render.plots import plot_diff as draw
 
     return draw(*args, **kwargs)
 
 
-__all__ = ["plot_diff", "plot_table", "render_diff", "render_inspect", "render_summary"]
+__all__ = ["plot_advice", "plot_diff", "plot_table", "render_diff", "render_inspect", "render_summary"]

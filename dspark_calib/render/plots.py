@@ -1,4 +1,4 @@
-"""Plots (matplotlib) of inspect and diff results: drawing only.
+"""Plots (matplotlib) of inspect, diff and advise results: drawing only.
 
 Figure + Agg canvas directly, not pyplot: no global backend state. matplotlib is
 imported inside the functions so commands without --plot never pay for it. Files
@@ -16,6 +16,7 @@ import numpy as np
 from dspark_calib.fit import CURVE_KINDS, DRAFT
 
 if TYPE_CHECKING:
+    from dspark_calib.advise import Advice
     from dspark_calib.compare import DiffResult
     from dspark_calib.table.model import CostTable
 
@@ -160,4 +161,34 @@ def plot_diff(old: "CostTable", new: "CostTable", path: str | os.PathLike, *, re
         ax.set_ylabel("change, %")
         ax.set_title(f"{kind}: new vs old")
     fig.suptitle(f"diff {result.old_hash} → {result.new_hash}")
+    return _save(fig, path)
+
+
+def plot_advice(advice: "Advice", path: str | os.PathLike) -> str:
+    """Modelled goodput against batch size, one panel per context: each fixed K (thin), adaptive
+    verification priced context-aware (bold) and at one context (dashed)."""
+    ctxs = advice.contexts
+    cols = min(3, len(ctxs))
+    rows = -(-len(ctxs) // cols)
+    fig, axes = _new_figure(rows, cols, 3.8 * rows)
+    for i, ctx in enumerate(ctxs):
+        ax = axes[i // cols][i % cols]
+        cells = [c for c in advice.cells if c.context_len == ctx]
+        n = [c.num_reqs for c in cells]
+        for K in range(1, advice.num_speculative_tokens + 1):
+            y = [c.fixed[K - 1].goodput if c.fixed[K - 1] is not None else np.nan for c in cells]
+            ax.plot(n, y, linewidth=0.8, alpha=0.7, label=f"K={K}")
+        ax.plot(n, [c.adaptive.goodput for c in cells], color="black", linewidth=2.2, label="adaptive")
+        ax.plot(n, [c.one_context.goodput for c in cells], color="tab:red", linestyle="--", linewidth=1.5,
+                label=f"adaptive @{advice.one_context}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests in the batch")
+        ax.set_ylabel("generated tokens / ms")
+        ax.set_title(f"context {ctx}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="x-small", loc="upper left", ncol=2)
+    for j in range(len(ctxs), rows * cols):
+        axes[j // cols][j % cols].set_visible(False)
+    rates = ", ".join(f"{r:.2f}" for r in advice.acceptance.rates)
+    fig.suptitle(f"advise [{advice.table_hash[:12]}]: acceptance {rates} ({advice.acceptance.source})")
     return _save(fig, path)

@@ -18,6 +18,11 @@ Why here, and how, in vLLM 0.33's V2 runner:
 * Sampled steps only (every Nth priced step, DSPARK_CALIB_OBSERVE_EVERY) record
   events; they are resolved with ``query()`` on later sampled steps and at
   shutdown (observe.step.PendingSteps, bounded): never a host sync per step.
+* The step's acceptance: ``propose`` is handed the rejection sampler's per-request
+  num_sampled / num_rejected; on a sampled step both are copied to pinned host memory
+  (non_blocking) on the current stream before drafter_start, so they have landed once
+  drafter_end's query() is true; the per-position counts are made on the host then
+  (step_capture.acceptance_counts). No sync, no kernel.
 * TP rank 0 only: other ranks install nothing (no collective, no work). Files
   ``observed-dp{D}-{pid}-e{N}-*.parquet``, rolling and bounded (ObservedWriter).
 * Any failure inside observe is one WARNING line and observe turns off; vLLM's
@@ -50,13 +55,14 @@ _engines = itertools.count()  # per process: a second engine start in one proces
 class _Step:
     """A sampled step in flight on the host (filled by the call points, in order)."""
 
-    __slots__ = ("index", "capture", "batch", "events", "forward_ended")
+    __slots__ = ("index", "capture", "batch", "events", "forward_ended", "acceptance")
 
     def __init__(self, index: int, capture: Any):
         self.index, self.capture = index, capture
         self.batch = None  # (full_cudagraph, num_target_tokens, num_reqs), as vLLM's record_batch
         self.events = None
         self.forward_ended = False
+        self.acceptance = None  # (num_sampled, num_rejected) on their way to the host
 
 
 class Observer:
@@ -127,11 +133,17 @@ class Observer:
             except Exception as exc:  # noqa: BLE001
                 self.fail(exc)
 
-    def drafter_start(self) -> bool:
+    def drafter_start(self, num_sampled: Any = None, num_rejected: Any = None) -> bool:
+        """Start timing the drafter; first start copying the step's verdict (the rejection sampler's
+        per-request counts) to the host, outside both timed windows."""
         step = self.current
         if step is None or not step.forward_ended:
             return False
         try:
+            if num_sampled is not None and num_rejected is not None:
+                n = step.batch[2]
+                step.acceptance = (num_sampled[:n].to("cpu", non_blocking=True),
+                                   num_rejected[:n].to("cpu", non_blocking=True))  # pinned: no sync
             step.events.drafter_start.record()
             return True
         except Exception as exc:  # noqa: BLE001
@@ -151,18 +163,22 @@ class Observer:
     # -- resolving and writing -------------------------------------------------------------
     def drain(self) -> int:
         """Write every step whose events are done (query() only); returns how many."""
-        from dspark_calib.vllm.step_capture import to_observed
+        from dspark_calib.vllm.step_capture import acceptance_counts, to_observed
 
         done = self.pending.resolve_ready()
         if not done:
             return 0
         writer = self.writer or self._open_writer()
         aware = self.pricing is not None and self.pricing.policy.context_aware
+        positions = int(self.manager.num_speculative_steps)
         for forward_ms, drafter_ms, step in done:
             full_cudagraph, num_target_tokens, _ = step.batch
+            # copied before drafter_end on the same stream: landed, since drafter_end is done
+            acceptance = None if step.acceptance is None else acceptance_counts(
+                step.acceptance[0].numpy(), step.acceptance[1].numpy(), positions)
             writer.append(to_observed(step.capture, step=step.index, forward_ms=forward_ms, drafter_ms=drafter_ms,
                                       num_target_tokens=num_target_tokens, full_cudagraph=full_cudagraph,
-                                      context_aware=aware))
+                                      context_aware=aware, acceptance=acceptance))
         return len(done)
 
     def _open_writer(self) -> Any:
@@ -245,9 +261,11 @@ def attach(runner: Any, obs: Observer) -> Observer:
                 obs.forward_start()
         return wrapper
 
+    verdict = _verdict_reader(runner.speculator.propose)
+
     def propose(inner: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if obs.current is None or kwargs.get("dummy_run") or not obs.drafter_start():
+            if obs.current is None or kwargs.get("dummy_run") or not obs.drafter_start(*verdict(args, kwargs)):
                 return inner(*args, **kwargs)
             out = inner(*args, **kwargs)
             obs.drafter_end()
@@ -273,6 +291,21 @@ def attach(runner: Any, obs: Observer) -> Observer:
     obs.at_exit = functools.partial(_close_if_alive, weakref.ref(obs))  # exit flushes; never keeps obs alive
     atexit.register(obs.at_exit)
     return obs
+
+
+def _verdict_reader(propose: Callable) -> Callable[[tuple, dict], tuple[Any, Any]]:
+    """(num_sampled, num_rejected) from a propose call's arguments, by the parameters' names
+    (shape.KEYWORDS checks that propose has both)."""
+    import inspect
+
+    names = list(inspect.signature(propose).parameters)
+    at = [names.index(name) for name in ("num_sampled", "num_rejected")]
+
+    def read(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        return tuple(args[i] if i < len(args) else kwargs.get(name)
+                     for i, name in zip(at, ("num_sampled", "num_rejected")))  # type: ignore[return-value]
+
+    return read
 
 
 def _close_if_alive(ref: Callable[[], Observer | None]) -> None:
@@ -383,6 +416,11 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
         max_model_len = getattr(runner, "max_model_len", None)
         if isinstance(max_model_len, int) and max_model_len > 0:
             meta["max_model_len"] = max_model_len  # how far validate extrapolates a stock engine's steps
+        from dspark_calib.vllm.engine_info import describe_engine
+
+        # the engine's fingerprint keys (capture sizes from the config: graphs are captured later), so
+        # advise can refuse files of another engine than its table's
+        meta["engine"] = describe_engine(manager, [], getattr(runner, "vllm_config", None))
         from dspark_calib.vllm.step_capture import pricing_for, stock_context
 
         obs = Observer(manager, directory, every=every, event_factory=event_factory,

@@ -238,7 +238,7 @@ KEYWORDS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("model_runner", "GPUModelRunner", "execute_model", ("dummy_run",)),
     ("model_runner", "GPUModelRunner", "initialize_kv_cache", ("kv_cache_config", "is_profiling")),
     ("model_runner", "GPUModelRunner", "shutdown", ()),
-    ("speculator", "BaseSpeculator", "propose", ("dummy_run",)),
+    ("speculator", "BaseSpeculator", "propose", ("dummy_run", "num_sampled", "num_rejected")),
 )
 # (module, class, attributes): what the modes read or set on vLLM's objects, found as
 # ``self.NAME = ...`` in the class's source (instance attributes exist only once built).
@@ -322,8 +322,11 @@ def observe_problem(runner: Any, async_utils: ModuleType | None = None) -> str:
         return "the runner's step_timing.forward_start() is missing"
     if "dummy_run" not in _params(getattr(runner, "execute_model", None)):
         return "the runner's execute_model has no dummy_run parameter"
-    if "dummy_run" not in _params(getattr(getattr(runner, "speculator", None), "propose", None)):
+    propose = _params(getattr(getattr(runner, "speculator", None), "propose", None))
+    if "dummy_run" not in propose:
         return "the runner has no speculator.propose(..., dummy_run=) (no drafter to time)"
+    if "num_sampled" not in propose or "num_rejected" not in propose:
+        return "the runner's speculator.propose takes no num_sampled/num_rejected (no acceptance to record)"
     manager = getattr(runner, "adaptive_verification", None)
     if not callable(getattr(manager, "get_num_tokens", None)) or not hasattr(manager, "req_states"):
         return "the runner's adaptive_verification manager has no get_num_tokens/req_states"

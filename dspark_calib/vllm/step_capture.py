@@ -83,10 +83,30 @@ def capture_step(manager: Any, num_tokens_per_req: Mapping[str, int], draft_toke
         prefill_tokens=int(q.sum()), prefill_context_sum=int(c.sum()), prefill_pairs=int((q * (c + q)).sum()))
 
 
+def acceptance_counts(num_sampled: Any, num_rejected: Any, positions: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(graded, accepted) per draft position from the rejection sampler's per-request counts.
+
+    vLLM's num_sampled is the accepted drafts plus the bonus token (0 for a request still
+    mid-prefill, which samples nothing), num_rejected the verified drafts after the first
+    rejection; so a = num_sampled - 1 drafts were accepted out of d = a + num_rejected verified.
+    Position i is graded where a >= i and d > i, accepted where a > i: the drafts vLLM's
+    acceptance estimator labels (``_accumulate_kernel``: observed, label)."""
+    sampled = np.asarray(num_sampled, dtype=np.int64)
+    keep = sampled > 0
+    a = sampled[keep] - 1
+    d = a + np.asarray(num_rejected, dtype=np.int64)[keep]
+    i = np.arange(positions)[:, None]
+    graded = ((a[None, :] >= i) & (d[None, :] > i)).sum(axis=1)
+    accepted = (a[None, :] > i).sum(axis=1)
+    return tuple(int(x) for x in graded), tuple(int(x) for x in accepted)
+
+
 def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_ms: float, num_target_tokens: int,
-                full_cudagraph: bool, context_aware: bool) -> ObservedStep:
+                full_cudagraph: bool, context_aware: bool,
+                acceptance: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> ObservedStep:
     """The observed record: the capture plus the step's resolved timings (vLLM's StepTimingSample
-    fields). context_aware: the engine priced with the grid (the alternative is single-context)."""
+    fields). context_aware: the engine priced with the grid (the alternative is single-context).
+    acceptance: acceptance_counts of the step's verification (None: not read)."""
     chosen, alt = capture.draft_budget, capture.alt_budget
     return ObservedStep(
         step=step, forward_ms=float(forward_ms), drafter_ms=float(drafter_ms),
@@ -96,7 +116,8 @@ def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_m
         predicted_draft_ms=capture.predicted_draft_ms, predicted_verify_ms=capture.predicted_verify_ms,
         budget_static=alt if context_aware else chosen, budget_context_aware=chosen if context_aware else alt,
         prefill_tokens=capture.prefill_tokens, prefill_context_sum=capture.prefill_context_sum,
-        prefill_pairs=capture.prefill_pairs)
+        prefill_pairs=capture.prefill_pairs, position_graded=None if acceptance is None else acceptance[0],
+        position_accepted=None if acceptance is None else acceptance[1])
 
 
 # -- how the engine prices its steps (read once, at the first sampled step) ----------------------

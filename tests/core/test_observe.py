@@ -12,7 +12,7 @@ import pytest
 
 from dspark_calib.observe import file as observe
 from dspark_calib.errors import CalibError
-from dspark_calib.observe.step import ABSENT, COLUMNS, PREFILL, ObservedStep, PendingSteps
+from dspark_calib.observe.step import ABSENT, ACCEPTANCE, COLUMNS, PREFILL, ObservedStep, PendingSteps
 from dspark_calib.observe.file import ObservedWriter, read_observed
 
 
@@ -25,10 +25,16 @@ def step(i=0, **kw):
     return ObservedStep(**base)
 
 
+# 8 requests, 40 drafts verified: 6 accepted at position 1, 4 at 2, ... (each graded one had all before accepted)
+GRADED, ACCEPTED = (8, 6, 4, 2, 1, 0, 0), (6, 4, 2, 1, 0, 0, 0)
+
+
 def test_round_trip_keeps_every_value(tmp_path):
     steps = [step(i, budget_static=i % 3 if i % 2 else None, full_cudagraph=bool(i % 2),
                   **(dict(prefill_tokens=3 * i, prefill_context_sum=100 * i, prefill_pairs=3 * i * (100 + 3 * i))
-                     if i % 3 else {})) for i in range(7)]
+                     if i % 3 else {}),
+                  **(dict(position_graded=GRADED, position_accepted=ACCEPTED) if i % 2 == 0 else {}))
+             for i in range(7)]
     with ObservedWriter(tmp_path, metadata={"mode": "context_aware", "table_hash": "ab" * 32, "tp_rank": 1}) as w:
         for s in steps:
             w.append(s)
@@ -38,7 +44,8 @@ def test_round_trip_keeps_every_value(tmp_path):
     assert os.path.basename(got.files[0]).startswith("observed-r1-")
     for name in COLUMNS:
         want = [getattr(s, name) for s in steps]
-        want = [ABSENT if v is None else v for v in want]
+        absent = [ABSENT] * len(GRADED) if name in ACCEPTANCE else ABSENT
+        want = [absent if v is None else list(v) if isinstance(v, tuple) else v for v in want]
         assert got[name].tolist() == want, name
 
 
@@ -94,7 +101,16 @@ def test_an_unusable_directory_is_one_line(tmp_path):
                                  dict(prefill_tokens=10, prefill_context_sum=1000, prefill_pairs=19),
                                  dict(prefill_tokens=10, prefill_context_sum=1000, prefill_pairs=10 * 2011),
                                  dict(prefill_tokens=0, prefill_context_sum=5, prefill_pairs=0),
-                                 dict(prefill_tokens=-2, prefill_context_sum=0, prefill_pairs=0)])
+                                 dict(prefill_tokens=-2, prefill_context_sum=0, prefill_pairs=0),
+                                 # acceptance: both or neither, equal lengths, counts that a verification can give
+                                 dict(position_graded=GRADED),
+                                 dict(position_graded=GRADED, position_accepted=ACCEPTED[:3]),
+                                 dict(position_graded=(9, 0), position_accepted=(0, 0)),  # more than 8 requests
+                                 dict(position_graded=(8, 8, 8, 8, 8, 8), position_accepted=(8,) * 6),  # 48 > 40 drafts
+                                 dict(position_graded=(4, 5), position_accepted=(4, 1)),  # graded rises
+                                 dict(position_graded=(4, 3), position_accepted=(2, 1)),  # 3 graded at 2, 2 accepted at 1
+                                 dict(position_graded=(4, 0), position_accepted=(5, 0)),
+                                 dict(position_graded=(4, -1), position_accepted=(2, 0))])
 def test_bad_steps_are_refused(bad):
     with pytest.raises(CalibError) as err:
         step(**bad)
@@ -169,13 +185,45 @@ def test_bad_files_are_one_line_errors_naming_the_file(tmp_path):
 def test_a_1_0_file_reads_with_the_prefill_columns_absent(tmp_path):
     """The 1.0 -> 1.1 migration: the H200 files of 2026-11-30 are 1.0 and must stay readable."""
     good = _good_file(tmp_path)
-    t = pq.read_table(good).drop_columns(list(PREFILL))
+    t = pq.read_table(good).drop_columns(list(PREFILL + ACCEPTANCE))
     meta = json.loads(t.schema.metadata[observe.METADATA_KEY])
     meta["schema_version"] = "1.0"
     pq.write_table(t.replace_schema_metadata({observe.METADATA_KEY: json.dumps(meta).encode()}), tmp_path / "old.parquet")
     got = read_observed([tmp_path / "old.parquet"])
     assert len(got) == 4 and all(got[name].tolist() == [ABSENT] * 4 for name in PREFILL)
     assert got["forward_ms"].tolist() == read_observed([good])["forward_ms"].tolist()
+
+
+def test_a_1_1_file_reads_with_no_acceptance_recorded(tmp_path):
+    """The 1.1 -> 1.2 migration: a 1.1 file has no acceptance columns; every row reads as not recorded."""
+    good = _good_file(tmp_path)
+    t = pq.read_table(good).drop_columns(list(ACCEPTANCE))
+    meta = json.loads(t.schema.metadata[observe.METADATA_KEY])
+    meta["schema_version"] = "1.1"
+    pq.write_table(t.replace_schema_metadata({observe.METADATA_KEY: json.dumps(meta).encode()}), tmp_path / "old.parquet")
+    got = read_observed([tmp_path / "old.parquet"])
+    assert all((got[name][:, 0] == ABSENT).all() for name in ACCEPTANCE)
+    assert got.metadata[0].raw["schema_version"] == "1.2"
+
+
+def test_files_of_different_widths_read_together_padded(tmp_path):
+    """Files of engines with other num_speculative_tokens read together: the shorter lists are padded with
+    0 (nothing graded there), a file without acceptance stays not recorded."""
+    with ObservedWriter(tmp_path / "a", name="a") as w:
+        w.append(step(0, position_graded=(8, 6), position_accepted=(6, 4)))
+    with ObservedWriter(tmp_path / "b", name="b") as w:
+        w.append(step(1, position_graded=GRADED, position_accepted=ACCEPTED))
+        w.append(step(2))
+    got = read_observed([tmp_path / "a", tmp_path / "b"])
+    assert got["position_graded"].tolist() == [[8, 6, 0, 0, 0, 0, 0], list(GRADED), [ABSENT] * 7]
+
+
+def test_bad_acceptance_in_a_file_is_one_line(tmp_path):
+    with ObservedWriter(tmp_path / "ok") as w:
+        w.append(step(0, position_graded=(8, 6), position_accepted=(6, 4)))
+    bad = _rewrite(w.files[0], tmp_path / "bad.parquet", replace=("position_accepted", [[5, 4]]))
+    with pytest.raises(CalibError, match="row 0: accepted drafts outside"):
+        read_observed([bad])
 
 
 def test_a_newer_minor_with_extra_columns_is_read(tmp_path):

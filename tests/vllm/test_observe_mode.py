@@ -67,10 +67,13 @@ def events_factory(clock):
 
 
 class Speculator:
+    """vLLM's propose parameters up to the rejection sampler's counts (speculator.py)."""
+
     def __init__(self, runner):
         self.runner = runner
 
-    def propose(self, input_batch, *args, dummy_run=False, **kwargs):
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                num_sampled, num_rejected, *args, dummy_run=False, **kwargs):
         self.runner.clock.t += self.runner.drafter_ms
         return None
 
@@ -92,6 +95,7 @@ class FakeRunner:
         if drafts and not dummy_run:
             total = self.adaptive_verification.get_num_tokens(num_tokens, drafts)
         batch = SimpleNamespace(num_tokens=total, num_reqs=len(num_tokens))
+        self.budget = total - len(num_tokens) if drafts and not dummy_run else 0
         self.step_timing.record_batch(batch, full)
         self.step_timing.forward_start()
         self.clock.t += self.forward_ms
@@ -99,17 +103,31 @@ class FakeRunner:
 
     def sample_tokens(self, grammar_output=None):
         self.clock.t += 0.25  # the sampler: between forward end and drafter start, in neither span
-        self.speculator.propose(self.batch)
+        self.verdict = verdict(self.batch.num_reqs, self.budget)
+        self.speculator.propose(self.batch, None, None, None, None, *self.verdict)
 
     def _dummy_run(self, num_tokens):
         self.execute_model(({f"d{i}": 1 for i in range(num_tokens)}, {}, True), dummy_run=True)
         self.step_timing.forward_end()
         self.step_timing.drafter_start()
-        self.speculator.propose(self.batch, dummy_run=True)
+        self.speculator.propose(self.batch, None, None, None, None, *verdict(num_tokens, 0), dummy_run=True)
         self.step_timing.drafter_end()
 
     def shutdown(self):
         self.shut = True
+
+
+def verdict(num_reqs, budget):
+    """The rejection sampler's (num_sampled, num_rejected), as tensors: the budget spread as vLLM's
+    compact_batch spreads it, request i accepting i % 3 of its drafts (at most all); a padded row past
+    num_reqs (vLLM's tensors may be longer) that must not count."""
+    import torch
+
+    drafts = np.full(num_reqs, budget // num_reqs)
+    drafts[:budget % num_reqs] += 1
+    accepted = np.minimum(np.arange(num_reqs) % 3, drafts)
+    return (torch.tensor([*(accepted + 1), 5], dtype=torch.int32),
+            torch.tensor([*(drafts - accepted), 0], dtype=torch.int32))
 
 
 @pytest.fixture(autouse=True)
@@ -175,7 +193,31 @@ def test_sampled_steps_join_their_own_timings(engine):
     np.testing.assert_allclose(rows["predicted_verify_ms"], tables[1][rows["num_target_tokens"]])
     meta = read_observed([obs.directory]).metadata[0]
     assert meta.mode == "stock" and meta.sample_every == 2 and meta.max_num_reqs == 256
+    assert meta.raw["engine"]["num_speculative_tokens"] == 7  # the manager's (describe_engine)
     assert all(n.startswith(f"observed-dp0-{os.getpid()}-e") for n in os.listdir(obs.directory))
+
+
+def test_sampled_steps_record_their_own_acceptance(engine):
+    """Each row's per-position counts come from its own step's num_sampled / num_rejected (a padded
+    row past num_reqs ignored), read after drafter_end without a sync."""
+    from dspark_calib.vllm.step_capture import acceptance_counts
+
+    runner, clock = engine
+    obs = start(runner, clock)
+    want = {}
+    for n in range(1, 21):
+        step(runner, n)
+        if n % 2 == 0:
+            ns, nr = runner.verdict
+            want[n] = acceptance_counts(ns.numpy()[:n], nr.numpy()[:n], 7)
+    runner.shutdown()
+    rows = read_observed([obs.directory])
+    assert clock.syncs == 0
+    got = {int(n): (tuple(g), tuple(a)) for n, g, a in zip(rows["num_reqs"], rows["position_graded"].tolist(),
+                                                            rows["position_accepted"].tolist())}
+    assert got == want
+    assert got[20] != got[18] and sum(got[20][0]) > 0
+    assert (rows["position_graded"].sum(axis=1) <= rows["draft_budget"]).all()
 
 
 def test_untimed_steps_never_misalign_the_join(engine, monkeypatch):
@@ -498,3 +540,12 @@ def test_steps_above_the_longest_context_are_priced_on_the_line_and_validate_agr
     assert all(rows["priced_context"] == 24000) and all(rows["predicted_draft_ms"] > flat[0][rows["num_reqs"]])
     result = validate(reference_table, rows)
     assert result.engine.compared == 2 and result.engine.verify_equal == result.engine.draft_equal == 2
+
+
+def test_acceptance_counts_by_hand():
+    """a = num_sampled - 1 accepted of d = a + num_rejected verified; graded where a >= i < d, accepted where a > i.
+    Request 0: 2 of 4 accepted; 1: no draft verified; 2: mid-prefill (samples nothing); 3: all 7 accepted."""
+    from dspark_calib.vllm.step_capture import acceptance_counts
+
+    assert acceptance_counts([3, 1, 0, 8], [2, 0, 0, 0], 4) == ((2, 2, 2, 1), (2, 2, 1, 1))
+    assert acceptance_counts([1, 1], [1, 3], 3) == ((2, 0, 0), (0, 0, 0))  # both rejected their first draft
