@@ -261,6 +261,8 @@ def _every_blocking_key():
     for key in KEYS:
         if key.load in BLOCKING:
             value = getattr(fp, key.name)
+            if value is None and not key.none_is_value:  # added after the table: the engine reports one
+                value = "engine-value"
             text = "null" if value is None else ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
             out += ["--engine", f"{key.name}={text}"]
     return out
