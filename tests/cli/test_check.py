@@ -401,3 +401,25 @@ def test_max_model_len_fitted_to_memory_is_decided_at_start(light, value):
     assert r.exit_code == 3, r.output
     d = json.loads(r.stdout)
     assert "max_model_len" in d["decided_at_start"] and "max_model_len" not in d["engine"]
+
+
+@pytest.mark.parametrize("max_model_len, said", [
+    ("32768", "contexts 1024, 8192, 16384 of max_model_len 32768: above 16384 extrapolated on the line through "
+              "8192 and 16384 (context-aware)"),
+])
+def test_check_and_the_load_line_state_the_tables_coverage_of_max_model_len(max_model_len, said):
+    """check says how far the table's contexts reach against the engine's max_model_len, in its report,
+    its JSON and the plugin's own load line (one sentence: pricing.policy.coverage)."""
+    fp = read_metadata(SHIPPED).fingerprint
+    engine = {"max_model_len": int(max_model_len), "max_num_batched_tokens": fp.max_num_batched_tokens}
+    d = decide(str(SHIPPED), engine, policy="strict")
+    assert d.load and d.coverage == said and f"; {said}" in d.lines[0]
+    r = invoke("check", SHIPPED, "--max-model-len", max_model_len, "--json")
+    assert json.loads(r.stdout)["coverage"] == said
+    text = runner.invoke(app, ["check", str(SHIPPED), "--max-model-len", max_model_len], env={"COLUMNS": "400"})
+    assert f"coverage: {said}" in text.stdout
+
+
+def test_check_states_no_coverage_when_nothing_loads():
+    r = invoke("check", SHIPPED, "--max-model-len", "4096", "--json")
+    assert r.exit_code == 1 and json.loads(r.stdout)["coverage"] == ""
