@@ -321,6 +321,14 @@ def test_fingerprint_records_resolved_engine_values():
     assert fp.kv_block_size == 32 and fp.max_model_len == 32768 and fp.gpu_memory_mib == 143771
     assert fp.target_model == "Qwen3-8B" and fp.extra["engine_args"] == {"block_size": 32}
     assert fp.compilation_hash == engine["compilation_hash"] and fp.torch_version == "2.14.0+cu130"
+    # the config sections vLLM's own hash covers, and the library builds, as the worker read them
+    for key in ("attention_config_hash", "kernel_config_hash", "offload_config_hash", "kv_connector",
+                "additional_config_hash"):
+        assert getattr(fp, key) == engine[key] and engine[key]
+    build = profile_table.fingerprint_from_capture(o, {"engine": engine, "cudagraph_limit": 4, "schedule": schedule,
+                                                       "hardware": {**HARDWARE, "cudnn_version": "92400",
+                                                                    "flashinfer_version": "none"}})
+    assert (build.cudnn_version, build.flashinfer_version) == ("92400", "none")
     with pytest.raises(CalibError, match="did not report vllm_version"):
         profile_table.fingerprint_from_capture(o, {"engine": {k: v for k, v in engine.items() if k != "vllm_version"},
                                             "hardware": {}, "cudagraph_limit": 4, "schedule": schedule})
