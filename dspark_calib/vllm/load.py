@@ -6,7 +6,8 @@ offline). Here it runs inside the engine: on TP rank 0 within the deadline
 group, so every rank of every replica runs the same number of dummy steps (each
 step has TP collectives, and with DP > 1 a DP collective too). A disagreement is
 resolved the same way on every replica (all fall back, or all refuse under
-strict): never a hang.
+strict): never a hang. A replica without a table setting votes too
+(agree_without_table), as one that found no table.
 
 When a table loads, batches_to_profile yields one warm-up run per size above the
 capture limit (those runs JIT the piecewise shapes), then the probe (probe.py):

@@ -403,13 +403,12 @@ def test_max_model_len_fitted_to_memory_is_decided_at_start(light, value):
     assert "max_model_len" in d["decided_at_start"] and "max_model_len" not in d["engine"]
 
 
-@pytest.mark.parametrize("max_model_len, said", [
-    ("32768", "contexts 1024, 8192, 16384 of max_model_len 32768: above 16384 extrapolated on the line through "
-              "8192 and 16384 (context-aware)"),
-])
-def test_check_and_the_load_line_state_the_tables_coverage_of_max_model_len(max_model_len, said):
+def test_check_and_the_load_line_state_the_tables_coverage_of_max_model_len():
     """check says how far the table's contexts reach against the engine's max_model_len, in its report,
     its JSON and the plugin's own load line (one sentence: pricing.policy.coverage)."""
+    max_model_len = "32768"
+    said = ("contexts 1024, 8192, 16384 of max_model_len 32768: above 16384 extrapolated on the line through "
+            "8192 and 16384 (context-aware)")
     fp = read_metadata(SHIPPED).fingerprint
     engine = {"max_model_len": int(max_model_len), "max_num_batched_tokens": fp.max_num_batched_tokens}
     d = decide(str(SHIPPED), engine, policy="strict")
