@@ -155,6 +155,7 @@ class CheckResult:
     at_start: tuple[str, ...] = ()  # blocking keys only the running engine decides
     resolution: str = ""  # how the engine dict was made, one line
     problem: str = ""  # nothing loads and some table could not be read: exit 2 after the report
+    coverage: str = ""  # the chosen table's contexts against the engine's max_model_len
 
     @property
     def chosen(self) -> TableReport | None:
@@ -179,7 +180,8 @@ class CheckResult:
                 "engine": self.engine, "decided_at_start": list(self.at_start),
                 "unchecked": list(self.unchecked), "not_recorded": list(self.unrecorded),
                 "not_load_checks": list(self.ignored),
-                "tables": [t.to_dict() for t in self.tables], "plugin_log": list(self.lines), "problem": self.problem}
+                "coverage": self.coverage, "tables": [t.to_dict() for t in self.tables], "plugin_log": list(self.lines),
+                "problem": self.problem}
 
 
 def check_tables(source: str, engine: dict[str, Any], *, allow_reference: bool = False,
@@ -226,7 +228,7 @@ def check_tables(source: str, engine: dict[str, Any], *, allow_reference: bool =
     unrecorded = list(decision.unrecorded) if chosen else []
     return CheckResult(source, dict(engine), tuple(unchecked_keys(engine)), tuple(ignored_keys(engine)),
                        tuple(reports), tuple(decision.lines), tuple(unrecorded), tuple(decided_at_start(engine)),
-                       resolution, problem)
+                       resolution, problem, decision.coverage if chosen else "")
 
 
 def _fit_reason(c: Any, chosen: Any, pinned: bool = False) -> str:

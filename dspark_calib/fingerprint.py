@@ -71,6 +71,13 @@ class Fingerprint:
     draft_attention_backend: str | None = None
     cudagraph_mode: str | None = None
     compilation_hash: str | None = None
+    attention_config_hash: str | None = None
+    kernel_config_hash: str | None = None
+    offload_config_hash: str | None = None
+    kv_connector: str | None = None
+    additional_config_hash: str | None = None
+    cudnn_version: str | None = None
+    flashinfer_version: str | None = None
     kv_block_size: int | None = None
     data_parallel_size: int | None = None
     expert_parallel_size: int | None = None
@@ -261,6 +268,20 @@ KEYS: tuple[Key, ...] = (
         "overhead per step; read after vLLM resolved it", optional=True),
     Key("compilation_hash", _STR, EQUAL, True, "compilation config", "vLLM's CompilationConfig.compute_hash(): "
         "fusion passes, custom ops, inductor settings that change kernels", optional=True),
+    Key("attention_config_hash", _STR, EQUAL, True, "attention config", "vLLM's AttentionConfig.compute_hash(): "
+        "FlashAttention version, splits under CUDA graphs, backend overrides", optional=True),
+    Key("kernel_config_hash", _STR, EQUAL, True, "kernel config", "vLLM's KernelConfig.compute_hash(): the "
+        "linear and MoE backends and op priorities, so which GEMM and MoE kernels run", optional=True),
+    Key("offload_config_hash", _STR, EQUAL, True, "CPU offload", "vLLM's OffloadConfig.compute_hash(): weights "
+        "offloaded to the CPU are copied in on every step", optional=True),
+    Key("kv_connector", _STR, EQUAL, True, "KV connector", "a connector saves or loads KV around every step; "
+        "vLLM's hash leaves it out, so its name and role are recorded ('none' without one)", optional=True),
+    Key("additional_config_hash", _STR, EQUAL, True, "additional_config", "platform plugins read it and may "
+        "swap kernels; hashed as vLLM's compute_hash does ('none' when empty)", optional=True),
+    Key("cudnn_version", _STR, EQUAL, True, "cuDNN", "the cuDNN build torch loads (a separate wheel): its "
+        "kernels may serve convolutions and attention ('none' without cuDNN)", optional=True),
+    Key("flashinfer_version", _STR, EQUAL, True, "FlashInfer", "vLLM takes sampling, all-reduce fusion and "
+        "attention kernels from it when installed ('none' when not)", optional=True),
     Key("context_lens", _INTS, None, False, "context lengths", "what this run profiled; the loader picks the "
         "curve nearest the context vLLM would profile"),
     Key("replays", _INT, None, False, "replays", "how many samples per point (merge adds them up)"),

@@ -31,6 +31,7 @@ from dspark_calib.errors import PREFIX, CalibError, first_line
 from dspark_calib.fileformat.version import parse_version
 from dspark_calib.fingerprint import BACKEND_REFERENCE, BACKEND_VLLM, Mismatch, load_mismatches
 from dspark_calib.fit import profile_context_len  # vLLM's clamp of the profiled context
+from dspark_calib.pricing.policy import coverage
 from dspark_calib.table.sources import SERVE_LIMITS, Limits, escape, list_candidates, open_table
 
 # Verify cost grows with context (8192 vs 4096: 1.6-1.8x), so ~0.7 per doubling; 10 % of
@@ -84,6 +85,7 @@ class Decision:
     curves: dict = field(default_factory=dict)
     source_error: str = ""  # the source itself could not be listed (scheme, bucket, credentials)
     unrecorded: tuple[str, ...] = ()  # blocking keys the engine gave that the chosen table did not record
+    coverage: str = ""  # the loaded table's contexts against the engine's max_model_len (pricing.policy.coverage)
 
     @property
     def content_hash(self) -> str:
@@ -289,6 +291,8 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     line = (PREFIX + f"loaded cost table {label}, context {ctx} for effective context {effective} "
             f"(engine max_model_len {mml if mml else 'unknown'}), {len(draft)} draft / {len(verify)} verify points; "
             "start-up profiling skipped")
+    covered = coverage(curves, mml if isinstance(mml, int) else None)
+    line += f"; {covered}"
     if best.problems:
         line += f"; despite mismatch {'; '.join(best.problems[:4])} (policy warn)"
     if far:
@@ -308,7 +312,7 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     return Decision(True, (line + others,), logging.WARNING if risky else logging.INFO, draft_curve=draft,
                     verify_curve=verify, candidates=reports, chosen=chosen, context_len=ctx,
                     pair=curves[ctx], pairs=curves, policy=policy, probe=probe, curves=_all_curves(curves),
-                    unrecorded=tuple(unrecorded))
+                    unrecorded=tuple(unrecorded), coverage=covered)
 
 
 def _all_curves(curves: dict) -> dict:

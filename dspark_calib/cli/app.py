@@ -618,7 +618,9 @@ def profile_cmd(
     max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens")] = 8192,
     context_len: Annotated[List[int], typer.Option(
         "--context-len", metavar="L", help="Context length of the dummy requests; repeat for several "
-                                          "(one engine start). Refused if vLLM would clamp it.")] = [8192],
+                                          "(one engine start). Refused if vLLM would clamp it. Default: 1024, "
+                                          "8192 and the longest context vLLM profiles under max_model_len "
+                                          "(max_model_len minus the largest batch's query tokens).")] = [],
     replays: Annotated[int, typer.Option(
         "--replays", help="Timed samples per size and context, run as vLLM runs them: whole blocks of its 5 "
                           "back-to-back replays, so rounded up to a multiple of 5 (--replays 3 gives 5; vLLM "

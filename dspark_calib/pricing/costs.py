@@ -28,7 +28,7 @@ import numpy as np
 
 from dspark_calib.errors import CalibError
 from dspark_calib.fit import DRAFT_FLOOR_MS, VERIFY_FLOOR_MS, build_cost_tables
-from dspark_calib.pricing.policy import CHUNK_RULE
+from dspark_calib.pricing.policy import CHUNK_RULE, extrapolates_above
 from dspark_calib.pricing.rules import chunk_kv_ratio
 
 Tables = tuple[np.ndarray, np.ndarray]
@@ -170,10 +170,8 @@ class ContextCosts:
             self.tables[0] = (zero[0], zero[1])
             self.knots = (0, *self.contexts)
         self.extrapolate_to = int(extrapolate_to)
-        # Guarded as below the range: two longest contexts close together would stretch their
-        # profiling noise over the whole extension; at least a factor 2 apart (8192 and 16384 are).
-        self.extrapolates_above = (len(self.contexts) > 1 and self.extrapolate_to > self.contexts[-1]
-                                   and self.contexts[-1] >= 2 * self.contexts[-2])
+        # Guarded as below the range (policy.extrapolates_above): the two longest at least a factor 2 apart.
+        self.extrapolates_above = extrapolates_above(self.contexts, self.extrapolate_to)
         if self.extrapolates_above:
             (c0, (d0, v0)), (c1, (d1, v1)) = [(c, self.tables[c]) for c in self.contexts[-2:]]
             stretch = (self.extrapolate_to - c1) / (c1 - c0)

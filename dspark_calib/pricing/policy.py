@@ -7,7 +7,7 @@ Standard library only: the plugin entry point and the light commands import it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from dspark_calib.errors import CalibError
 from dspark_calib.fileformat.limits import MAX_CONTEXT_LEN
@@ -44,6 +44,32 @@ def _int_in(value: Any, lo: int, hi: int) -> bool:
 
 def valid_tail(value: Any) -> bool:
     return _int_in(value, 0, MAX_TAIL_MILLI)
+
+
+def extrapolates_above(contexts: Sequence[int], extrapolate_to: int) -> bool:
+    """Whether context-aware costs above the longest profiled context follow the line through the
+    two longest (up to extrapolate_to, the engine's max_model_len): only when those two are at
+    least a factor 2 apart, since two close contexts would stretch their profiling noise over the
+    whole extension. Otherwise the longest context's costs price everything above it."""
+    cs = sorted(int(c) for c in contexts)
+    return len(cs) > 1 and int(extrapolate_to) > cs[-1] and cs[-1] >= 2 * cs[-2]
+
+
+def coverage(contexts: Sequence[int], max_model_len: int | None) -> str:
+    """One clause: the profiled contexts against the engine's max_model_len, and how contexts
+    above the longest are priced (the load line and `check` say it)."""
+    cs = sorted({int(c) for c in contexts})
+    if len(cs) == 1:
+        return f"one profiled context ({cs[0]}): every context priced at its costs"
+    span, top = f"contexts {', '.join(map(str, cs))}", cs[-1]
+    if not max_model_len:
+        return f"{span}; engine max_model_len unknown"
+    if top >= max_model_len:
+        return f"{span} cover max_model_len {max_model_len}"
+    head = f"{span} of max_model_len {max_model_len}: above {top}"
+    if extrapolates_above(cs, max_model_len):
+        return f"{head} extrapolated on the line through {cs[-2]} and {top} (context-aware)"
+    return f"{head} at {top}'s costs ({cs[-2]} and {top} are less than a factor 2 apart)"
 
 
 @dataclass(frozen=True)

@@ -433,6 +433,8 @@ def render_check(result: "CheckResult", console: Console) -> None:
                             style="bold yellow"))
     if result.resolution:
         console.print(Text(f"engine: {result.resolution}", style="dim"), no_wrap=False)
+    if result.coverage:
+        console.print(Text(f"coverage: {result.coverage}"), no_wrap=False)
     rows = [((t.status, t.content_hash[:12] or "—", t.path, t.reason or "—"), CHECK_STYLE.get(t.status) or None)
             for t in result.tables]
     if rows:

@@ -132,6 +132,30 @@ def hf_overrides(e: EngineView) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def section_hash(section: Any) -> str:
+    """vLLM's own hash of one VllmConfig section (the factors it keys its compile cache on)."""
+    return "sha256:" + str(section.compute_hash())[:16]
+
+
+def kv_connector(e: EngineView) -> str:
+    """The KV connector and its role ("none" without one): vLLM's KVTransferConfig hash has no
+    factors, yet a connector saves or loads KV around every step."""
+    kv = e.vllm_config.kv_transfer_config
+    if kv is None or not kv.kv_connector:
+        return "none"
+    return f"{kv.kv_connector}:{kv.kv_role}"
+
+
+def additional_config_hash(e: EngineView) -> str:
+    """additional_config as VllmConfig.compute_hash hashes it: a dict as sorted JSON, an object by its
+    own compute_hash; "none" when empty."""
+    value = e.vllm_config.additional_config
+    if not value:
+        return "none"
+    text = json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value.compute_hash())
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def enum_value(value: Any) -> str:
     return str(getattr(value, "value", value))
 
@@ -169,6 +193,13 @@ READERS: dict[str, Callable[[EngineView], Any]] = {
     "cudagraph_capture_sizes": capture_sizes,
     "cudagraph_mode": lambda e: e.vllm_config.compilation_config.cudagraph_mode.name,
     "compilation_hash": lambda e: "sha256:" + e.vllm_config.compilation_config.compute_hash()[:16],
+    "attention_config_hash": lambda e: section_hash(e.vllm_config.attention_config),
+    "kernel_config_hash": lambda e: section_hash(e.vllm_config.kernel_config),
+    "offload_config_hash": lambda e: section_hash(e.vllm_config.offload_config),
+    "kv_connector": kv_connector,
+    "additional_config_hash": additional_config_hash,
+    "cudnn_version": hw("cudnn_version"),
+    "flashinfer_version": hw("flashinfer_version"),
 }
 
 
@@ -205,7 +236,7 @@ def gpu_name() -> str:
 
 
 def hardware() -> dict[str, Any]:
-    """GPU name/capability/memory, driver, CUDA and torch versions of this process's device."""
+    """GPU name/capability/memory, driver, CUDA, torch, cuDNN and FlashInfer versions of this process's device."""
     out: dict[str, Any] = {}
     try:
         import torch
@@ -220,10 +251,32 @@ def hardware() -> dict[str, Any]:
             out["gpu_memory_mib"] = int(torch.cuda.get_device_properties(dev).total_memory) // (1 << 20)
     except Exception:  # noqa: BLE001 - no torch / no GPU: leave the keys out
         pass
+    out.update(library_builds())
     name = gpu_name()  # the one place the name is read (tests stand in for it here)
     if name:
         out["gpu_name"] = name
     out["driver_version"] = driver_version()
+    return out
+
+
+def library_builds() -> dict[str, str]:
+    """The cuDNN torch loads and the FlashInfer vLLM would import ("none" when absent): kernel
+    libraries that come as wheels of their own, apart from torch's and vLLM's versions."""
+    out: dict[str, str] = {}
+    try:
+        import torch
+
+        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        out["cudnn_version"] = str(version) if version else "none"
+    except Exception:  # noqa: BLE001 - no torch: the key stays unchecked
+        pass
+    import importlib.util
+    from importlib import metadata
+
+    try:
+        out["flashinfer_version"] = metadata.version("flashinfer-python")
+    except metadata.PackageNotFoundError:  # a build without the wheel's metadata is still a FlashInfer
+        out["flashinfer_version"] = "none" if importlib.util.find_spec("flashinfer") is None else "unknown build"
     return out
 
 

@@ -6,7 +6,8 @@ offline). Here it runs inside the engine: on TP rank 0 within the deadline
 group, so every rank of every replica runs the same number of dummy steps (each
 step has TP collectives, and with DP > 1 a DP collective too). A disagreement is
 resolved the same way on every replica (all fall back, or all refuse under
-strict): never a hang.
+strict): never a hang. A replica without a table setting votes too
+(agree_without_table), as one that found no table.
 
 When a table loads, batches_to_profile yields one warm-up run per size above the
 capture limit (those runs JIT the piecewise shapes), then the probe (probe.py):
@@ -146,6 +147,46 @@ def agree_across_dp(what: str, mine: tuple) -> tuple[bool, str, list]:
     return False, f"data-parallel replicas decided differently on the {what} ({shown}{more})", everyone
 
 
+def table_vote(decision: Any, plan: P.Plan | None) -> tuple:
+    """What a replica tells the others about its table decision. The policy too: replicas with
+    different policies may part ways after the probe (one profiles, one refuses or keeps the
+    table) and run different step counts; and the probe's step count (per-replica env may price
+    other contexts)."""
+    return (decision.load, decision.content_hash, bool(decision.refuse), decision.load and decision.probe,
+            decision.policy, len(plan.steps) if plan is not None else 0)
+
+
+def agree_on_table(decision: Any, plan: P.Plan | None, rank0: bool) -> Any:
+    """The decision every data-parallel replica takes: this one when all voted alike, else none
+    loads, and one replica refusing (or strict) makes every replica refuse: none may wait on it."""
+    agreed, why, everyone = agree_across_dp("table", table_vote(decision, plan))
+    if agreed:
+        return decision
+    strict = decision.policy == "strict" or any(
+        v[2] or (len(v) > 4 and v[4] == "strict") for v in everyone if isinstance(v, tuple) and len(v) > 2)
+    line, level, refuse = _policy_line("strict" if strict else decision.policy, why)
+    if rank0:
+        log.log(level, line)
+    return replace(decision, load=False, refuse=line if refuse else "", lines=(line,))
+
+
+def agree_without_table() -> None:
+    """A replica with no table setting (no DSPARK_CALIB_TABLE: observe alone, a setting Ray did not
+    copy, or no DSPARK_CALIB_* at all) still takes part in the data-parallel agreement, voting as a
+    replica that found no table votes: otherwise a replica that has a table waits on it forever
+    while it runs vLLM's profile. Raises RuntimeError (the one line) when the replicas must refuse;
+    with DP 1 it returns at once."""
+    from dspark_calib.vllm.engine_info import tp_rank_and_size
+
+    try:
+        policy = E.policy()
+    except CalibError:
+        policy = "fallback"  # load mode says a bad value where a table is set; here no table is
+    decision = agree_on_table(Decision(False, (), policy=policy), None, tp_rank_and_size()[0] == 0)
+    if decision.refuse:
+        raise RuntimeError(decision.refuse)
+
+
 def _show(value: tuple) -> str:
     return escape(" ".join(str(v)[:12] for v in value), 60)
 
@@ -234,19 +275,7 @@ class LoadMode:
             plan, installed = probe_setup(manager, decision, vllm_batches)
         decision, plan = broadcast_from_rank0((decision, plan))
         run = state_of(manager).run = LoadRun()
-        # the policy too: replicas with different policies may part ways after the probe (one
-        # profiles, one refuses or keeps the table) and run different step counts; and the
-        # probe's step count (per-replica env may price other contexts)
-        agreed, why, everyone = agree_across_dp("table", (decision.load, decision.content_hash, bool(decision.refuse),
-                                                          decision.load and decision.probe, decision.policy,
-                                                          len(plan.steps) if plan is not None else 0))
-        if not agreed:  # one replica refusing (or strict) makes every replica refuse: none may wait on it
-            strict = decision.policy == "strict" or any(
-                v[2] or (len(v) > 4 and v[4] == "strict") for v in everyone if isinstance(v, tuple) and len(v) > 2)
-            line, level, refuse = _policy_line("strict" if strict else decision.policy, why)
-            if rank0:
-                log.log(level, line)
-            decision = replace(decision, load=False, refuse=line if refuse else "", lines=(line,))
+        decision = agree_on_table(decision, plan, rank0)
         run.decision = decision
         if decision.refuse:
             raise RuntimeError(decision.refuse)

@@ -10,15 +10,19 @@ Modes, chosen from the env at each engine start:
 * DSPARK_CALIB_OBSERVE=DIR: observe mode (serving steps timed and written, with or
   without a table), observer.py; it composes with load mode;
 * neither, but the driver announced DSPARK_CALIB_* names this process did not
-  receive (Ray): one ERROR line, vLLM profiles as usual.
+  receive (Ray): one ERROR line, vLLM profiles as usual;
+* no table setting at all: vLLM profiles as usual, and with data parallelism the
+  replica still votes "no table" in the replicas' agreement (load.agree_without_table),
+  so a replica that has a table never waits on one that has none.
 
 It patches vLLM's AdaptiveVerificationManager.batches_to_profile and
 .set_initial_cost_curves, and wraps model_runner's
 maybe_create_adaptive_verification_manager (to hand the manager the engine's
 config) and GPUModelRunner.initialize_kv_cache (where observe mode starts, per
 runner), when vLLM's model runner module is imported (processes that never
-import it pay nothing). On an API shape it does not know, it logs one line and
-leaves vLLM untouched. Our own failures never stop an engine that would
+import it pay nothing), whether or not a DSPARK_CALIB_* variable is set (the
+agreement above needs every replica). On an API shape it does not know, it logs
+one line (when a variable asked for work) and leaves vLLM untouched. Our own failures never stop an engine that would
 otherwise start; capture failures and strict refusals are one line.
 """
 
@@ -93,6 +97,9 @@ class MissingEnvMode:
         log_once(logging.ERROR, PREFIX + f"the driver set {', '.join(self.names)} but this engine's workers "
                                 f"did not receive them (not copied to Ray workers?); no table used, "
                                 "profiling at start-up as usual")
+        from dspark_calib.vllm.load import agree_without_table
+
+        agree_without_table()  # data-parallel replicas that did receive a table must not wait on this one
         yield from vllm_batches
 
     def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
@@ -124,8 +131,9 @@ def register() -> None:
         names = _ours()
         if names or _announced:
             carry_to_ray_workers(names)
-        if not (E.is_active() or missing_from_driver()):
-            return
+        # Every process that builds a model runner is patched, asked or not: a data-parallel
+        # replica without any DSPARK_CALIB_* setting must still take part in the replicas'
+        # agreement on the table (having none is a vote too), or a replica with one waits on it.
         if MODEL_RUNNER in sys.modules:
             _patch_installed_vllm()
         elif not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
@@ -170,13 +178,16 @@ def _patch_installed_vllm() -> None:
             return  # vLLM loads plugins more than once: detect (it parses vLLM's source) once
         from dspark_calib.vllm.shape import detect, untested_why
 
+        asked = E.is_active() or bool(missing_from_driver())  # unasked, vLLM is patched without a word
         shape = detect()
         if not shape.supported:
+            if not asked:
+                return
             log_once(logging.WARNING, PREFIX + f"vLLM {shape.vllm_version} has an adaptive-verification API "
                                       f"this version does not know ({shape.reason}); leaving vLLM untouched, it "
                                       "profiles at start-up as usual")
             return
-        if not shape.tested:
+        if not shape.tested and asked:
             log_once(logging.WARNING, PREFIX + f"{untested_why(shape.vllm_version)}; its API has the tested shape, "
                                       f"patching it ({E.POLICY}=strict refuses to load a table on it)")
         from vllm.v1.worker.gpu import model_runner
@@ -215,6 +226,9 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
                 log_once(logging.ERROR, PREFIX + f"{exception_line(exc)}; profiling at start-up as usual")
                 state.mode = None
             if state.mode is None:
+                from dspark_calib.vllm.load import agree_without_table
+
+                agree_without_table()  # DP: a replica without a table setting votes too (raises to refuse)
                 yield from vllm_batches
             else:
                 yield from state.mode.batches(self, list(capture_sizes), vllm_batches)

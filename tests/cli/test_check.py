@@ -261,6 +261,8 @@ def _every_blocking_key():
     for key in KEYS:
         if key.load in BLOCKING:
             value = getattr(fp, key.name)
+            if value is None and not key.none_is_value:  # added after the table: the engine reports one
+                value = "engine-value"
             text = "null" if value is None else ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
             out += ["--engine", f"{key.name}={text}"]
     return out
@@ -399,3 +401,24 @@ def test_max_model_len_fitted_to_memory_is_decided_at_start(light, value):
     assert r.exit_code == 3, r.output
     d = json.loads(r.stdout)
     assert "max_model_len" in d["decided_at_start"] and "max_model_len" not in d["engine"]
+
+
+def test_check_and_the_load_line_state_the_tables_coverage_of_max_model_len():
+    """check says how far the table's contexts reach against the engine's max_model_len, in its report,
+    its JSON and the plugin's own load line (one sentence: pricing.policy.coverage)."""
+    max_model_len = "32768"
+    said = ("contexts 1024, 8192, 16384 of max_model_len 32768: above 16384 extrapolated on the line through "
+            "8192 and 16384 (context-aware)")
+    fp = read_metadata(SHIPPED).fingerprint
+    engine = {"max_model_len": int(max_model_len), "max_num_batched_tokens": fp.max_num_batched_tokens}
+    d = decide(str(SHIPPED), engine, policy="strict")
+    assert d.load and d.coverage == said and f"; {said}" in d.lines[0]
+    r = invoke("check", SHIPPED, "--max-model-len", max_model_len, "--json")
+    assert json.loads(r.stdout)["coverage"] == said
+    text = runner.invoke(app, ["check", str(SHIPPED), "--max-model-len", max_model_len], env={"COLUMNS": "400"})
+    assert f"coverage: {said}" in text.stdout
+
+
+def test_check_states_no_coverage_when_nothing_loads():
+    r = invoke("check", SHIPPED, "--max-model-len", "4096", "--json")
+    assert r.exit_code == 1 and json.loads(r.stdout)["coverage"] == ""

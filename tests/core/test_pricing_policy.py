@@ -48,3 +48,34 @@ def test_a_bad_setting_in_a_context_aware_file_is_one_line(meta, words):
     with pytest.raises(CalibError, match=None) as err:
         PricingPolicy.from_metadata({"mode": CONTEXT_AWARE, **meta})
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+# -- coverage: the table's contexts against the engine's max_model_len ---------------------------
+@pytest.mark.parametrize("contexts, max_model_len, said", [
+    ((1024, 8192, 16384), 32768, "contexts 1024, 8192, 16384 of max_model_len 32768: above 16384 extrapolated on "
+                                 "the line through 8192 and 16384 (context-aware)"),
+    ((16000, 16384), 32768, "contexts 16000, 16384 of max_model_len 32768: above 16384 at 16384's costs "
+                            "(16000 and 16384 are less than a factor 2 apart)"),
+    ((1024, 8192, 40960), 40960, "contexts 1024, 8192, 40960 cover max_model_len 40960"),
+    ((1024, 8192, 40928), 40960, "contexts 1024, 8192, 40928 of max_model_len 40960: above 40928 extrapolated on "
+                                 "the line through 8192 and 40928 (context-aware)"),
+    ((8192,), 32768, "one profiled context (8192): every context priced at its costs"),
+    ((1024, 8192), None, "contexts 1024, 8192; engine max_model_len unknown"),
+])
+def test_coverage_says_the_contexts_against_max_model_len_and_the_rule_above(contexts, max_model_len, said):
+    from dspark_calib.pricing.policy import coverage
+
+    assert coverage(contexts, max_model_len) == said
+
+
+@pytest.mark.parametrize("contexts", [(1024, 8192, 16384), (8192, 16384), (16000, 16384), (1024, 1500), (4096, 8192)])
+def test_coverage_says_what_the_engines_pricing_does_above_the_longest(contexts):
+    """The sentence and ContextCosts share one rule (policy.extrapolates_above): a costed context above
+    the longest is on the line exactly when coverage says 'extrapolated'."""
+    from dspark_calib.pricing.costs import ContextCosts
+    from dspark_calib.pricing.policy import coverage
+    from tests.helpers import build_reference_table
+
+    pair = next(iter(build_reference_table().curves.values()))
+    costs = ContextCosts({c: pair for c in contexts}, 256, 8192, 512, extrapolate_to=32768)
+    assert costs.extrapolates_above == ("extrapolated" in coverage(contexts, 32768))

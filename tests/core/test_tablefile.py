@@ -176,6 +176,12 @@ def test_shipped_1_0_tables_read_and_verify_under_their_own_rule(path, tmp_path)
         assert full.curves[ctx].as_vllm() == again.curves[ctx].as_vllm()
 
 
+# Keys added to the registry after the shipped tables were profiled: absent from them, so not
+# compared when they load (named "not recorded in the table" in the load line).
+ADDED_AFTER_SHIPPED = ("attention_config_hash", "kernel_config_hash", "offload_config_hash", "kv_connector",
+                       "additional_config_hash", "cudnn_version", "flashinfer_version")
+
+
 @pytest.mark.parametrize("path", SHIPPED_NEWER, ids=lambda p: p.name)
 def test_newer_shipped_tables_verify_and_carry_every_key_and_telemetry(path):
     """Tables shipped after schema 1.0 (the tp 2 one): the hash in the name verifies, every
@@ -185,7 +191,8 @@ def test_newer_shipped_tables_verify_and_carry_every_key_and_telemetry(path):
     t = read_table(path)
     assert t.content_hash == meta.content_hash and t.telemetry is not None and t.telemetry.blocks
     unset = {f.name for f in dataclasses.fields(t.fingerprint) if getattr(t.fingerprint, f.name) is None}
-    assert unset <= {"quantization", "model_revision", "draft_revision"}  # none / dummy weights: nothing to record
+    # none / dummy weights: nothing to record; and the keys the registry gained after they were profiled
+    assert unset <= {"quantization", "model_revision", "draft_revision", *ADDED_AFTER_SHIPPED}
 
 
 def test_1_0_hash_leaves_out_only_optional_keys_not_recorded():

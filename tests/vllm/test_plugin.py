@@ -109,11 +109,31 @@ def register_with(monkeypatch, **env):
 
 
 # -- patching -------------------------------------------------------------------------
-def test_register_without_env_patches_nothing():
+def test_register_without_env_patches_and_vllm_profiles_exactly_as_its_own(caplog):
+    """Without any DSPARK_CALIB_* the patch is there (a data-parallel replica must still vote), but
+    vLLM's own batches run and its own curves are installed, and nothing is logged."""
+    stock = make_manager()
+    sizes = [1, 2, 4, 8]
+    vllm_batches = list(stock.batches_to_profile(sizes))
+    av.AdaptiveVerificationManager.set_initial_cost_curves(stock, fake_samples(vllm_batches))
+    with caplog.at_level(logging.DEBUG, logger="vllm.dspark_calib"):
+        plugin.register()
+        assert plugin.is_patched(av.AdaptiveVerificationManager)
+        m = make_manager()
+        batches = _run_profile_path(m, sizes)
+    assert batches == vllm_batches
+    assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, stock.cost_tables))
+    assert [r for r in caplog.records if r.name == "vllm.dspark_calib"] == []
+
+
+def test_without_env_an_unknown_api_shape_is_left_without_a_word(monkeypatch, caplog):
+    monkeypatch.setattr(shape, "detect", lambda: shape.ApiShape(None, "consume_step_timing exists", "0.99.0"))
+    monkeypatch.setattr(runtime, "_logged", set())
     before = av.AdaptiveVerificationManager.batches_to_profile
-    plugin.register()
+    with caplog.at_level(logging.DEBUG, logger="vllm.dspark_calib"):
+        plugin.register()
     assert av.AdaptiveVerificationManager.batches_to_profile is before
-    assert not plugin.is_patched(av.AdaptiveVerificationManager)
+    assert [r for r in caplog.records if r.name == "vllm.dspark_calib"] == []
 
 
 def test_register_is_idempotent(monkeypatch, tmp_path):
@@ -552,6 +572,7 @@ def test_unknown_shape_without_batches_to_profile_never_raises_in_the_import_hoo
     monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.spec_decode.adaptive_verification", fake)
     monkeypatch.setattr(shape, "detect", lambda: shape.ApiShape(None, "no batches_to_profile", "0.99.0"))
     monkeypatch.setattr(runtime, "_logged", set())
+    monkeypatch.setenv("DSPARK_CALIB_TABLE", "/tables")  # asked: the line is said
     with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
         plugin._patch_installed_vllm()  # must not raise
     lines = [r.getMessage() for r in caplog.records if r.name == "vllm.dspark_calib"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -288,6 +289,34 @@ def test_context_len_vllm_would_clamp_is_refused():
     assert o.max_model_len == 4096
 
 
+@pytest.mark.parametrize("max_model_len, batched, seqs, expected", [
+    (None, 8192, 256, (1024, 8192, 40928)),  # the model config's 40960, 32 query tokens per request
+    (32768, 8192, 256, (1024, 8192, 32736)),
+    (4096, 8192, 256, (1024, 4064)),
+    (8224, 8192, 256, (1024, 8192)),  # 8192 is exactly the longest vLLM keeps
+    (2048, 2048, 1024, (1024, 2046)),
+])
+def test_the_default_contexts_reach_max_model_len(max_model_len, batched, seqs, expected):
+    """Without --context-len, profile's contexts end at the longest context vLLM profiles under the
+    engine's max_model_len (its own clamp for the largest batch), so the engine's longest contexts are
+    within the table, not above it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    o = resolve_options(opts(context_lens=(), max_model_len=max_model_len, max_num_batched_tokens=batched,
+                             max_num_seqs=seqs))
+    assert o.context_lens == expected
+    vllm_len = EngineArgs(**engine_kwargs(o)).create_model_config().max_model_len
+    query_len = -(-batched // min(seqs, batched))
+    assert profile_context_len(o.context_lens[-1], vllm_len, query_len) == o.context_lens[-1]  # vLLM keeps it
+    assert o.context_lens[-1] + query_len == vllm_len  # and none longer would be kept
+
+
+def test_the_cli_leaves_the_contexts_to_the_default():
+    from dspark_calib.cli.app import profile_cmd
+
+    assert inspect.signature(profile_cmd).parameters["context_len"].default == []
+
+
 def _fake_hub(cache, repo, config_dir):
     snap = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / "abc123"
     snap.mkdir(parents=True)
@@ -329,6 +358,14 @@ def test_fingerprint_records_resolved_engine_values():
     assert fp.kv_block_size == 32 and fp.max_model_len == 32768 and fp.gpu_memory_mib == 143771
     assert fp.target_model == "Qwen3-8B" and fp.extra["engine_args"] == {"block_size": 32}
     assert fp.compilation_hash == engine["compilation_hash"] and fp.torch_version == "2.14.0+cu130"
+    # the config sections vLLM's own hash covers, and the library builds, as the worker read them
+    for key in ("attention_config_hash", "kernel_config_hash", "offload_config_hash", "kv_connector",
+                "additional_config_hash"):
+        assert getattr(fp, key) == engine[key] and engine[key]
+    build = profile_table.fingerprint_from_capture(o, {"engine": engine, "cudagraph_limit": 4, "schedule": schedule,
+                                                       "hardware": {**HARDWARE, "cudnn_version": "92400",
+                                                                    "flashinfer_version": "none"}})
+    assert (build.cudnn_version, build.flashinfer_version) == ("92400", "none")
     with pytest.raises(CalibError, match="did not report vllm_version"):
         profile_table.fingerprint_from_capture(o, {"engine": {k: v for k, v in engine.items() if k != "vllm_version"},
                                             "hardware": {}, "cudagraph_limit": 4, "schedule": schedule})

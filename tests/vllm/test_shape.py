@@ -210,6 +210,7 @@ def plugin_lines(caplog):
 
 def test_a_nightly_is_patched_with_one_warning(monkeypatch, caplog, fresh_plugin):
     monkeypatch.setattr(vllm, "__version__", "0.33.1.dev5")
+    monkeypatch.setenv("DSPARK_CALIB_TABLE", "/tables")  # asked for work: the warning is said
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
         fresh_plugin._patch_installed_vllm()
     lines = plugin_lines(caplog)
@@ -326,6 +327,7 @@ def test_a_changed_get_num_tokens_leaves_vllm_untouched_with_one_line(monkeypatc
     every speculative step: the plugin must not patch such a vLLM at all."""
     monkeypatch.setattr(av.AdaptiveVerificationManager, "get_num_tokens",
                         _with_extra_keyword(av.AdaptiveVerificationManager.get_num_tokens))
+    monkeypatch.setenv("DSPARK_CALIB_TABLE", "/tables")  # asked for work: the line is said
     with caplog.at_level(logging.INFO, logger="vllm.dspark_calib"):
         fresh_plugin._patch_installed_vllm()
     lines = plugin_lines(caplog)

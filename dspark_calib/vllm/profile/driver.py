@@ -27,7 +27,7 @@ from dspark_calib import env as E
 from dspark_calib.vllm.capture import CaptureDir, CaptureError
 from dspark_calib.vllm.cooldown import check_cooldown
 from dspark_calib.vllm.plugin import RAY_EXTRA_PREFIXES, RAY_EXTRA_VARS
-from dspark_calib.vllm.profile.plan import ProfileOptions
+from dspark_calib.vllm.profile.plan import ProfileOptions, default_contexts
 from dspark_calib.vllm.profile.table import table_from_capture
 
 # dspark-calib is on no package index: the vLLM extra installs from the checkout.
@@ -106,16 +106,21 @@ def resolve_options(opts: ProfileOptions) -> ProfileOptions:
                              "default for its drafter)")
         opts.num_speculative_tokens = drafts or 7
     limit = int(target.get("max_position_embeddings") or 1 << 20)
-    longest = max(opts.context_lens)
     # vLLM spreads a profile batch over min(tokens, max_num_seqs) requests, so the largest
     # batch has ceil(max_num_batched_tokens / requests) query tokens per request, and vLLM
     # clamps the dummy context to max_model_len - query_len (fit.profile_context_len).
     query_len = -(-opts.max_num_batched_tokens // min(opts.max_num_seqs, opts.max_num_batched_tokens))
-    need = longest + query_len
     # max_model_len is a checked key (EQUAL): left unset, vLLM derives it from the model config
     # exactly as `vllm serve` does, so a table made and served with defaults agree.
     max_len = limit if opts.max_model_len is None else opts.max_model_len
     source = "from the model config" if opts.max_model_len is None else "from --max-model-len"
+    if not opts.context_lens:
+        opts.context_lens = default_contexts(max_len, query_len)
+        if not opts.context_lens:
+            raise CalibError(f"max_model_len {max_len} {source} leaves no context to profile after the "
+                             f"{query_len} query tokens of the largest batch")
+    longest = max(opts.context_lens)
+    need = longest + query_len
     got = profile_context_len(longest, max_len, query_len)
     if got < longest:
         raise CalibError(f"--context-len {longest} would be profiled by vLLM at {got} (max_model_len {max_len} "

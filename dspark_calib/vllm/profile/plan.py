@@ -27,7 +27,7 @@ class ProfileOptions:
     num_speculative_tokens: int | None = None  # default: a DSpark drafter's block_size; needed otherwise
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    context_lens: tuple[int, ...] = (8192,)
+    context_lens: tuple[int, ...] = ()  # (): default_contexts, once max_model_len is known
     replays: int = 20
     warmup: int = 2
     cooldown_s: float = DEFAULT_COOLDOWN_S  # the most rank 0 pauses before each block but the first
@@ -42,6 +42,23 @@ class ProfileOptions:
     extra_engine_args: dict[str, Any] = field(default_factory=dict)  # --engine-arg / --engine-args-json
     model_name: str | None = None  # what the user typed (a hub id), when `model` is its cache snapshot
     draft_name: str | None = None
+
+
+# The short end of `profile`'s default contexts: 1024 (the line below the range needs a second
+# context at least its own length further) and vLLM's own profile context, the curve its static
+# tables are built from.
+DEFAULT_CONTEXTS = (1024, 8192)
+
+
+def default_contexts(max_model_len: int, query_len: int) -> tuple[int, ...]:
+    """`profile`'s contexts when none are given: DEFAULT_CONTEXTS up to the longest context vLLM
+    profiles under this max_model_len (its clamp, fit.profile_context_len, for the largest batch's
+    query_len), and that longest one, so a table covers the engine's contexts up to max_model_len
+    instead of pricing the longest ones by extrapolation."""
+    from dspark_calib.fit import profile_context_len
+
+    top = profile_context_len(max_model_len, max_model_len, query_len)
+    return tuple(sorted({c for c in DEFAULT_CONTEXTS if c < top} | {top})) if top > 0 else ()
 
 
 # EngineArgs fields that `profile` sets from its own options: --engine-arg must not

@@ -1,0 +1,142 @@
+"""Data-parallel replicas agree on the table over real collectives, whatever each one's environment.
+
+Two processes joined by torch.distributed with gloo on CPU stand for two DP replicas (vLLM's DP
+group has a gloo cpu_group too, which the agreement uses). One has a table setting, the other no
+DSPARK_CALIB_* variable at all (per-node environments). Each registers the plugin as vLLM does,
+builds the patched AdaptiveVerificationManager on the VllmConfig of the README's serve flags, and
+runs its start-up profile as a worker does: for every batch it yields, one DP all-reduce, as
+vLLM's dummy runs sync the replicas (dispatch_cg_and_sync_dp). Both must end, loaded, profiling
+or refusing in one line, within BOUND_S; a replica still running then is a hang, and the test
+kills it and fails.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+
+import pytest
+
+from tests.vllm.test_check_engine import SHELF
+
+BOUND_S = 180  # two vLLM imports and config builds; a hang never ends
+TABLE_ENV = {"DSPARK_CALIB_PROBE": "0", "DSPARK_CALIB_CONTEXT_AWARE": "0"}
+
+
+def replica(rank: int, port: int, env: dict, out: str) -> None:
+    """One DP replica: what it yields or why it refused, and its dspark-calib lines, to out/rRANK.json."""
+    for key in [k for k in os.environ if k.startswith("DSPARK_CALIB_")]:
+        del os.environ[key]
+    os.environ.update(env)
+    result: dict = {"lines": []}
+    try:
+        result.update(_run_replica(rank, port, result["lines"]))
+    except Exception:  # noqa: BLE001 - reported to the test, which fails on it
+        result["error"] = traceback.format_exc()[-3000:]
+    with open(os.path.join(out, f"r{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+
+
+def _run_replica(rank: int, port: int, lines: list) -> dict:
+    import logging
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+    from vllm.v1.worker.gpu import model_runner  # noqa: F401 - a worker has it imported: register patches
+
+    from dspark_calib.vllm import engine_info, plugin, runtime
+    from tests.vllm.test_check_engine import HARDWARE, README, vllm_config
+    from tests.vllm.test_plugin import SingleRank
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logging.getLogger("vllm.dspark_calib").addHandler(Lines())
+    # a long gloo timeout: a replica waiting on the other must show as a hang, not as an error
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=3600))
+    parallel_state.get_dp_group = lambda: SimpleNamespace(world_size=2, rank_in_group=rank,
+                                                          cpu_group=dist.group.WORLD)
+    av.get_tp_group = lambda: SingleRank()
+    engine_info.hardware = lambda: dict(HARDWARE)
+    engine_info.attention_backends = lambda e, draft: "FLASH_ATTN"
+    config = vllm_config(README, {})
+    plugin.register()
+    m = object.__new__(av.AdaptiveVerificationManager)
+    m.req_states = SimpleNamespace(max_num_reqs=config.scheduler_config.max_num_seqs,
+                                   max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
+    m.num_speculative_steps = config.speculative_config.num_speculative_tokens
+    m._cudagraph_limit = 0
+    m.cost_tables = None
+    runtime.state_of(m).vllm_config = config
+    sizes = list(config.compilation_config.cudagraph_capture_sizes)
+    steps = 0
+    try:
+        for batch in m.batches_to_profile(sizes):
+            dist.all_reduce(torch.tensor([batch["num_tokens"]]))  # vLLM's DP sync in each dummy run
+            steps += 1
+    except RuntimeError as exc:
+        return {"refused": str(exc), "steps": steps}
+    run = runtime.state_of(m).run
+    return {"steps": steps, "loaded": bool(run and run.decision and run.decision.load)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_replicas(tmp_path, envs) -> list[dict]:
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=replica, args=(rank, port, env, str(tmp_path))) for rank, env in enumerate(envs)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + BOUND_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    assert not hung, f"replica(s) {hung} still running after {BOUND_S} s: the DP agreement hangs"
+    results = [json.loads((tmp_path / f"r{rank}.json").read_text()) for rank in range(len(envs))]
+    for r in results:
+        assert "error" not in r, r["error"]
+    return results
+
+
+@pytest.mark.parametrize("policy", ["fallback", "strict"])
+def test_a_replica_without_any_setting_takes_part_and_neither_hangs(tmp_path, policy):
+    with_table = {"DSPARK_CALIB_TABLE": SHELF, "DSPARK_CALIB_POLICY": policy, **TABLE_ENV}
+    first, second = run_replicas(tmp_path, [with_table, {}])
+    said = [line for line in first["lines"] + second["lines"] if "data-parallel replicas decided differently" in line]
+    assert said and all("\n" not in line for line in said)
+    if policy == "strict":  # one replica strict: every replica refuses, none waits on another
+        assert "refusing to start" in first["refused"] and "refusing to start" in second["refused"]
+        assert first["steps"] == second["steps"] == 0
+    else:  # neither loads: both run vLLM's own profile, step for step
+        assert "refused" not in first and "refused" not in second
+        assert not first["loaded"] and first["steps"] == second["steps"] > 0
+
+
+def test_replicas_that_all_have_the_table_load_it(tmp_path):
+    env = {"DSPARK_CALIB_TABLE": SHELF, "DSPARK_CALIB_POLICY": "strict", **TABLE_ENV}
+    first, second = run_replicas(tmp_path, [env, env])
+    assert first["loaded"] and second["loaded"] and first["steps"] == second["steps"]
+
+
+def test_replicas_without_any_setting_profile_as_vllm_does(tmp_path):
+    first, second = run_replicas(tmp_path, [{}, {}])
+    assert first["steps"] == second["steps"] > 0 and first["lines"] == second["lines"] == []
