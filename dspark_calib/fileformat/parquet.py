@@ -141,9 +141,35 @@ def _read_at(handle: Any, offset: int, n: int) -> bytes:
 class BoundedParquet:
     """One Parquet file over one open handle, its footer checked against ``limits`` at open
     and every read's decoded size checked before the read (see the module docstring).
-    ``dictionary``: the string columns, read as dictionaries."""
+    ``dictionary``: the string columns, read as dictionaries.
+
+    pyarrow's reader calls back into the Python handle (taking the GIL) from C++, so it is
+    closed before the handle is, on every path (``close``, or the ``with`` block): a reader
+    left to a refusal's traceback would be destroyed only while the interpreter shuts down,
+    where taking the GIL can end the process."""
+
+    file: Any = None
+
+    def __enter__(self) -> "BoundedParquet":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close pyarrow's reader (not the handle: the caller's)."""
+        reader, self.file = self.file, None
+        if reader is not None:
+            reader.close()
 
     def __init__(self, handle: Any, size: int, path: str, limits: ReadLimits, *, dictionary: Sequence[str] = ()):
+        try:
+            self._open(handle, size, path, limits, dictionary)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, handle: Any, size: int, path: str, limits: ReadLimits, dictionary: Sequence[str]) -> None:
         self.handle, self.path, self.limits = handle, path, limits
         check_limit("file size", size, limits.max_file_bytes, "max_file_bytes", path)
         if size < 12:
@@ -162,8 +188,10 @@ class BoundedParquet:
         self.schema = self.file.schema_arrow  # the types as stored (read: string columns as dictionaries)
         strings = [n for n in dictionary if n in self.schema.names]
         if strings:  # pyarrow refuses a dictionary column the file lacks; the footer is parsed once
-            self.file = pq.ParquetFile(handle, page_checksum_verification=True, metadata=self.file.metadata,
+            first = self.file
+            self.file = pq.ParquetFile(handle, page_checksum_verification=True, metadata=first.metadata,
                                        read_dictionary=strings)
+            first.close()
         md = self.file.metadata
         check_limit("row groups", md.num_row_groups, limits.max_row_groups, "max_row_groups", path)
         check_limit("rows", md.num_rows, limits.max_rows, "max_rows", path)

@@ -252,8 +252,7 @@ def _read_one(path: str, rows_left: int) -> tuple[dict[str, np.ndarray], dict[st
 
     shown = display_path(path)
     handle, size = open_local(path, shown)
-    with handle:
-        bp = open_bounded(handle, size, shown, READ_LIMITS)
+    with handle, open_bounded(handle, size, shown, READ_LIMITS) as bp:
         if bp.file.metadata.num_rows > rows_left:
             raise CalibError(f"{bp.file.metadata.num_rows} observed steps take the files given over the "
                              f"{MAX_OBSERVED_STEPS} steps read at once; validate fewer files at a time", path=shown)

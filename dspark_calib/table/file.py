@@ -162,6 +162,9 @@ class TableFile:
         self.close()
 
     def close(self) -> None:
+        pq_file, self._pq = getattr(self, "_pq", None), None
+        if pq_file is not None:
+            pq_file.close()  # pyarrow's reader before the handle it reads (BoundedParquet says why)
         if self._handle is not None:
             self._handle.close()
             self._handle = None

@@ -472,3 +472,25 @@ def test_cli_inspect_bad_inputs(tmp_path, small, good_bytes):
         lines = proc.stderr.splitlines()
         assert len(lines) == 1 and proc.stderr.endswith("\n"), (what, proc.stderr)
         assert str(path) in lines[0], (what, lines[0])
+
+
+def test_a_refusal_leaves_no_pyarrow_reader_open(tmp_path, small):
+    """pyarrow's reader calls back into the Python file (taking the GIL) from C++: one left to a
+    refusal's traceback is destroyed only as the interpreter shuts down, where that ends the
+    process (seen as 'terminate called without an active exception', exit -6, after the one line).
+    Every refusal closes it: none stays open while the error is still held."""
+    import gc
+
+    from dspark_calib.fileformat.parquet import BoundedParquet
+    from dspark_calib.observe.file import read_observed
+
+    arrow, meta = arrow_and_meta(small)
+    newer = write_raw(tmp_path / "newer.parquet", arrow, dict(meta, schema_version="2.0"))
+    bad_json = write_raw(tmp_path / "badjson.parquet", arrow, raw_meta=b"{nope")
+    not_observe = write_raw(tmp_path / "observed-x.parquet", arrow, meta)  # a table, not an observe file
+    for read in (lambda: read_table(newer), lambda: read_metadata(bad_json), lambda: read_observed([str(not_observe)])):
+        with pytest.raises(CalibError) as err:
+            read()
+        still_open = [o for o in gc.get_objects() if isinstance(o, BoundedParquet) and o.file is not None]
+        assert still_open == [], err.value  # while the refusal (and its frames) is still held
+        del err
