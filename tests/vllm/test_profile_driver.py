@@ -552,6 +552,19 @@ def test_expected_schedule_is_the_workers(tmp_path):
     assert e.seconds > 0 and "samples per size" in e.line(20) and "rounded" not in e.line(20)
 
 
+def test_the_estimate_says_it_models_dspark_for_other_methods():
+    """A draft-model profile ran 4.7x the estimate on an H200: the line says whose step it models."""
+    import tests.vllm.test_capture as tc
+
+    from dspark_calib.vllm.profile.plan import expected
+
+    dspark = expected(resolve_options(opts(context_lens=(1024,))), tc.SIZES).line(20)
+    draft = expected(resolve_options(opts(context_lens=(1024,), method="draft_model", draft=SMALL_DRAFT,
+                                          num_speculative_tokens=7)), tc.SIZES).line(20)
+    assert "one-pass drafter" not in dspark
+    assert draft.startswith(dspark) and "a draft_model drafter runs K passes a step" in draft
+
+
 def test_estimate_includes_the_cooldown(tmp_path):
     import tests.vllm.test_capture as tc
 

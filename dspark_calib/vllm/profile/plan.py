@@ -109,6 +109,7 @@ class Expected:
     sizes: int
     seconds: float  # steps and cool-downs together
     cooldown_s: float = 0.0  # the most the cool-downs take (they end early once the GPU is back)
+    method: str = DSPARK  # the step model above is DSpark's drafter
 
     @property
     def blocks(self) -> int:
@@ -126,7 +127,10 @@ class Expected:
                 f"{s.vllm_replays} back-to-back replays ({s.timed_blocks} timed: {self.samples_per_size} samples per "
                 f"size{rounded}; {s.warmup_blocks} warm-up) = ~{len(s.tags)} steps; expected ~{_human(self.seconds)} "
                 f"of profiling once the engine is up (an estimate: ~{STEP_MS:g} ms a step + a cost growing with "
-                f"tokens and context; measured on one H200 with Qwen3-8B{self._cooldown_note()})")
+                f"tokens and context; measured on one H200 with Qwen3-8B{self._cooldown_note()})"
+                + ("" if self.method == DSPARK else
+                   f"; the step model is DSpark's one-pass drafter: a {self.method} drafter runs K passes a step, "
+                   "each reading its own KV, and can cost several times more (docs/results)"))
 
     def _cooldown_note(self) -> str:
         if not self.cooldown_s:
@@ -152,7 +156,7 @@ def expected(opts: Any, capture_sizes: list[int] | None = None) -> Expected:
     blocks = len(plan.context_lens) * (schedule.warmup_blocks + schedule.timed_blocks)
     cooldown = plan.cooldown_s * (blocks - 1)  # before every block but the capture's first
     return Expected(schedule, len(plan.context_lens), len({b["num_tokens"] for b in batches}), ms / 1000 + cooldown,
-                    cooldown)
+                    cooldown, getattr(opts, "method", DSPARK))
 
 
 def _human(seconds: float) -> str:
