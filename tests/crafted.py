@@ -93,6 +93,16 @@ def observed_file(path: Path, *, rows: int = 100, meta: dict | None = None, repe
     return _write(path, pa.table(observed_columns(rows, **values)), OBSERVED_KEY, meta, repeat=repeat)
 
 
+def observed_lists_file(path: Path, graded: list, accepted: list, *, rows: int = 100) -> Path:
+    """A schema 1.2 file whose acceptance columns hold `graded` and `accepted` on every row but
+    the last, which holds their last element (so one long list sits among short ones)."""
+    cols = observed_columns(rows)
+    for name, lists in (("position_graded", graded), ("position_accepted", accepted)):
+        cols[name] = pa.array([lists[0]] * (rows - 1) + [lists[-1]], type=pa.list_(pa.int64()))
+    meta = {"schema_version": "1.2", "tool_version": "0.1.0", "created_at": "2026-12-01T00:00:00Z", "mode": "stock"}
+    return _write(path, pa.table(cols), OBSERVED_KEY, meta)
+
+
 def observed_dictionary_bomb(path: Path, *, value_bytes: int = 300 << 20, rows: int = 16) -> Path:
     """A float column whose dictionary page zstd-decompresses to value_bytes (zeros)."""
     cols = observed_columns(rows)

@@ -87,6 +87,9 @@ EDGES = {  # the largest values validate accepts -> observe file builder
     "262,144 steps": lambda p: C.observed_file(p, rows=1 << 18),
     "engine sizes": lambda p: C.observed_file(p, meta={"max_num_batched_tokens": 1 << 21, "max_num_reqs": 1 << 16}),
     "contexts": lambda p: C.observed_file(p, context_max=1 << 24, context_sum=1 << 25, context_mean=float(1 << 24)),
+    # every step read as wide as the widest list (the decode budget allows ~20 a step on all)
+    "32 draft positions": lambda p: C.observed_lists_file(p, [[1], [1] * 14 + [0] * 18], [[1], [1] * 13 + [0] * 19],
+                                                          rows=1 << 18),
 }
 
 
@@ -123,6 +126,12 @@ OBSERVED = {  # name -> (builder, cause)
     "context_max=2^40": (lambda p: C.observed_file(p, context_max=1 << 40, context_sum=1 << 41,
                                                    context_mean=float(1 << 40), priced_context=1000),
                          "context_max must be <= 16777216 (100 bad rows)"),
+    # 14 KB on disk; every row would be as wide as the longest list: 100 GB
+    "a list of 100,000 positions": (lambda p: C.observed_lists_file(p, [[0], [0] * 100_000], [[0], [0] * 100_000],
+                                                                    rows=1 << 17),
+                                    "column position_graded has a list of 100000 positions, over the 32 read"),
+    "lists of two lengths": (lambda p: C.observed_lists_file(p, [[2, 1, 0]], [[1, 0, 0, 0]]),
+                             "row 0: position_graded and position_accepted differ in length"),
 }
 
 
