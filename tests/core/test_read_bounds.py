@@ -32,6 +32,7 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("crafted")
     return {"dictionary": C.dictionary_bomb(d / "dictionary.parquet", SHIPPED),
             "zstd": C.zstd_bomb(d / "zstd.parquet", SHIPPED),
+            "zstd after a struct": C.zstd_bomb(d / "zstd-struct.parquet", SHIPPED, struct_first=True),
             "rows": C.row_bomb(d / "rows.parquet", SHIPPED),
             "sizes": C.forged_sizes(d / "sizes.parquet", SHIPPED, max_num_batched_tokens=1 << 31)}
 
@@ -41,6 +42,10 @@ def files(tmp_path_factory):
 TABLE_CAUSES = {"dictionary": ("unknown record kind 'xxxx", "unknown record kind 'xxxx"),
                 "zstd": ("exceeds the read limit max_decoded_bytes=134217728",
                          "exceeds the read limit max_decoded_bytes=67108864"),
+                # a struct's extra leaves put every later column's chunk 31 places on: each
+                # column's pages are still the ones counted
+                "zstd after a struct": ("exceeds the read limit max_decoded_bytes=134217728",
+                                        "exceeds the read limit max_decoded_bytes=67108864"),
                 "rows": ("exceeds the read limit max_decoded_bytes=134217728", None),  # serving never reads samples
                 "sizes": ("fingerprint max_num_batched_tokens 2147483648 is outside 0..2097152",) * 2}
 
@@ -130,6 +135,10 @@ OBSERVED = {  # name -> (builder, cause)
     "a list of 100,000 positions": (lambda p: C.observed_lists_file(p, [[0], [0] * 100_000], [[0], [0] * 100_000],
                                                                     rows=1 << 17),
                                     "column position_graded has a list of 100000 positions, over the 32 read"),
+    "a list of 20M values": (lambda p: C.observed_list_bomb(p),
+                             "bytes decoded 160003003 exceeds the read limit max_decoded_bytes=134217728"),
+    "a list of 20M values after a struct": (lambda p: C.observed_list_bomb(p, struct_first=True),
+                                            "bytes decoded 160003003 exceeds the read limit max_decoded_bytes"),
     "lists of two lengths": (lambda p: C.observed_lists_file(p, [[2, 1, 0]], [[1, 0, 0, 0]]),
                              "row 0: position_graded and position_accepted differ in length"),
 }
