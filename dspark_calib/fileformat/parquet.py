@@ -175,6 +175,11 @@ class BoundedParquet:
         handle.seek(0)
         self.file = pq.ParquetFile(handle, page_checksum_verification=True)
         self.schema = self.file.schema_arrow  # the types as stored (read: string columns as dictionaries)
+        seen: set[str] = set()
+        for name in self.schema.names:  # a column is read by its name: two of one name read as neither
+            if name in seen:
+                raise CalibError(f"column {name[:40]!r} appears more than once (damaged file)", path=path)
+            seen.add(name)
         strings = [n for n in dictionary if n in self.schema.names]
         if strings:  # pyarrow refuses a dictionary column the file lacks; the footer is parsed once
             self.file = pq.ParquetFile(handle, page_checksum_verification=True, metadata=self.file.metadata,

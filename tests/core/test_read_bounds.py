@@ -164,6 +164,28 @@ def test_observe_files_are_opened_as_tables_are(tmp_path):
 
 
 # -- footer JSON -------------------------------------------------------------------------------
+@pytest.mark.parametrize("reader", ["observe", "table"])
+def test_a_column_name_given_twice_is_one_line(tmp_path, reader):
+    """Columns are read by name: a second column of a name is refused naming the file (an observe
+    file gave pyarrow's KeyError as a traceback)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dspark_calib.observe.file import read_observed
+    from dspark_calib.table.file import read_table
+
+    path = tmp_path / "observed-x.parquet"
+    if reader == "observe":
+        arrow = pa.table(C.observed_columns(4))
+        meta, key = {"schema_version": "1.1", "tool_version": "0.1.0", "created_at": "2026-12-01T00:00:00Z"}, C.OBSERVED_KEY
+    else:
+        arrow, meta, key = pq.read_table(SHIPPED).replace_schema_metadata(None), C.table_meta(SHIPPED), C.TABLE_KEY
+    arrow = arrow.add_column(0, "step" if reader == "observe" else "size", pa.array(np.zeros(arrow.num_rows, np.int64)))
+    C._write(path, arrow, key, meta)
+    with pytest.raises(CalibError, match="appears more than once"):
+        (read_observed if reader == "observe" else read_table)([path] if reader == "observe" else path)
+
+
 def test_footer_json_element_count_is_capped(tmp_path):
     """240,000 empty objects in a 1 MB footer parsed into ~30 MB of dicts per file listed."""
     path = C.json_elements(tmp_path / "t.parquet", SHIPPED)
