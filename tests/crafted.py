@@ -121,15 +121,6 @@ def observed_list_bomb(path: Path, *, values: int = 20_000_000, rows: int = 16, 
     return _write(path, pa.table(cols), OBSERVED_KEY, meta, struct_first=struct_first)
 
 
-def observed_dictionary_bomb(path: Path, *, value_bytes: int = 300 << 20, rows: int = 16) -> Path:
-    """A float column whose dictionary page zstd-decompresses to value_bytes (zeros)."""
-    cols = observed_columns(rows)
-    zeros = pa.array(np.zeros(value_bytes // 8))  # written as given: one page of zeros
-    cols["forward_ms"] = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)), zeros)
-    meta = {"schema_version": "1.1", "tool_version": "0.1.0", "created_at": "2026-12-01T00:00:00Z"}
-    return _write(path, pa.table(cols), OBSERVED_KEY, meta, dictionary_pagesize_limit=value_bytes + (1 << 20))
-
-
 # -- running a command under an address-space cap -------------------------------------------
 # Threads and allocator arenas reserve address space per CPU: fixed here, so the cap measures
 # what the command allocates, the same on a 2-core VM and a 128-core host.
