@@ -23,9 +23,15 @@ OBSERVED_KEY = b"dspark_calib_observed"
 
 
 def _write(path: Path, arrow: pa.Table, meta_key: bytes, meta: dict, *, row_group: int | None = None,
-           repeat: int = 1, **options) -> Path:
+           repeat: int = 1, struct_first: bool = False, **options) -> Path:
     """`arrow` written `repeat` times (one batch in memory, many rows on disk); no ARROW:schema,
-    so a dictionary column reads back as the plain type its parquet column has."""
+    so a dictionary column reads back as the plain type its parquet column has. struct_first: a
+    struct of 32 leaves before the others (a newer minor's column, ignored by the readers), so
+    every other column's chunk is 31 places after its place among the columns: at its place
+    stands one of the struct's cheap chunks."""
+    if struct_first:
+        zeros = pa.array(np.zeros(arrow.num_rows, np.int64))
+        arrow = arrow.add_column(0, "extra", pa.StructArray.from_arrays([zeros] * 32, names=[f"f{i}" for i in range(32)]))
     with pq.ParquetWriter(path, arrow.schema, compression="zstd", store_schema=False, **options) as w:
         for _ in range(repeat):
             w.write_table(arrow, row_group_size=row_group or arrow.num_rows)
@@ -53,11 +59,12 @@ def dictionary_bomb(path: Path, good: Path, *, rows: int = 200_000, value_bytes:
     return _write(path, pa.table(_table_columns(rows, record)), TABLE_KEY, table_meta(good, curve_rows=rows))
 
 
-def zstd_bomb(path: Path, good: Path, *, value_bytes: int = 160 << 20, rows: int = 16) -> Path:
+def zstd_bomb(path: Path, good: Path, *, value_bytes: int = 160 << 20, rows: int = 16,
+              struct_first: bool = False) -> Path:
     """One dictionary page that zstd-decompresses to value_bytes of zeros (its header says so)."""
     record = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)), pa.array(["\0" * value_bytes]))
     return _write(path, pa.table(_table_columns(rows, record)), TABLE_KEY, table_meta(good, curve_rows=rows),
-                  dictionary_pagesize_limit=value_bytes + (1 << 20))
+                  dictionary_pagesize_limit=value_bytes + (1 << 20), struct_first=struct_first)
 
 
 def row_bomb(path: Path, good: Path, *, rows: int = 16_000_000, batch: int = 1_000_000) -> Path:
@@ -93,13 +100,25 @@ def observed_file(path: Path, *, rows: int = 100, meta: dict | None = None, repe
     return _write(path, pa.table(observed_columns(rows, **values)), OBSERVED_KEY, meta, repeat=repeat)
 
 
-def observed_dictionary_bomb(path: Path, *, value_bytes: int = 300 << 20, rows: int = 16) -> Path:
-    """A float column whose dictionary page zstd-decompresses to value_bytes (zeros)."""
+def observed_lists_file(path: Path, graded: list, accepted: list, *, rows: int = 100) -> Path:
+    """A schema 1.2 file whose acceptance columns hold `graded` and `accepted` on every row but
+    the last, which holds their last element (so one long list sits among short ones)."""
     cols = observed_columns(rows)
-    zeros = pa.array(np.zeros(value_bytes // 8))  # written as given: one page of zeros
-    cols["forward_ms"] = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)), zeros)
-    meta = {"schema_version": "1.1", "tool_version": "0.1.0", "created_at": "2026-12-01T00:00:00Z"}
-    return _write(path, pa.table(cols), OBSERVED_KEY, meta, dictionary_pagesize_limit=value_bytes + (1 << 20))
+    for name, lists in (("position_graded", graded), ("position_accepted", accepted)):
+        cols[name] = pa.array([lists[0]] * (rows - 1) + [lists[-1]], type=pa.list_(pa.int64()))
+    meta = {"schema_version": "1.2", "tool_version": "0.1.0", "created_at": "2026-12-01T00:00:00Z", "mode": "stock"}
+    return _write(path, pa.table(cols), OBSERVED_KEY, meta)
+
+
+def observed_list_bomb(path: Path, *, values: int = 20_000_000, rows: int = 16, struct_first: bool = False) -> Path:
+    """A schema 1.2 file whose last row's position_accepted holds `values` zeros (160 MB decoded
+    by default, a few KB on disk)."""
+    cols = observed_columns(rows)
+    cols["position_graded"] = pa.array([[0]] * rows, type=pa.list_(pa.int64()))
+    cols["position_accepted"] = pa.ListArray.from_arrays(pa.array(np.array([0] * rows + [values], dtype=np.int32)),
+                                                         pa.array(np.zeros(values, np.int64)))
+    meta = {"schema_version": "1.2", "tool_version": "0.1.0", "created_at": "2026-12-01T00:00:00Z", "mode": "stock"}
+    return _write(path, pa.table(cols), OBSERVED_KEY, meta, struct_first=struct_first)
 
 
 # -- running a command under an address-space cap -------------------------------------------

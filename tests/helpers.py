@@ -40,7 +40,7 @@ MODEL = REFERENCE_KWARGS["model"]
 DRAFT = REFERENCE_KWARGS["draft"]
 # The schema-1.0 H200 table (shipped in profiles/ until 2026-12-01; the evidence of that run now)
 SCHEMA10 = REPO / "benchmarks" / "results" / "h200" / "2026-11-30-morning" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
-SHIPPED = REPO / "profiles" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet"  # every fingerprint key recorded (schema 1.2)
+SHIPPED = REPO / "profiles" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet"  # schema 1.2; the config and library keys added since not recorded
 
 
 def fixture_json(ctx: int) -> str:

@@ -95,14 +95,28 @@ def list_column(arrow: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
                 else np.zeros(len(child), dtype=np.int64))
         lengths = np.diff(offsets)
         out = np.zeros((n, int(lengths.max(initial=0))), dtype=np.int64)
-        mask = np.arange(out.shape[1])[None, :] < lengths[:, None]
-        out[mask] = data[(offsets[:-1, None] + np.arange(out.shape[1])[None, :])[mask]]
+        for j in range(out.shape[1]):  # a position at a time: temporaries of one row each, not (rows, width)
+            has = np.flatnonzero(lengths > j)
+            out[has, j] = data[offsets[has] + j]
         rows.append(out)
     if not rows:
         return np.zeros((0, 1), dtype=np.int64), np.zeros(0, dtype=bool)
     width = max(1, max(r.shape[1] for r in rows))
+    if len(rows) == 1 and rows[0].shape[1] == width:  # one chunk (a row group): no copy
+        return rows[0], valid[0]
     return (np.concatenate([np.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in rows]),
             np.concatenate(valid))
+
+
+def list_lengths(arrow: pa.Table, name: str) -> np.ndarray:
+    """Each row's list length in a list column, from its offsets alone (before list_column sizes
+    an array by the longest; pyarrow.compute would import pandas)."""
+    out = []
+    for chunk in arrow.column(name).chunks:
+        n, off = len(chunk), chunk.offset
+        if n:
+            out.append(np.diff(np.frombuffer(chunk.buffers()[1], dtype=np.int32)[off:off + n + 1]))
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
 
 
 def string_codes(arrow: pa.Table, name: str, words: Sequence[str]) -> np.ndarray:

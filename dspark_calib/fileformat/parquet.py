@@ -131,6 +131,21 @@ class _Thrift:
         raise _Damaged(f"unknown Thrift type {kind}")
 
 
+def _leaves(typ: pa.DataType) -> int:
+    """How many Parquet leaf columns (column chunks) an Arrow type is stored as."""
+    return sum(_leaves(typ.field(i).type) for i in range(typ.num_fields)) if typ.num_fields else 1
+
+
+def _leaf_starts(schema: pa.Schema) -> dict[str, int]:
+    """Each top-level column's first leaf column: a row group's chunks are per leaf, so a column
+    after a struct (several leaves) is not at its own position in the schema."""
+    starts, at = {}, 0
+    for f in schema:
+        starts.setdefault(f.name, at)
+        at += _leaves(f.type)
+    return starts
+
+
 def _read_at(handle: Any, offset: int, n: int) -> bytes:
     if hasattr(handle, "read_at"):  # a pyarrow file (object stores)
         return handle.read_at(n, offset).to_pybytes()
@@ -186,6 +201,11 @@ class BoundedParquet:
         handle.seek(0)
         self.file = pq.ParquetFile(handle, page_checksum_verification=True)
         self.schema = self.file.schema_arrow  # the types as stored (read: string columns as dictionaries)
+        seen: set[str] = set()
+        for name in self.schema.names:  # a column is read by its name: two of one name read as neither
+            if name in seen:
+                raise CalibError(f"column {name[:40]!r} appears more than once (damaged file)", path=path)
+            seen.add(name)
         strings = [n for n in dictionary if n in self.schema.names]
         if strings:  # pyarrow refuses a dictionary column the file lacks; the footer is parsed once
             first = self.file
@@ -230,13 +250,17 @@ class BoundedParquet:
         row_groups = _Thrift(footer).struct(_FOOTER_CHUNKS).get(4)
         if not isinstance(row_groups, list) or len(row_groups) != len(self.group_rows):
             raise _Damaged("the footer's row groups disagree")
-        index = {n: j for j, n in enumerate(self.schema.names)}
+        index = _leaf_starts(self.schema)
+        paths = self.file.schema  # the Parquet leaf columns, in chunk order
         out = []
         for g in groups:
             chunks = row_groups[g].get(1) if isinstance(row_groups[g], dict) else None
             if not isinstance(chunks, list) or len(chunks) != md.num_columns:
                 raise _Damaged(f"the footer's row group {g} lacks its column chunks")
             for name in columns:
+                path = paths.column(index[name]).path
+                if path != name and not path.startswith(name + "."):  # never another column's chunk
+                    raise _Damaged(f"column {name[:40]} is not the file's leaf column {index[name]} ({path[:40]})")
                 meta = chunks[index[name]].get(3) if isinstance(chunks[index[name]], dict) else None
                 if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in (5, 7, 9)):
                     raise _Damaged(f"column {name[:40]} of row group {g} lacks its metadata")

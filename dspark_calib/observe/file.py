@@ -56,7 +56,7 @@ import numpy as np
 from dspark_calib import __version__
 from dspark_calib.atomic import atomic_write
 from dspark_calib.errors import CalibError, display_path, first_line
-from dspark_calib.fileformat.arrow import column, list_column
+from dspark_calib.fileformat.arrow import column, list_column, list_lengths
 from dspark_calib.fileformat.limits import ReadLimits, load_json
 from dspark_calib.fileformat.version import Migrations, parse_version
 from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COLUMNS, FLOAT, INT, NULLABLE, POSITIONS, PREFILL,
@@ -73,6 +73,11 @@ FILE_PREFIX = "observed-"
 MAX_OBSERVED_STEPS = 1 << 18
 READ_LIMITS = ReadLimits(max_file_bytes=256 << 20, max_metadata_bytes=1 << 20, max_rows=MAX_OBSERVED_STEPS,
                          max_row_groups=64, max_curve_points=0, max_decoded_bytes=128 << 20, max_pages=4096)
+# The acceptance columns are read as (rows, widest list) arrays, so a list's length sizes every
+# row's: one row of 100,000 positions among 2^17 would ask for 100 GB from a 15 KB file. A list
+# is at most as long as MAX_OBSERVED_STEPS rows of both columns fit the decode budget (32
+# positions: an engine drafts a handful a step).
+MAX_DRAFT_POSITIONS = READ_LIMITS.max_decoded_bytes // (2 * 8 * MAX_OBSERVED_STEPS)
 
 
 def _utc_now() -> str:
@@ -217,6 +222,8 @@ def read_observed(sources: Iterable[str | os.PathLike]) -> ObservedSteps:
 def _concatenate(parts: list[np.ndarray]) -> np.ndarray:
     """Rows of several files; per-position columns padded with 0 (nothing graded there) to the
     widest file's positions."""
+    if len(parts) == 1:  # one file: its arrays are already fresh
+        return parts[0]
     if parts[0].ndim == 1:
         return np.concatenate(parts)
     width = max(p.shape[1] for p in parts)
@@ -272,6 +279,9 @@ def _read_one(path: str, rows_left: int) -> tuple[dict[str, np.ndarray], dict[st
             raise
         except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for bad files
             raise CalibError(f"not a readable parquet file ({first_line(exc)})", path=shown) from None
+    problem = _lists_problem(arrow)
+    if problem:
+        raise CalibError(problem, path=shown)
     cols: dict[str, np.ndarray] = {}
     for name in present:  # a column of a newer minor than the file's: its migration adds it, else refused below
         col = arrow.column(name)
@@ -288,6 +298,22 @@ def _read_one(path: str, rows_left: int) -> tuple[dict[str, np.ndarray], dict[st
     if problem:
         raise CalibError(problem, path=shown)
     return cols, meta
+
+
+def _lists_problem(arrow: Any) -> str | None:
+    """Checked on the lists before they become (rows, positions) arrays: each at most
+    MAX_DRAFT_POSITIONS long, and a row's two lists of one length (a row is one step's
+    positions; the arrays are compared element-wise)."""
+    lengths = {name: list_lengths(arrow, name) for name in ACCEPTANCE if name in arrow.column_names}
+    for name, length in lengths.items():
+        widest = int(length.max(initial=0))
+        if widest > MAX_DRAFT_POSITIONS:
+            return f"column {name} has a list of {widest} positions, over the {MAX_DRAFT_POSITIONS} read"
+    if len(lengths) == 2:
+        differ = np.flatnonzero(np.not_equal(*lengths.values()))
+        if len(differ):
+            return f"row {int(differ[0])}: position_graded and position_accepted differ in length"
+    return None
 
 
 def _parse_meta(raw: bytes, path: str) -> dict[str, Any]:

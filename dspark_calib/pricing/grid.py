@@ -162,7 +162,8 @@ class ContextGrid:
         return bisect_left(self.points, context_len)
 
     def tables_for(self, context_len: int) -> Tables:
-        """The (draft, verify) tables for a step at this (integer) context: O(1), no allocation."""
+        """The (draft, verify) tables for a step at this (integer) context: a bisection of the
+        points, no allocation."""
         if context_len <= self._lo:
             return self._tables[0]
         if context_len >= self._hi:
@@ -174,8 +175,8 @@ class ContextGrid:
         """The (draft, verify) tables for a serving step of num_reqs requests whose computed
         tokens sum to context_sum: drafts at the mean context, verify at N tokens at
         ``verify_context(S, N)`` (module docstring), S = verify_sum when given (a step whose
-        prefill chunks are priced by their pairs: prefill_context_sum). O(1) per step: two row
-        lookups; below max_num_reqs requests the verify array is ``buffer``'s (one per manager;
+        prefill chunks are priced by their pairs: prefill_context_sum). Two row
+        lookups per step (bisections of the points); below max_num_reqs requests the verify array is ``buffer``'s (one per manager;
         the grid's own when None), rewritten only when its rows change, so it is valid until the
         next call with that buffer (vLLM reads it within the step)."""
         reqs = self.costs.profile_num_reqs

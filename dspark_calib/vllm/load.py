@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 from dspark_calib import env as E
 from dspark_calib.errors import PREFIX, CalibError, exception_line
 from dspark_calib.pricing.policy import (CHUNK_RULE, CONTEXT_AWARE, DEFAULT_CONTEXT_CHUNKS,
-                                         DEFAULT_CONTEXT_TAIL_MILLI, MAX_EXTRAPOLATE_TO, PricingPolicy)
+                                         DEFAULT_CONTEXT_TAIL_MILLI, MAX_EXTRAPOLATE_TO, PricingPolicy, coverage)
 from dspark_calib.selection import Decision, Progress, decide, decide_within, no_table
 from dspark_calib.table.sources import SERVE_LIMITS, escape
 from dspark_calib.vllm import probe as P
@@ -43,6 +43,12 @@ def engine_description(manager: Any, capture_sizes: list[int]) -> dict[str, Any]
     from dspark_calib.vllm.engine_info import describe_engine
 
     return describe_engine(manager, capture_sizes, state_of(manager).vllm_config)
+
+
+def max_model_len(manager: Any) -> int:
+    """The engine's max_model_len from the config the plugin kept (0 when unknown)."""
+    value = getattr(getattr(state_of(manager).vllm_config, "model_config", None), "max_model_len", 0)
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 def decision_from_env(manager: Any, capture_sizes: list[int]) -> Decision:
@@ -319,8 +325,10 @@ class LoadMode:
         if verdict.ok and agreed:
             run.priced = plan.contexts
             if rank0:
+                # the load line's coverage was of every context that loads: said again of those priced
                 left = (f"; contexts {', '.join(map(str, plan.skipped))} over the probe's budget: left out of "
-                        "the context-aware grid") if plan.skipped else ""
+                        f"the context-aware grid, which prices {coverage(plan.contexts, max_model_len(manager) or None)}"
+                        ) if plan.skipped else ""
                 log.info(PREFIX + "%s%s; keeping %s", verdict.summary(), left, decision.chosen.label)
             return
         why = why or f"{verdict.summary()}: table {decision.chosen.label} does not match this GPU's measured costs"
@@ -391,9 +399,7 @@ def _context_aware(manager: Any, curves: dict, static_context: int) -> None:
     chunks = setting(E.context_chunks_enabled, DEFAULT_CONTEXT_CHUNKS,
                      f"the default taken (chunk pricing {'on' if DEFAULT_CONTEXT_CHUNKS else 'off'})")
     # the engine's longest context: costs above the table's longest profiled one are extrapolated up to it
-    model_config = getattr(state_of(manager).vllm_config, "model_config", None)
-    max_model_len = getattr(model_config, "max_model_len", 0)
-    far = min(max_model_len, MAX_EXTRAPOLATE_TO) if isinstance(max_model_len, int) and max_model_len > 0 else 0
+    far = min(max_model_len(manager), MAX_EXTRAPOLATE_TO)
     # the contexts priced (the probe may leave some out): recorded, so validate prices with the same
     policy = PricingPolicy(CONTEXT_AWARE, static_context=int(static_context), tail_milli=tail, chunks=chunks,
                            chunk_rule=CHUNK_RULE, extrapolate_to=far, contexts=tuple(sorted(int(c) for c in curves)))

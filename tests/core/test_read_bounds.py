@@ -32,6 +32,7 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("crafted")
     return {"dictionary": C.dictionary_bomb(d / "dictionary.parquet", SHIPPED),
             "zstd": C.zstd_bomb(d / "zstd.parquet", SHIPPED),
+            "zstd after a struct": C.zstd_bomb(d / "zstd-struct.parquet", SHIPPED, struct_first=True),
             "rows": C.row_bomb(d / "rows.parquet", SHIPPED),
             "sizes": C.forged_sizes(d / "sizes.parquet", SHIPPED, max_num_batched_tokens=1 << 31)}
 
@@ -41,6 +42,10 @@ def files(tmp_path_factory):
 TABLE_CAUSES = {"dictionary": ("unknown record kind 'xxxx", "unknown record kind 'xxxx"),
                 "zstd": ("exceeds the read limit max_decoded_bytes=134217728",
                          "exceeds the read limit max_decoded_bytes=67108864"),
+                # a struct's extra leaves put every later column's chunk 31 places on: each
+                # column's pages are still the ones counted
+                "zstd after a struct": ("exceeds the read limit max_decoded_bytes=134217728",
+                                        "exceeds the read limit max_decoded_bytes=67108864"),
                 "rows": ("exceeds the read limit max_decoded_bytes=134217728", None),  # serving never reads samples
                 "sizes": ("fingerprint max_num_batched_tokens 2147483648 is outside 0..2097152",) * 2}
 
@@ -87,6 +92,9 @@ EDGES = {  # the largest values validate accepts -> observe file builder
     "262,144 steps": lambda p: C.observed_file(p, rows=1 << 18),
     "engine sizes": lambda p: C.observed_file(p, meta={"max_num_batched_tokens": 1 << 21, "max_num_reqs": 1 << 16}),
     "contexts": lambda p: C.observed_file(p, context_max=1 << 24, context_sum=1 << 25, context_mean=float(1 << 24)),
+    # every step read as wide as the widest list (the decode budget allows ~20 a step on all)
+    "32 draft positions": lambda p: C.observed_lists_file(p, [[1], [1] * 14 + [0] * 18], [[1], [1] * 13 + [0] * 19],
+                                                          rows=1 << 18),
 }
 
 
@@ -123,6 +131,16 @@ OBSERVED = {  # name -> (builder, cause)
     "context_max=2^40": (lambda p: C.observed_file(p, context_max=1 << 40, context_sum=1 << 41,
                                                    context_mean=float(1 << 40), priced_context=1000),
                          "context_max must be <= 16777216 (100 bad rows)"),
+    # 14 KB on disk; every row would be as wide as the longest list: 100 GB
+    "a list of 100,000 positions": (lambda p: C.observed_lists_file(p, [[0], [0] * 100_000], [[0], [0] * 100_000],
+                                                                    rows=1 << 17),
+                                    "column position_graded has a list of 100000 positions, over the 32 read"),
+    "a list of 20M values": (lambda p: C.observed_list_bomb(p),
+                             "bytes decoded 160003003 exceeds the read limit max_decoded_bytes=134217728"),
+    "a list of 20M values after a struct": (lambda p: C.observed_list_bomb(p, struct_first=True),
+                                            "bytes decoded 160003003 exceeds the read limit max_decoded_bytes"),
+    "lists of two lengths": (lambda p: C.observed_lists_file(p, [[2, 1, 0]], [[1, 0, 0, 0]]),
+                             "row 0: position_graded and position_accepted differ in length"),
 }
 
 
@@ -146,6 +164,28 @@ def test_observe_files_are_opened_as_tables_are(tmp_path):
 
 
 # -- footer JSON -------------------------------------------------------------------------------
+@pytest.mark.parametrize("reader", ["observe", "table"])
+def test_a_column_name_given_twice_is_one_line(tmp_path, reader):
+    """Columns are read by name: a second column of a name is refused naming the file (an observe
+    file gave pyarrow's KeyError as a traceback)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dspark_calib.observe.file import read_observed
+    from dspark_calib.table.file import read_table
+
+    path = tmp_path / "observed-x.parquet"
+    if reader == "observe":
+        arrow = pa.table(C.observed_columns(4))
+        meta, key = {"schema_version": "1.1", "tool_version": "0.1.0", "created_at": "2026-12-01T00:00:00Z"}, C.OBSERVED_KEY
+    else:
+        arrow, meta, key = pq.read_table(SHIPPED).replace_schema_metadata(None), C.table_meta(SHIPPED), C.TABLE_KEY
+    arrow = arrow.add_column(0, "step" if reader == "observe" else "size", pa.array(np.zeros(arrow.num_rows, np.int64)))
+    C._write(path, arrow, key, meta)
+    with pytest.raises(CalibError, match="appears more than once"):
+        (read_observed if reader == "observe" else read_table)([path] if reader == "observe" else path)
+
+
 def test_footer_json_element_count_is_capped(tmp_path):
     """240,000 empty objects in a 1 MB footer parsed into ~30 MB of dicts per file listed."""
     path = C.json_elements(tmp_path / "t.parquet", SHIPPED)

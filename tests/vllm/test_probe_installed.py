@@ -203,6 +203,8 @@ def test_contexts_over_the_budget_are_left_out_of_the_grid(monkeypatch, caplog, 
     probe = next(x for x in lines if x.startswith("dspark-calib: probe"))
     assert "contexts 1024 over the probe's budget: left out of the context-aware grid" in probe
     assert ca.installed_state(m).grid.contexts == (8192, 16384)
+    # the load line's coverage named 1024 too: said again of what is priced
+    assert "the context-aware grid, which prices contexts 8192, 16384" in probe, probe
 
 
 def test_probe_line_says_the_gpu_throttled(monkeypatch, caplog, tmp_path, reference_table):
