@@ -468,9 +468,8 @@ def render_check(result: "CheckResult", console: Console) -> None:
 
 # -- calibrate ------------------------------------------------------------------------------
 def render_calibration(result: "CalibrationResult", console: Console) -> None:
-    """The correction, then the fitted steps' context-aware errors before and after (in sample:
-    validate on held-out files judges it)."""
-    _show(console, Text(result.calibration.summary(), style="cyan"))
+    """After the written table's summary (which holds the correction's line): the fitted steps'
+    context-aware errors before and after (in sample: validate on held-out files judges it)."""
     def pct(value: float, signed: bool = False) -> str:
         return "—" if not math.isfinite(value) else f"{value:+.2f}%" if signed else f"{value:.2f}%"
 
