@@ -71,7 +71,8 @@ class Calibration:
                  else f"{len(self.files)} observe file{'s' * (len(self.files) != 1)} (no host recorded)")
         moved = ", ".join(f"{k} x{self.factors[k][WITHIN]:.4f} (<= {self.capture_limit}) / x{self.factors[k][ABOVE]:.4f}"
                           for k in CURVE_KINDS)
-        return f"calibrated from parent {self.parent[:12]} on {sum(self.steps.values())} steps of {where}: {moved}"
+        served = sum(int(f.get("steps") or 0) for f in self.files)  # observed steps, drafts and verifies in them
+        return f"calibrated from parent {self.parent[:12]} on {served} steps of {where}: {moved}"
 
     def to_json(self) -> dict[str, Any]:
         return {"parent": self.parent, "capture_limit": self.capture_limit,

@@ -36,7 +36,7 @@ def test_calibrate_writes_a_new_table_and_says_what_it_fitted(calibrated):
     parent = read_table(SHIPPED)
     table = read_table(out)
     assert stdout.splitlines()[0] == str(out)
-    assert f"calibrated from parent {parent.short_hash} on 524 steps of 2 observe files" in stdout
+    assert f"calibrated from parent {parent.short_hash} on 470 steps of 2 observe files" in stdout
     assert "the steps it was fitted on" in stdout
     assert table.calibration.parent == parent.content_hash and table.fingerprint.to_dict() == parent.fingerprint.to_dict()
     assert [f["name"] for f in table.calibration.files] == [p.name for p in SERVED]
@@ -45,7 +45,7 @@ def test_calibrate_writes_a_new_table_and_says_what_it_fitted(calibrated):
 def test_inspect_says_it_is_calibrated_in_one_line(calibrated):
     out, _ = calibrated
     lines = [ln for ln in invoke("inspect", out).stdout.splitlines() if "calibrated from parent" in ln]
-    assert len(lines) == 1 and "524 steps" in lines[0]
+    assert len(lines) == 1 and "470 steps" in lines[0]
     data = json.loads(invoke("inspect", out, "--json").stdout)
     assert data["calibration"]["parent"] == read_table(SHIPPED).content_hash
     assert json.loads(invoke("inspect", SHIPPED, "--json").stdout)["calibration"] is None
