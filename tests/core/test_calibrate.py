@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -65,7 +64,7 @@ def test_a_known_scale_per_kind_and_size_region_is_recovered(fitted, reference_t
 
 
 def test_a_calibrated_table_prices_the_steps_corrected(fitted, reference_table, tmp_path):
-    files, result = fitted
+    _, result = fitted
     held_out = served(reference_table, tmp_path, seed=11, mode="context_aware",
                       table_hash=reference_table.content_hash)  # other steps than the fitted ones
     before = validate(reference_table, read_observed(held_out))
