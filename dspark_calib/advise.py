@@ -47,7 +47,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from dspark_calib.errors import CalibError, display_path
-from dspark_calib.fingerprint import load_mismatches
 from dspark_calib.fit import choose_draft_budget
 from dspark_calib.observe.file import ObservedSteps
 from dspark_calib.observe.step import ABSENT
@@ -127,18 +126,9 @@ def observed_acceptance(table: Any, observed: ObservedSteps) -> Acceptance:
     fp = table.fingerprint
     k = int(fp.num_speculative_tokens)
     for path, meta in zip(observed.files, observed.metadata):
-        engine = meta.raw.get("engine")
-        if not isinstance(engine, dict):
+        if not meta.check_engine(fp, path):
             raise CalibError("records no engine fingerprint (observe files before schema 1.2 record no acceptance "
                              "either): give --acceptance", path=path)
-        try:
-            mismatches = load_mismatches(fp, engine)
-        except Exception as exc:  # noqa: BLE001 - a value of a type no engine has: this file's problem
-            raise CalibError(f"records an engine fingerprint this table cannot compare ({exc})", path=path) from None
-        if mismatches:
-            more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
-            raise CalibError(f"observed on another engine than the table's fingerprint: {mismatches[0]}{more}",
-                             path=path)
     graded, accepted = observed["position_graded"], observed["position_accepted"]
     recorded = graded[:, 0] != ABSENT if graded.shape[1] else np.zeros(len(observed), dtype=bool)
     if not recorded.any():

@@ -323,6 +323,22 @@ def _fingerprint_changes(old: CostTable, new: CostTable) -> list[FingerprintChan
     return out
 
 
+def calibration_notes(old: CostTable, new: CostTable) -> list[str]:
+    """What a diff of a calibrated table says of its correction: a table calibrated from the
+    other holds the other's raw samples, so its curve changes are the correction itself and a
+    significance test on the samples cannot see them."""
+    notes = []
+    for side, table, other in (("old", old, new), ("new", new, old)):
+        cal = table.calibration
+        if cal is None:
+            continue
+        notes.append(f"{side} table is {cal.summary()}")
+        if cal.parent == other.content_hash:
+            notes.append(f"{side} is calibrated from the other table: its curves are the other's times the "
+                         "correction, its raw samples the same (a significance test cannot see the correction)")
+    return notes
+
+
 def compare_tables(old: CostTable, new: CostTable, *, old_context: int | None = None,
                    new_context: int | None = None, old_path: str | None = None,
                    new_path: str | None = None, significance: bool = True) -> DiffResult:
@@ -335,6 +351,7 @@ def compare_tables(old: CostTable, new: CostTable, *, old_context: int | None = 
             notes.append(f"{side} table has no curves at context {want}; using the nearest, {got}")
     if oc != nc:
         notes.append(f"comparing different context lengths: old {oc}, new {nc}")
+    notes.extend(calibration_notes(old, new))
     old_dense = old.dense_tables(oc)  # each with its own cudagraph_limit and engine limits
     new_dense = new.dense_tables(nc)
     curves = {}

@@ -424,6 +424,7 @@ class Inspection:
             "tool_version": t.tool_version,
             "created_at": t.created_at,
             "content_hash": t.content_hash,
+            "calibration": t.calibration.to_json() if t.calibration is not None else None,
             "fingerprint": t.fingerprint.to_dict(),
             "context_lens": list(self.context_lens),
             "num_samples": {str(ctx): t.num_samples(ctx) for ctx in self.context_lens},

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -202,6 +202,27 @@ class ValidationResult:
         }
 
 
+@dataclass(frozen=True)
+class PricedSteps:
+    """The observed steps priced as the engines that wrote them priced them (price_steps)."""
+
+    costs: ContextCosts
+    grid: ContextGrid
+    single: int  # the single-context pricing's context
+    tail: int  # thousandths
+    chunks: bool  # chunks priced by query-context pairs
+    rule: str  # their pair price
+    as_recorded: bool  # priced with the files' own settings (no option overrode them)
+    priced: Callable[..., tuple[np.ndarray, np.ndarray]]  # (tail, by_pairs=chunks) -> (draft, verify) ms per step
+    predicted: dict[str, dict[str, np.ndarray]]  # kind -> pricing -> ms per step
+    measured: dict[str, np.ndarray]  # kind -> ms per step
+    sizes: dict[str, np.ndarray]  # kind -> the curve size pricing it (num_reqs, num_target_tokens)
+    steps: dict[str, np.ndarray]  # kind -> which steps are of that kind (timed)
+    single_verify: np.ndarray
+    aware_draft: np.ndarray
+    aware_verify: np.ndarray
+
+
 def pow2_bucket(values: np.ndarray, floor: int = 1) -> np.ndarray:
     """Lower bound of each value's power-of-two bucket [2^k, 2^(k+1)); values below floor: 0."""
     v = np.asarray(values, dtype=np.int64)
@@ -276,9 +297,11 @@ def recorded_extrapolate_to(observed: ObservedSteps, table: Any) -> int:
                              "one engine's files at a time")
 
 
-def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None, tail_milli: int | None = None,
-             chunks: bool | None = None, grid_tolerance: float = DEFAULT_TOLERANCE, context_floor: int = 1024) -> ValidationResult:
-    """Compare the table's predictions with observed steps (see the module docstring)."""
+def price_steps(table: Any, observed: ObservedSteps, *, single_context: int | None = None,
+                tail_milli: int | None = None, chunks: bool | None = None,
+                grid_tolerance: float = DEFAULT_TOLERANCE) -> PricedSteps:
+    """Every observed step priced both ways, as the engines that wrote the files priced it (see
+    the module docstring): what validate compares, and what calibrate fits a correction on."""
     if len(observed) == 0:
         shown = ", ".join(display_path(f) for f in observed.files[:3]) + (", ..." if len(observed.files) > 3 else "")
         raise CalibError(f"no observed steps to validate against in {shown or 'no file'}")
@@ -306,7 +329,6 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     single_draft, single_verify = costs.tables[single]
 
     num_reqs, num_tokens = c["num_reqs"], c["num_target_tokens"]
-    ctx = -(-c["context_sum"] // num_reqs)  # ceil(mean), exactly as context-aware mode prices drafts
     tail = recorded_tail(observed) if tail_milli is None else int(tail_milli)
     if not 0 <= tail <= MAX_TAIL_MILLI:
         raise CalibError(f"the tail must be between 0 and 1, got {tail / MAX_TAIL_MILLI:g}")
@@ -341,6 +363,20 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     timed = c["forward_ms"] > 0
     steps = {"draft": c["full_cudagraph"] & (c["drafter_ms"] > 0), "verify": timed & decode,
              "verify_prefill": timed & ~decode}
+    return PricedSteps(costs, grid, single, tail, chunks, rule, as_recorded, priced, predicted, measured, sizes, steps,
+                       single_verify[num_tokens], aware_draft, aware_verify)
+
+
+def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None, tail_milli: int | None = None,
+             chunks: bool | None = None, grid_tolerance: float = DEFAULT_TOLERANCE, context_floor: int = 1024) -> ValidationResult:
+    """Compare the table's predictions with observed steps (see the module docstring)."""
+    p = price_steps(table, observed, single_context=single_context, tail_milli=tail_milli, chunks=chunks,
+                    grid_tolerance=grid_tolerance)
+    c, costs, grid, steps, predicted, measured, sizes = (observed.columns, p.costs, p.grid, p.steps, p.predicted,
+                                                         p.measured, p.sizes)
+    priced, tail, chunks, rule, aware_draft, aware_verify = p.priced, p.tail, p.chunks, p.rule, p.aware_draft, p.aware_verify
+    num_reqs, num_tokens = c["num_reqs"], c["num_target_tokens"]
+    ctx = -(-c["context_sum"] // num_reqs)  # ceil(mean), exactly as context-aware mode prices drafts
     ctx_bucket = pow2_bucket(c["context_mean"].astype(np.int64), context_floor)
 
     overall, by_context, groups = [], [], []
@@ -350,7 +386,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
 
         def stats(mask: np.ndarray) -> dict[str, ErrorStats]:
             sel = keep & mask
-            return {p: ErrorStats.of(predicted[kind][p][sel], measured[kind][sel]) for p in PRICINGS}
+            return {how: ErrorStats.of(predicted[kind][how][sel], measured[kind][sel]) for how in PRICINGS}
 
         if not keep.any() and kind == "verify_prefill":
             continue
@@ -365,7 +401,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     mixed = steps["verify"] & (c["context_max"] * num_reqs >= MIXED_SPREAD * c["context_sum"])
     now = ErrorStats.of(aware_verify[mixed], c["forward_ms"][mixed])  # the pricing above, not priced again
     tail_fit = _fit_tail(priced, tail, now, mixed, mixed & steps["draft"], c)
-    prefill = _check_prefill(priced, tail, chunks, steps["verify_prefill"], single_verify[num_tokens], aware_verify, c,
+    prefill = _check_prefill(priced, tail, chunks, steps["verify_prefill"], p.single_verify, aware_verify, c,
                              rule)
 
     both = (c["budget_static"] != ABSENT) & (c["budget_context_aware"] != ABSENT)
@@ -374,12 +410,12 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     vctx = -(-c["context_sum"] // np.minimum(num_tokens, costs.profile_num_reqs).clip(1))
     return ValidationResult(
         table_hash=str(getattr(table, "content_hash", "")), files=observed.files, num_steps=len(observed),
-        profiled_contexts=costs.contexts, single_context=single,
+        profiled_contexts=costs.contexts, single_context=p.single,
         out_of_range_steps=int(((ctx < lo) | (ctx > hi)).sum()),
         verify_out_of_range_steps=int((steps["verify"] & ((vctx < lo) | (vctx > hi))).sum()), grid=grid.describe(),
         overall=tuple(overall), by_context=tuple(by_context), groups=tuple(groups),
         budget_change=BudgetChange(int(both.sum()), changed), tail_fit=tail_fit, prefill=prefill,
-        engine=_agreement(observed, as_recorded, aware_draft, aware_verify),
+        engine=_agreement(observed, p.as_recorded, aware_draft, aware_verify),
     )
 
 

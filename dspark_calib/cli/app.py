@@ -159,10 +159,11 @@ def _warn(message: str) -> None:
     typer.echo(f"{PROG}: warning: " + " ".join(message.split()), err=True)
 
 
-def _write_table(table: Any, out: Any) -> None:
+def _write_table(table: Any, out: Any, *, quiet: bool = False) -> str:
     """Write to a checked --out (paths.TableOut), then print the path, whether it replaced a table
-    of the same content hash, and the summary. The summary is made first: a table it cannot
-    describe is never written. A write failure names the user's path."""
+    of the same content hash, and the summary (quiet: nothing; the caller prints JSON). The
+    summary is made first: a table it cannot describe is never written. A write failure names
+    the user's path. Returns the path written."""
     from dspark_calib.cli.paths import write_error
     from dspark_calib.inspection import inspect_table
     from dspark_calib.render import render_summary
@@ -174,10 +175,13 @@ def _write_table(table: Any, out: Any) -> None:
         write_table(table, path)
     except OSError as exc:
         raise write_error(exc, path, out.option) from None
+    if quiet:
+        return path
     typer.echo(path)
     if replaced:
         typer.echo(replaced)
     render_summary(summary, _console())
+    return path
 
 
 def _plot(draw: Callable[..., str], path: str, *args: Any, **kwargs: Any) -> str:
@@ -530,6 +534,43 @@ def validate_cmd(
                                                           if exceeded else "within"), markup=False)
     if exceeded:
         raise typer.Exit(1)
+
+
+@app.command("calibrate")
+@handled
+def calibrate_cmd(
+    table: Annotated[str, typer.Argument(metavar="TABLE", help="The measured table the engines served with.")],
+    observed: Annotated[List[str], typer.Argument(
+        metavar="OBSERVED...", help="Observe-mode files of its engine; a directory stands for its observed-*.parquet "
+                                    "files.")],
+    out: Annotated[str, typer.Option(
+        "--out", metavar="FILE|DIR/", help="The calibrated table (.parquet), or a directory for it (a new one ends "
+                                           "with '/'); never the measured table.")],
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """A new table of the same fingerprint, its curves corrected by served steps (one factor per curve kind and
+    size region), with the parent's hash and the files it was fitted on recorded.
+
+    Offline (no GPU, no torch, no vLLM). Judge it with `validate` on observe files it was not fitted on.
+    """
+    from dspark_calib.cli.paths import refuse_duplicate_inputs, table_out
+    from dspark_calib.observe.file import observed_paths
+
+    files = observed_paths(observed)
+    refuse_duplicate_inputs(files, "observe file")  # a file counted twice doubles its steps' weight
+    target = table_out(out, [table, *files], force=force)
+    from dspark_calib.calibrate import calibrate
+    from dspark_calib.table.file import read_table
+
+    result = calibrate(read_table(table), files)
+    path = _write_table(result.table, target, quiet=as_json)
+    if as_json:
+        _print_json({"path": path, **result.to_dict()})
+        return
+    from dspark_calib.render.text import render_calibration
+
+    render_calibration(result, _console())
 
 
 @app.command("advise")

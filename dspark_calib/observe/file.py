@@ -7,7 +7,7 @@ Format history (OBSERVED_SCHEMA_VERSION, "major.minor"):
   the engine did not price the step the other way). File metadata is JSON under
   the parquet key-value key ``dspark_calib_observed``: schema_version,
   tool_version, created_at (UTC, ISO 8601), plus what the writer was given
-  (e.g. table_hash, mode, tp_rank, sample_every, max_num_reqs,
+  (e.g. table_hash, mode, tp_rank, sample_every, host, max_num_reqs,
   max_num_batched_tokens).
 * 1.1 (dspark-calib 0.1.0): three nullable columns at the end, the step's prefill chunks
   (requests with more than one non-draft token): ``prefill_tokens`` (their non-draft

@@ -14,6 +14,7 @@ import numpy as np
 
 from dspark_calib.errors import CalibError
 from dspark_calib.fileformat.limits import MAX_CONTEXT_LEN, MAX_NUM_SEQS, MAX_STEP_TOKENS
+from dspark_calib.fingerprint import Fingerprint, load_mismatches
 from dspark_calib.pricing.policy import STOCK, PricingPolicy
 
 INT, FLOAT, BOOL = "int64", "float64", "bool"
@@ -184,6 +185,23 @@ class ObserveMeta:
 
     def policy(self) -> PricingPolicy:
         return PricingPolicy.from_metadata(self.raw)
+
+    def check_engine(self, fingerprint: Fingerprint, path: str) -> bool:
+        """Are these steps of an engine of this fingerprint? CalibError naming the first blocking key
+        that differs (fingerprint.load_mismatches); False when the file records no engine (written
+        before schema 1.2), True when its engine fits."""
+        engine = self.raw.get("engine")
+        if not isinstance(engine, dict):
+            return False
+        try:
+            mismatches = load_mismatches(fingerprint, engine)
+        except Exception as exc:  # noqa: BLE001 - a value of a type no engine has: this file's problem
+            raise CalibError(f"records an engine fingerprint this table cannot compare ({exc})", path=path) from None
+        if mismatches:
+            more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+            raise CalibError(f"observed on another engine than the table's fingerprint: {mismatches[0]}{more}",
+                             path=path)
+        return True
 
 
 def meta_problem(raw: Mapping[str, Any]) -> str | None:

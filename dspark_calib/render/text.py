@@ -24,6 +24,7 @@ from dspark_calib.inspection import (
 from dspark_calib.render.conditions import render_conditions_diff, render_telemetry
 
 if TYPE_CHECKING:
+    from dspark_calib.calibrate import CalibrationResult
     from dspark_calib.check import CheckResult
     from dspark_calib.compare import CurveDiff, DiffResult, ThresholdVerdict
     from dspark_calib.table.model import CostTable
@@ -270,6 +271,8 @@ def render_inspect(insp: Inspection, console: Console, *, all_points: bool = Fal
     _show(console, verdict_text(insp.verdict))
     if insp.path:
         _show(console, Text(insp.path, style="bold"))
+    if table.calibration is not None:
+        _show(console, Text(table.calibration.summary(), style="cyan"))
     _show(console, fingerprint_table(table))
     for note in insp.notes:
         console.print(Text(f"note: {note}", style="cyan"))
@@ -321,6 +324,8 @@ def render_summary(insp: Inspection, console: Console) -> None:
         lines.append(f"  ctx {ctx}: draft {len(pair.draft)} sizes ({int(pair.draft.size[0])}..{int(pair.draft.size[-1])}), "
                      f"verify {len(pair.verify)} sizes ({int(pair.verify.size[0])}..{int(pair.verify.size[-1])}), "
                      f"{t.num_samples(ctx)} samples")
+    if t.calibration is not None:
+        lines.append(f"  {t.calibration.summary()}")
     for line in lines:  # Text, not a str: names and paths must not be read as rich markup
         console.print(Text(line), no_wrap=True, crop=False, overflow="ignore")
     console.print(Text(f"{insp.summary} (dspark-calib inspect for details)", style="yellow" if insp.counts[WARNING]
@@ -459,3 +464,16 @@ def render_check(result: "CheckResult", console: Console) -> None:
     console.print(Text("plugin log:", style="bold"))
     for line in result.lines:
         console.print(Text(line), no_wrap=True, crop=False, overflow="ignore")
+
+
+# -- calibrate ------------------------------------------------------------------------------
+def render_calibration(result: "CalibrationResult", console: Console) -> None:
+    """After the written table's summary (which holds the correction's line): the fitted steps'
+    context-aware errors before and after (in sample: validate on held-out files judges it)."""
+    def pct(value: float, signed: bool = False) -> str:
+        return "—" if not math.isfinite(value) else f"{value:+.2f}%" if signed else f"{value:.2f}%"
+
+    rows = [((f.kind, str(f.before.n), pct(f.before.median_pct), pct(f.before.median_signed_pct, True),
+              pct(f.after.median_pct), pct(f.after.median_signed_pct, True)), None) for f in result.fitted]
+    _show(console, grid("the steps it was fitted on (context-aware; judge it on others with validate)",
+                        ("kind", "steps", "median before", "bias before", "median after", "bias after"), rows))

@@ -22,6 +22,10 @@ Format history (SCHEMA_VERSION, "major.minor"):
   throttle reasons and host load at each profile block's start and end; null when not
   recorded), covered by the 1.1 hash rule like every metadata key. Same columns. A 1.1
   (or 1.0) file migrates on read with telemetry null and keeps verifying under its rule.
+* 1.3: metadata gains ``calibration`` (table/calibration.py: the parent's content hash, the
+  per-kind, per-size-region factors the curve rows carry, the served steps and observe files
+  they were fitted on; null for a measured table), covered by the 1.1 hash rule. Same
+  columns. An older file migrates on read with calibration null and keeps verifying under its rule.
 
 Compatibility rules: a reader accepts every minor version of its major. An older
 minor is migrated on read by ``MIGRATIONS`` (append-only; columns it lacked are filled
@@ -52,6 +56,7 @@ from dspark_calib.errors import CalibError, display_path, first_line
 from dspark_calib.fit import CURVE_COLUMNS, CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair
 from dspark_calib.samples import SAMPLE_COLUMNS, Samples
 from dspark_calib.safe_open import open_fs, open_local
+from dspark_calib.table.calibration import Calibration
 from dspark_calib.table.identity import content_hash, hash_1_0, hash_1_1, meta_1_1
 from dspark_calib.table.model import SCHEMA_VERSION, CostTable
 from dspark_calib.telemetry import Telemetry
@@ -105,6 +110,12 @@ def _m_1_0_to_1_1(arrow: pa.Table, meta: dict) -> tuple[pa.Table, dict]:
 def _m_1_1_to_1_2(arrow: pa.Table, meta: dict) -> tuple[pa.Table, dict]:
     """1.2 added the telemetry metadata key, no columns: an older table recorded none."""
     return arrow, {**meta, "schema_version": "1.2", "telemetry": None}
+
+
+@migration("1.2", "1.3")
+def _m_1_2_to_1_3(arrow: pa.Table, meta: dict) -> tuple[pa.Table, dict]:
+    """1.3 added the calibration metadata key, no columns: an older table is as measured."""
+    return arrow, {**meta, "schema_version": "1.3", "calibration": None}
 
 
 def migrate(arrow: pa.Table, meta: dict, path: str) -> tuple[pa.Table, dict]:
@@ -264,7 +275,8 @@ def _decode(arrow: pa.Table, meta: dict, tm: TableMeta, samples: bool, limits: R
     return CostTable(fingerprint=tm.fingerprint, curves=pairs, samples=table_samples,
                      samples_digest=tm.samples_digest or "", created_at=str(meta["created_at"]),
                      tool_version=tm.tool_version, schema_version=tm.schema_version,
-                     telemetry=Telemetry.from_json(meta.get("telemetry")))
+                     telemetry=Telemetry.from_json(meta.get("telemetry")),
+                     calibration=Calibration.from_json(meta.get("calibration")))
 
 
 # -- the public API ---------------------------------------------------------------------------

@@ -53,12 +53,14 @@ def hash_1_1(meta: dict[str, Any], curves: dict[int, CurvePair]) -> str:
 
 
 def meta_1_1(table: Any, version: str) -> dict[str, Any]:
-    """The metadata as `version` writes it (1.1: no telemetry key, so a read 1.1 table keeps its hash)."""
+    """The metadata as `version` writes it (1.1: no telemetry key, 1.2: no calibration key, so a read older table keeps its hash)."""
     curve_rows = sum(len(p.draft) + len(p.verify) for p in table.curves.values())
     meta = {"schema_version": version, "tool_version": table.tool_version, "created_at": table.created_at,
             "fingerprint": table.fingerprint.to_dict(), "curve_rows": curve_rows, "samples_digest": table.samples_digest}
     if parse_version(version) >= (1, 2):
         meta["telemetry"] = table.telemetry.to_json() if table.telemetry is not None else None
+    if parse_version(version) >= (1, 3):
+        meta["calibration"] = table.calibration.to_json() if table.calibration is not None else None
     return meta
 
 

@@ -22,13 +22,14 @@ from dspark_calib.fileformat.version import parse_version
 from dspark_calib.fingerprint import Fingerprint, merge_mismatches
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, CurvePair, fit_curves
 from dspark_calib.samples import SAMPLE_COLUMNS, Sample, Samples
+from dspark_calib.table.calibration import Calibration
 from dspark_calib.table.identity import content_hash
 from dspark_calib.telemetry import Telemetry
 
 if TYPE_CHECKING:
     from dspark_calib.pricing.costs import DenseTables
 
-SCHEMA_VERSION = "1.2"  # what write_table writes; file.py's header has the format history
+SCHEMA_VERSION = "1.3"  # what write_table writes; file.py's header has the format history
 DEFAULT_CONTEXT = 8192  # vLLM's default profiling context length
 # Physical bounds of one step (ms): below a microsecond or above a minute no GPU step is real.
 MIN_STEP_MS = 1e-3
@@ -50,7 +51,7 @@ def nearest(context_lens: Iterable[int], wanted: int) -> int:
     return min(context_lens, key=lambda c: (abs(c - wanted), -c))
 
 
-def _utc_now() -> str:
+def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
@@ -59,13 +60,15 @@ class CostTable:
     fingerprint: Fingerprint
     curves: dict[int, CurvePair]  # context_len -> curve pair
     samples: Samples | None  # None: read without raw samples (serving)
-    created_at: str = field(default_factory=_utc_now)
+    created_at: str = field(default_factory=utc_now)
     tool_version: str = __version__
     schema_version: str = SCHEMA_VERSION
     # Samples.digest(); recomputed whenever samples are present, taken from the file when they were not read.
     samples_digest: str = ""
     # GPU/host conditions per profile block (schema 1.2); None: not recorded or an older table.
     telemetry: Telemetry | None = None
+    # The correction its curves carry (schema 1.3; calibration.py); None: the curves are as measured.
+    calibration: Calibration | None = None
     # (recomputed, stored) hash of a table read from a file, set by TableFile.read only: a newer
     # minor's file (unknown fingerprint keys under extra) recomputes another hash than the stored,
     # verified one that pins match. Not an init field: dataclasses.replace() drops it.
@@ -270,6 +273,9 @@ def merge_tables(tables: Sequence[CostTable], names: Sequence[str] | None = None
             raise CalibError(f"cannot merge tables profiled differently: {m.key} is {m.table_value!r} in "
                              f"{names[0]} but {m.engine_value!r} in {name}")
     for name, t in zip(names, tables):
+        if t.calibration is not None:  # the refit would drop its correction without a word
+            raise CalibError(f"{name} is calibrated (from parent {t.calibration.parent[:12]}): merge the measured "
+                             "tables, then calibrate the merged one")
         if t.samples is None or not len(t.samples):
             raise CalibError(f"{name} has no raw samples to merge")
         if parse_version(t.schema_version) < (1, 1):  # the refit would turn unverified samples into curves

@@ -39,6 +39,7 @@ import functools
 import itertools
 import logging
 import os
+import socket
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -421,6 +422,7 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
         # the engine's fingerprint keys (capture sizes from the config: graphs are captured later), so
         # advise can refuse files of another engine than its table's
         meta["engine"] = describe_engine(manager, [], getattr(runner, "vllm_config", None))
+        meta["host"] = socket.gethostname()  # calibrate records which hosts its steps were served on
         from dspark_calib.vllm.step_capture import pricing_for, stock_context
 
         obs = Observer(manager, directory, every=every, event_factory=event_factory,

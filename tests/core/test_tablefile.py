@@ -75,7 +75,7 @@ def test_curves_come_first_in_their_own_row_group(path8192, t8192):
     pf = pq.ParquetFile(path8192)
     meta = json.loads(pf.schema_arrow.metadata[METADATA_KEY])
     n_curve = sum(len(t8192.curves[8192].curve(k)) for k in CURVE_KINDS)
-    assert meta["schema_version"] == SCHEMA_VERSION == "1.2" and meta["curve_rows"] == n_curve
+    assert meta["schema_version"] == SCHEMA_VERSION == "1.3" and meta["curve_rows"] == n_curve
     assert pf.metadata.num_row_groups >= 2 and pf.metadata.row_group(0).num_rows == n_curve
     assert set(pf.read_row_group(0, columns=["record"]).column(0).to_pylist()) == {"draft", "verify"}
     assert set(pf.read_row_group(1, columns=["record"]).column(0).to_pylist()) == {"sample"}
@@ -247,9 +247,9 @@ def test_every_column_survives_every_migration_with_its_values(m):
 def test_the_survival_check_catches_a_migration_that_renames_a_column():
     registered = list(MIGRATIONS)
     try:
-        @migration("1.2", "1.3")
+        @migration("1.3", "1.4")
         def rename(arrow, meta):
-            return arrow.rename_columns(["mad" if c == "mad_ms" else c for c in arrow.column_names]), {**meta, "schema_version": "1.3"}
+            return arrow.rename_columns(["mad" if c == "mad_ms" else c for c in arrow.column_names]), {**meta, "schema_version": "1.4"}
         assert MIGRATIONS[-1].apply is rename  # the decorator appends
         with pytest.raises(AssertionError, match="dropped column mad_ms"):
             assert_every_column_survives(MIGRATIONS[-1])

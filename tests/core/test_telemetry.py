@@ -35,7 +35,7 @@ def with_telemetry(reference_table_8192):
 
 def test_1_2_round_trips_telemetry(tmp_path, with_telemetry):
     back = read_table(write_table(with_telemetry, tmp_path / "t.parquet"))
-    assert back.schema_version == SCHEMA_VERSION == "1.2"
+    assert back.schema_version == SCHEMA_VERSION == "1.3"
     assert back.telemetry == with_telemetry.telemetry and back.content_hash == with_telemetry.content_hash
     assert read_table(tmp_path / "t.parquet", samples=False).telemetry == with_telemetry.telemetry
     s = back.telemetry.summary()
@@ -64,7 +64,7 @@ def test_a_1_1_file_reads_with_no_telemetry_and_its_own_hash(tmp_path, reference
     old = read_table(tmp_path / "old.parquet")
     assert old.telemetry is None and old.schema_version == "1.1" and old.content_hash == meta["content_hash"]
     again = read_table(write_table(old, tmp_path / "new.parquet"))
-    assert again.schema_version == "1.2" and again.telemetry is None
+    assert again.schema_version == SCHEMA_VERSION and again.telemetry is None
 
 
 def test_a_1_0_file_reads_with_no_telemetry():

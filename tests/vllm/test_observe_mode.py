@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 from types import SimpleNamespace
 
 import numpy as np
@@ -194,6 +195,7 @@ def test_sampled_steps_join_their_own_timings(engine):
     meta = read_observed([obs.directory]).metadata[0]
     assert meta.mode == "stock" and meta.sample_every == 2 and meta.max_num_reqs == 256
     assert meta.raw["engine"]["num_speculative_tokens"] == 7  # the manager's (describe_engine)
+    assert meta.raw["host"] == socket.gethostname()  # calibrate's provenance
     assert all(n.startswith(f"observed-dp0-{os.getpid()}-e") for n in os.listdir(obs.directory))
 
 
