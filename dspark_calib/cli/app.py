@@ -200,6 +200,19 @@ def _print_json(data: Any) -> None:
     typer.echo(json.dumps(_json_numbers(data), indent=2, allow_nan=False))
 
 
+def _report(data: dict, plot: str | None, as_json: bool, render: Callable[[Any], None]) -> Any:
+    """A command's result as JSON (the plot's path in it), or rendered, the plot's path said after;
+    the console it rendered to (None for JSON), for a command's own last lines."""
+    if as_json:
+        _print_json({**data, "plot": plot})
+        return None
+    console = _console()
+    render(console)
+    if plot:
+        console.print(f"plot written to {plot}", markup=False, soft_wrap=True)  # a path, whole
+    return console
+
+
 def _json_numbers(data: Any) -> Any:
     if isinstance(data, float) and not math.isfinite(data):
         return None if math.isnan(data) else ("inf" if data > 0 else "-inf")
@@ -260,15 +273,9 @@ def inspect_cmd(
         from dspark_calib.render import plot_table
 
         plot = _plot(plot_table, plot, t, context_len=context_len)
-    if as_json:
-        _print_json({**insp.to_dict(), "plot": plot})
-        return
     from dspark_calib.render import render_inspect
 
-    console = _console()
-    render_inspect(insp, console, all_points=all_points)
-    if plot:
-        console.print(f"plot written to {plot}", markup=False, soft_wrap=True)  # a path, whole
+    _report(insp.to_dict() if as_json else {}, plot, as_json, lambda c: render_inspect(insp, c, all_points=all_points))
 
 
 @app.command("diff")
@@ -311,15 +318,10 @@ def diff_cmd(
         from dspark_calib.render import plot_diff
 
         plot = _plot(plot_diff, plot, a, b, result=result)
-    if as_json:
-        _print_json({**result.to_dict(), "threshold": verdict.to_dict() if verdict else None, "plot": plot})
-    else:
-        from dspark_calib.render import render_diff
+    from dspark_calib.render import render_diff
 
-        console = _console()
-        render_diff(result, console, verdict=verdict, all_points=all_points)
-        if plot:
-            console.print(f"plot written to {plot}", markup=False, soft_wrap=True)  # a path, whole
+    _report({**result.to_dict(), "threshold": verdict.to_dict() if verdict else None} if as_json else {}, plot,
+            as_json, lambda c: render_diff(result, c, verdict=verdict, all_points=all_points))
     if verdict is not None and verdict.exceeded:
         raise typer.Exit(1)
 
@@ -519,19 +521,14 @@ def validate_cmd(
         from dspark_calib.render.validation import plot_validation
 
         plot = _plot(plot_validation, plot, result)
-    if as_json:
-        _print_json({**result.to_dict(), "max_error": None if max_error is None else
-                     {"pct": max_error, "exceeded": exceeded}, "plot": plot})
-    else:
-        from dspark_calib.render.validation import render_validation
+    from dspark_calib.render.validation import render_validation
 
-        console = _console()
-        render_validation(result, console, max_error=max_error, all_groups=all_groups)
-        if plot:
-            console.print(f"plot written to {plot}", markup=False, soft_wrap=True)  # a path, whole
-        if max_error is not None:
-            console.print(f"max error {max_error:g}%: " + ("exceeded (context-aware median, some kind and context)"
-                                                          if exceeded else "within"), markup=False)
+    data = {**result.to_dict(), "max_error": None if max_error is None else {"pct": max_error, "exceeded": exceeded}}
+    console = _report(data if as_json else {}, plot, as_json,
+                      lambda c: render_validation(result, c, max_error=max_error, all_groups=all_groups))
+    if console is not None and max_error is not None:
+        console.print(f"max error {max_error:g}%: " + ("exceeded (context-aware median, some kind and context)"
+                                                      if exceeded else "within"), markup=False)
     if exceeded:
         raise typer.Exit(1)
 
@@ -628,15 +625,9 @@ def advise_cmd(
         from dspark_calib.render import plot_advice
 
         plot = _plot(plot_advice, plot, result)
-    if as_json:
-        _print_json({**result.to_dict(), "plot": plot})
-        return
     from dspark_calib.render.advice import render_advice
 
-    console = _console()
-    render_advice(result, console, all_fixed=all_fixed)
-    if plot:
-        console.print(f"plot written to {plot}", markup=False, soft_wrap=True)  # a path, whole
+    _report(result.to_dict() if as_json else {}, plot, as_json, lambda c: render_advice(result, c, all_fixed=all_fixed))
 
 
 # -- profile (the vLLM backend; imports vllm/torch only when it runs) --------------------------
