@@ -129,7 +129,6 @@ from typing import Any, Callable, Iterable
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 TARGET = os.path.join(ROOT, "profiles", "configs", "qwen3-8b")
-DRAFT = os.path.join(ROOT, "profiles", "configs", "dspark-qwen3-8b-block7")
 SHIPPED_TABLE = os.path.join(ROOT, "profiles", "h200",
                              "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet")
 
@@ -191,19 +190,35 @@ def fit_concurrency(wanted: int, kv_tokens: int, longest_prompt: int, *, output_
     return max(1, c // 8 * 8 if c >= 8 else c)
 
 
+def num_requests(lens: tuple[int, ...], concurrency: int, waves: int) -> int:
+    """waves x concurrency requests, rounded up so that a mix gets every prompt length equally often."""
+    return -(-waves * concurrency // len(lens)) * len(lens)
+
+
+def worst_case_tokens(lens: tuple[int, ...], requests: int, concurrency: int, output_len: int = OUTPUT_LEN) -> int:
+    """KV tokens when the `concurrency` largest of the workload's requests are in flight at their end."""
+    sizes = sorted((tokens_per_request(lens[i % len(lens)], output_len) for i in range(requests)), reverse=True)
+    return sum(sizes[:concurrency])
+
+
 def fit_skewed(w_lens: tuple[int, ...], wanted: int, kv_tokens: int, *, waves: int, output_len: int = OUTPUT_LEN,
                headroom: float = KV_HEADROOM, cap: int = MAX_NUM_SEQS) -> int:
     """fit_concurrency for a workload whose longest prompt is one of many (a skewed batch): the worst
     case is the c largest requests of the whole workload in flight at their end (a closed loop keeps
     the long ones in flight longest, but there are only so many of them)."""
     c = min(wanted, cap)
-    while c > 1:
-        n = -(-waves * c // len(w_lens)) * len(w_lens)
-        sizes = sorted((tokens_per_request(w_lens[i % len(w_lens)], output_len) for i in range(n)), reverse=True)
-        if sum(sizes[:c]) <= kv_tokens * headroom:
-            break
+    while c > 1 and worst_case_tokens(w_lens, num_requests(w_lens, c, waves), c, output_len) > kv_tokens * headroom:
         c -= 1
     return max(1, c // 8 * 8 if c >= 8 else c)
+
+
+def fit_workload(lens: tuple[int, ...], wanted: int, kv_tokens: int, *, waves: int, output_len: int = OUTPUT_LEN) -> int:
+    """The concurrency a workload runs at: fit_skewed for one long prompt among many short ones,
+    else fit_concurrency (every in-flight request at the longest: a mix's long requests stay in
+    flight longest in a closed loop)."""
+    if lens.count(max(lens)) == 1 and len(lens) > 3:
+        return fit_skewed(lens, wanted, kv_tokens, waves=waves, output_len=output_len)
+    return fit_concurrency(wanted, kv_tokens, max(lens), output_len=output_len)
 
 
 @dataclass(frozen=True)
@@ -230,9 +245,7 @@ class Workload:
     @property
     def worst_case_tokens(self) -> int:
         """KV tokens when the `concurrency` largest requests are in flight at their end."""
-        sizes = sorted((tokens_per_request(self.prompt_len(i), self.output_len) for i in range(self.num_requests)),
-                       reverse=True)
-        return sum(sizes[:self.concurrency])
+        return worst_case_tokens(self.prompt_lens, self.num_requests, self.concurrency, self.output_len)
 
     @property
     def prompts_label(self) -> str:
@@ -293,12 +306,9 @@ def plan_workloads(kv_tokens: int = KV_TOKENS_MEASURED, *, waves: int = 2, outpu
     for name, lens, wanted in specs:
         if keep is not None and name not in keep:
             continue
-        skewed = lens.count(max(lens)) == 1 and len(lens) > 3  # one long prompt among many short ones
-        c = (fit_skewed(tuple(lens), wanted, kv_tokens, waves=waves, output_len=output_len) if skewed
-             else fit_concurrency(wanted, kv_tokens, max(lens), output_len=output_len))
-        n = waves * c
-        n = -(-n // len(lens)) * len(lens)  # a mix gets every prompt length equally often
-        out.append(Workload(name, tuple(lens), c, n, output_len, wanted_concurrency=wanted))
+        c = fit_workload(tuple(lens), wanted, kv_tokens, waves=waves, output_len=output_len)
+        out.append(Workload(name, tuple(lens), c, num_requests(tuple(lens), c, waves), output_len,
+                            wanted_concurrency=wanted))
     return out
 
 
@@ -307,10 +317,8 @@ def refit(plan: list[Workload], kv_tokens: int) -> list[Workload]:
     is shrunk (never preempted); the others are left exactly as planned (same in every arm)."""
     out = []
     for w in plan:
-        skewed = w.prompt_lens.count(w.longest) == 1 and len(w.prompt_lens) > 3
-        c = (fit_skewed(w.prompt_lens, w.concurrency, kv_tokens, waves=max(1, w.num_requests // w.concurrency),
-                        output_len=w.output_len) if skewed
-             else fit_concurrency(w.concurrency, kv_tokens, w.longest, output_len=w.output_len))
+        c = fit_workload(w.prompt_lens, w.concurrency, kv_tokens, waves=max(1, w.num_requests // w.concurrency),
+                         output_len=w.output_len)
         if c < w.concurrency:
             n = -(-(w.num_requests * c // w.concurrency) // len(w.prompt_lens)) * len(w.prompt_lens)
             w = Workload(w.name, w.prompt_lens, c, max(n, len(w.prompt_lens)), w.output_len,

@@ -156,7 +156,7 @@ def expected(opts: Any, capture_sizes: list[int] | None = None) -> Expected:
     blocks = len(plan.context_lens) * (schedule.warmup_blocks + schedule.timed_blocks)
     cooldown = plan.cooldown_s * (blocks - 1)  # before every block but the capture's first
     return Expected(schedule, len(plan.context_lens), len({b["num_tokens"] for b in batches}), ms / 1000 + cooldown,
-                    cooldown, getattr(opts, "method", DSPARK))
+                    cooldown, opts.method)
 
 
 def _human(seconds: float) -> str:
