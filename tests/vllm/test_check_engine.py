@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -100,6 +99,14 @@ def vllm_config(argv, env):
         ns = make_arg_parser(FlexibleArgumentParser()).parse_args(EA.strip_command(argv))
         ns.model = ns.model_tag or ns.model
         return AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+def manager_for(config):
+    """vLLM's manager as the engine built from `config` makes it (test_plugin.make_manager's stand-in)."""
+    from tests.vllm.test_plugin import make_manager
+
+    return make_manager(config.scheduler_config.max_num_seqs, config.scheduler_config.max_num_batched_tokens,
+                        config.speculative_config.num_speculative_tokens, config=config)
 
 
 def plugin_decision(argv, env):
@@ -209,13 +216,7 @@ def test_the_real_patched_plugin_under_strict_agrees_with_check(monkeypatch, arg
     monkeypatch.setattr(engine_info, "attention_backends", lambda e, draft: "FLASH_ATTN")  # what its layers resolve
     plugin.register()
     try:
-        m = object.__new__(av.AdaptiveVerificationManager)
-        m.req_states = SimpleNamespace(max_num_reqs=config.scheduler_config.max_num_seqs,
-                                       max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
-        m.num_speculative_steps = config.speculative_config.num_speculative_tokens
-        m._cudagraph_limit = 0
-        m.cost_tables = None
-        runtime.state_of(m).vllm_config = config  # as the plugin's factory wrapper keeps it
+        m = manager_for(config)
         sizes = list(config.compilation_config.cudagraph_capture_sizes)
         if expected is None:
             with pytest.raises(RuntimeError, match="policy strict"):
