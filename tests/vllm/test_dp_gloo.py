@@ -29,7 +29,11 @@ TABLE_ENV = {"DSPARK_CALIB_PROBE": "0", "DSPARK_CALIB_CONTEXT_AWARE": "0"}
 
 def replica(rank: int, port: int, env: dict, out: str) -> None:
     """One DP replica: what it yields or why it refused, and its dspark-calib lines, to out/rRANK.json."""
-    for key in [k for k in os.environ if k.startswith("DSPARK_CALIB_")]:
+    from dspark_calib.vllm.plugin import RAY_EXTRA_VARS
+
+    # a replica's own environment only: an earlier test's plugin.register() in the parent announced
+    # its variables to Ray workers, which would read here as "the driver set them, we missed them"
+    for key in [k for k in os.environ if k.startswith("DSPARK_CALIB_") or k == RAY_EXTRA_VARS]:
         del os.environ[key]
     os.environ.update(env)
     result: dict = {"lines": []}
@@ -53,7 +57,7 @@ def _run_replica(rank: int, port: int, lines: list) -> dict:
     from vllm.v1.worker.gpu import model_runner  # noqa: F401 - a worker has it imported: register patches
 
     from dspark_calib.vllm import engine_info, plugin, runtime
-    from tests.vllm.test_check_engine import HARDWARE, README, vllm_config
+    from tests.vllm.test_check_engine import HARDWARE, README, manager_for, vllm_config
     from tests.vllm.test_plugin import SingleRank
 
     class Lines(logging.Handler):
@@ -71,13 +75,7 @@ def _run_replica(rank: int, port: int, lines: list) -> dict:
     engine_info.attention_backends = lambda e, draft: "FLASH_ATTN"
     config = vllm_config(README, {})
     plugin.register()
-    m = object.__new__(av.AdaptiveVerificationManager)
-    m.req_states = SimpleNamespace(max_num_reqs=config.scheduler_config.max_num_seqs,
-                                   max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
-    m.num_speculative_steps = config.speculative_config.num_speculative_tokens
-    m._cudagraph_limit = 0
-    m.cost_tables = None
-    runtime.state_of(m).vllm_config = config
+    m = manager_for(config)
     sizes = list(config.compilation_config.cudagraph_capture_sizes)
     steps = 0
     try:
