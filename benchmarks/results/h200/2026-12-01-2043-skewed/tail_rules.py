@@ -27,30 +27,28 @@ from dspark_calib.validate import MIXED_SPREAD, ErrorStats, bucket_label, pow2_b
 R = "benchmarks/results/h200/"
 AB = R + "2026-12-01-0438-context/h200-tp1-ctx3-serve.parquet"  # ab68151477b4: served at 1945, 2320, 0438
 SHIP = "profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet"
-SK = R + "2026-12-01-2043-skewed/"
-# (arm, observe file, table); chosen on: the ten arms the tail 0.2 was fitted on and today's stock
-CHOSEN_ON = [
-    ("1945 stock", R + "2026-11-30-1945-context/context-stock-observed.parquet", AB),
-    ("1945 static", R + "2026-11-30-1945-context/context-static-observed.parquet", AB),
-    ("1945 aware", R + "2026-11-30-1945-context/context-aware-observed.parquet", AB),
-    ("2320 host1 stock", R + "2026-11-30-2320-context/host1/context-stock-observed.parquet", AB),
-    ("2320 host2 stock", R + "2026-11-30-2320-context/host2/context-stock-observed.parquet", AB),
-    ("2320 host2 aware", R + "2026-11-30-2320-context/host2/context-aware-observed.parquet", AB),
-    ("0438 stock", R + "2026-12-01-0438-context/context-stock-observed.parquet", AB),
-    ("0438 stock-rerun", R + "2026-12-01-0438-context/context-stock-rerun-observed.parquet", AB),
-    ("0438 aware", R + "2026-12-01-0438-context/context-aware-observed.parquet", AB),
-    ("0438 aware-tail20-chunks", R + "2026-12-01-0438-context/context-aware-tail20-chunks-observed.parquet", AB),
-    ("skewed stock", SK + "stock/observed-*.parquet", SHIP),
-]
-HELD_OUT = [
-    ("0742 stock", R + "2026-12-01-0742-context/context-stock-observed.parquet", SHIP),
-    ("0742 aware", R + "2026-12-01-0742-context/context-aware-observed.parquet", SHIP),
-    ("0742 aware-tail20-chunks", R + "2026-12-01-0742-context/context-aware-tail20-chunks-observed.parquet", SHIP),
-    ("1547 smoke", R + "2026-12-01-1547-relayout-smoke/context-aware-tail20-chunks-observed.parquet", SHIP),
-    ("skewed stock-rerun", SK + "stock-rerun/observed-*.parquet", SHIP),
-    ("skewed aware-tail20-chunks", SK + "aware-tail20-chunks/observed-*.parquet", SHIP),
-    ("skewed aware-chunks", SK + "aware-chunks/observed-*.parquet", SHIP),
-]
+RUNS = {"1945": ("2026-11-30-1945-context/", AB), "2320": ("2026-11-30-2320-context/", AB),
+        "0438": ("2026-12-01-0438-context/", AB), "0742": ("2026-12-01-0742-context/", SHIP),
+        "1547": ("2026-12-01-1547-relayout-smoke/", SHIP), "skewed": ("2026-12-01-2043-skewed/", SHIP)}
+
+
+def arm(name):
+    """(name, observe file, table) of an arm named 'RUN [HOST] ARM' (the 15:47 smoke: its one arm)."""
+    run, _, rest = name.partition(" ")
+    folder, table = RUNS[run]
+    if run == "skewed":
+        return name, R + folder + rest + "/observed-*.parquet", table
+    host, _, which = rest.rpartition(" ")
+    which = "aware-tail20-chunks" if run == "1547" else which
+    return name, R + folder + (host + "/" if host else "") + f"context-{which}-observed.parquet", table
+
+
+# chosen on: the ten arms the tail 0.2 was fitted on and today's stock; judged on the others
+CHOSEN_ON = [arm(a) for a in ("1945 stock", "1945 static", "1945 aware", "2320 host1 stock", "2320 host2 stock",
+                              "2320 host2 aware", "0438 stock", "0438 stock-rerun", "0438 aware",
+                              "0438 aware-tail20-chunks", "skewed stock")]
+HELD_OUT = [arm(a) for a in ("0742 stock", "0742 aware", "0742 aware-tail20-chunks", "1547 smoke",
+                             "skewed stock-rerun", "skewed aware-tail20-chunks", "skewed aware-chunks")]
 RULES = ("vLLM 8192", "tail 0", "tail 0.2 before", "tail 0.2 bounded")
 
 
