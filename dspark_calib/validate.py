@@ -25,9 +25,10 @@ differently (from the engine's budget_static / budget_context_aware columns:
 a budget needs the step's draft confidences, which only the engine has).
 
 Mixed contexts (``TailFit``): decode steps whose longest request is at least
-MIXED_SPREAD x the mean are re-priced with the mixed-context tail t of
-rules.tail_context_sum over 0, 0.05, ..., 1; the t with the smallest median
-verify error is reported, with the steps it rests on, for the operator to set
+MIXED_SPREAD x the mean and at most twice it (where t charges the whole gap to the
+longest) are re-priced with the mixed-context tail t of rules.tail_context_sum over 0,
+0.05, ..., 1; the t with the smallest median verify error is reported, with the steps it
+rests on, for the operator to set
 (DSPARK_CALIB_CONTEXT_TAIL). Context-aware pricing here uses the tail the files
 record (the engine's; 0 for a context-aware file from before the tail), the plugin's
 default for files of stock engines (what context-aware mode would have done), or
@@ -125,6 +126,7 @@ class TailFit:
     """Decode verifies of mixed-context batches, priced with the tail in use and with the best one."""
 
     steps: int  # mixed decode steps (max >= MIXED_SPREAD x mean)
+    fitted: int  # of which the fit rests on: max <= 2 x mean, where t charges the whole gap
     tail: float  # the tail context-aware pricing used here (files' or --tail)
     verify: ErrorStats  # at that tail
     best_tail: float | None  # None: fewer than MIN_TAIL_STEPS mixed steps
@@ -132,7 +134,8 @@ class TailFit:
     best_draft: ErrorStats | None  # drafts of the same steps (full CUDA graph) at best_tail
 
     def to_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "tail": self.tail, "verify": self.verify.to_dict(), "best_tail": self.best_tail,
+        return {"steps": self.steps, "fitted": self.fitted, "tail": self.tail, "verify": self.verify.to_dict(),
+                "best_tail": self.best_tail,
                 "best_verify": self.best_verify and self.best_verify.to_dict(),
                 "best_draft": self.best_draft and self.best_draft.to_dict(), "spread": MIXED_SPREAD}
 
@@ -400,7 +403,10 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
 
     mixed = steps["verify"] & (c["context_max"] * num_reqs >= MIXED_SPREAD * c["context_sum"])
     now = ErrorStats.of(aware_verify[mixed], c["forward_ms"][mixed])  # the pricing above, not priced again
-    tail_fit = _fit_tail(priced, tail, now, mixed, mixed & steps["draft"], c)
+    # t is the mixes' coefficient: fitted where it charges the whole gap (rules.tail_context_sum), not on
+    # batches whose longest request is past twice the mean, where the rule only bounds what it charges
+    near = mixed & (c["context_max"] * num_reqs <= 2 * c["context_sum"])
+    tail_fit = _fit_tail(priced, tail, now, int(mixed.sum()), near, near & steps["draft"], c)
     prefill = _check_prefill(priced, tail, chunks, steps["verify_prefill"], p.single_verify, aware_verify, c,
                              rule)
 
@@ -446,10 +452,10 @@ def _check_prefill(priced: Any, tail: int, chunks: bool, steps: np.ndarray, sing
                         chunks, pair_rule)
 
 
-def _fit_tail(priced: Any, tail: int, now: ErrorStats, mixed: np.ndarray, mixed_drafts: np.ndarray,
+def _fit_tail(priced: Any, tail: int, now: ErrorStats, steps: int, mixed: np.ndarray, mixed_drafts: np.ndarray,
               c: dict) -> TailFit:
     """The tail (0, 0.05, ..., 1) with the smallest median verify error on the mixed decode steps
-    (now: their errors at the tail in use)."""
+    given (now: the errors of every mixed decode step, steps of them, at the tail in use)."""
     def errors(t: int) -> tuple[ErrorStats, ErrorStats]:
         draft, verify = priced(t)
         return (ErrorStats.of(verify[mixed], c["forward_ms"][mixed]),
@@ -457,10 +463,10 @@ def _fit_tail(priced: Any, tail: int, now: ErrorStats, mixed: np.ndarray, mixed_
 
     n = int(mixed.sum())
     if n < MIN_TAIL_STEPS:
-        return TailFit(n, tail / MAX_TAIL_MILLI, now, None, None, None)
+        return TailFit(steps, n, tail / MAX_TAIL_MILLI, now, None, None, None)
     fits = {t: errors(t) for t in range(0, MAX_TAIL_MILLI + 1, TAIL_STEP_MILLI)}
     best = min(fits, key=lambda t: (fits[t][0].median_pct, t))  # ties: the smaller tail
-    return TailFit(n, tail / MAX_TAIL_MILLI, now, best / MAX_TAIL_MILLI, *fits[best])
+    return TailFit(steps, n, tail / MAX_TAIL_MILLI, now, best / MAX_TAIL_MILLI, *fits[best])
 
 
 def max_error_exceeded(result: ValidationResult, pct: float, *, pricing: str = AWARE) -> bool:

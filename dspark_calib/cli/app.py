@@ -487,7 +487,8 @@ def validate_cmd(
     all_groups: Annotated[bool, typer.Option("--all", help="List every size x context group.")] = False,
     tail: Annotated[Optional[float], typer.Option(
         "--tail", min=0, max=1, metavar="T",
-        help="Context-aware pricing with the mixed-context tail T (mean + T x (max - mean)); "
+        help="Context-aware pricing with the mixed-context tail T "
+             "(mean + T x min(max - mean, mean^2 / (max - mean))); "
              "default: the tail the files record (DSPARK_CALIB_CONTEXT_TAIL of the engine), else the plugin's "
              f"default ({DEFAULT_CONTEXT_TAIL_MILLI / 1000:g}).")] = None,
     chunks: Annotated[Optional[bool], typer.Option(

@@ -5,8 +5,8 @@ R(N) = min(N, max_num_reqs) requests, each with L tokens of KV, so its attention
 read R(N) x L KV tokens. A serving step reads S, the sum of its requests' computed
 tokens, so its verify cost at N is the table's at S / R(N) (``verify_context``);
 drafts are keyed by requests and priced at the mean. Mixed contexts are priced at
-S + t (n max - S) (``tail_context_sum``), prefill chunks by their query-context
-pairs (``prefill_context_sum``, at a rule's pair price: ``chunk_kv_ratio``).
+S + t min(G, S^2 / G), G = n max - S (``tail_context_sum``), prefill chunks by their
+query-context pairs (``prefill_context_sum``, at a rule's pair price: ``chunk_kv_ratio``).
 docs/pricing.md gives the reasoning and the measurements behind each rule.
 
 Integers only where the engine uses them: every TP rank computes the same value.
@@ -36,12 +36,30 @@ def verify_context(context_sum: int, num_tokens: int, max_num_reqs: int) -> int:
 
 
 def tail_context_sum(context_sum: Any, context_max: Any, num_reqs: Any, tail_milli: int) -> Any:
-    """The KV sum a step is priced at with the mixed-context tail (module docstring):
-    S + t (n max - S), t = tail_milli / 1000, rounded down. Integers only (identical on every
-    rank); scalars or numpy arrays alike; tail_milli 0 returns S unchanged."""
+    """The KV sum a step is priced at with the mixed-context tail: S + t min(G, S^2 / G), G = n max - S
+    (the batch's gap to a uniform batch at its longest context), t = tail_milli / 1000, each division
+    rounded down. In mean terms: mean + t min(g, mean^2 / g), g = max - mean.
+
+    Up to max = 2 x mean (G <= S) every request is charged t of its gap: a mix of several long
+    requests among shorter ones runs at the pace of its long ones. Past it the charge falls as
+    mean / g: at most S / max requests can be that long, and one long request among many short
+    ones is cut by the attention kernel into pieces run beside the short ones (FlashAttention's
+    split of a request longer than an SM's share of the step), so it costs about its KV.
+    docs/pricing.md gives the measurements. Integers only (identical on every rank); scalars or
+    numpy arrays alike; tail_milli 0 returns S unchanged."""
     if not tail_milli:
         return context_sum
-    return context_sum + (tail_milli * (context_max * num_reqs - context_sum)) // MAX_TAIL_MILLI
+    gap = context_max * num_reqs - context_sum
+    if not isinstance(gap, np.ndarray):  # the engine's plain integers, once per step: no numpy call
+        return context_sum + (tail_milli * (gap if gap <= context_sum else context_sum * context_sum // gap)
+                              ) // MAX_TAIL_MILLI
+    total, gap = np.broadcast_arrays(np.asarray(context_sum, dtype=np.int64), gap)
+    charged = gap.copy()
+    far = gap > total
+    if far.any():  # S^2 can pass int64's range: Python's integers, exact as the engine's
+        s = total[far].astype(object)
+        charged[far] = (s * s // gap[far].astype(object)).astype(np.int64)
+    return total + (tail_milli * charged) // MAX_TAIL_MILLI
 
 
 def prefill_context_sum(context_sum: Any, chunk_context_sum: Any, chunk_pairs: Any, kv_reqs: Any,

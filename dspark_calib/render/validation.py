@@ -89,9 +89,10 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
                 f"median {_pct(fit.verify.median_pct)} (bias {_signed(fit.verify.median_signed_pct)}) at tail "
                 f"{fit.tail:g}")
         if fit.best_tail is None:
-            line += f"; too few to fit a tail (under {MIN_TAIL_STEPS})"
+            line += f"; too few up to 2 x mean to fit a tail ({fit.fitted}, under {MIN_TAIL_STEPS})"
         else:
-            line += (f"; best tail {fit.best_tail:g}: verify {_pct(fit.best_verify.median_pct)} (bias "
+            line += (f"; best tail {fit.best_tail:g} (on {fit.fitted} steps up to 2 x mean): verify "
+                     f"{_pct(fit.best_verify.median_pct)} (bias "
                      f"{_signed(fit.best_verify.median_signed_pct)}), drafts {_pct(fit.best_draft.median_pct)} "
                      f"({CONTEXT_TAIL}={fit.best_tail:g})")
         console.print(line, markup=False)

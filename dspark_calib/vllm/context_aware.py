@@ -391,6 +391,7 @@ def enable(manager: Any, curves: Mapping[int, Any], policy: PricingPolicy | None
             f"interpolation; verify priced by the KV a step reads; below {lo} costs are extrapolated linearly, "
             + (f"above {hi} too, up to {grid.costs.extrapolate_to} (max_model_len)" if grid.costs.extrapolates_above
                else f"above {hi} they are {hi}'s") + "; mixed batches priced at "
-            + (f"mean + {tail_milli / MAX_TAIL_MILLI:g} x (max - mean)" if tail_milli else "their mean context")
+            + (f"mean + {tail_milli / MAX_TAIL_MILLI:g} x min(max - mean, mean^2 / (max - mean))" if tail_milli
+               else "their mean context")
             + "; prefill chunks priced by " + ("their query-context pairs (a pair = {}/{} KV tokens)".format(
                 *grid.costs.chunk_ratio()) if chunks else "the KV sum"))

@@ -301,6 +301,29 @@ def test_tail_fit_recovers_the_tail_of_mixed_batches(reference_table, tmp_path):
         validate(reference_table, observed, tail_milli=1200)
 
 
+def test_the_tail_is_fitted_on_mixes_up_to_twice_the_mean_not_on_one_long_request_among_short_ones(
+        reference_table, tmp_path):
+    """Mixes measured as tail 0.3 prices them, beside one-long-among-63-short batches that ran 7 %
+    above their KV sum (as on the H200): the skewed steps would pull the fit to another t, so the
+    fit rests on the mixes alone (and says how many)."""
+    grid = ContextGrid.from_table(reference_table)
+    mixes = [s for s in mixed_steps(reference_table, 300, 200) if s.context_max * s.num_reqs <= 2 * s.context_sum]
+    skewed = []
+    for i in range(40):
+        ctxs = np.array([30000 + 4 * i] + [1024 + 4 * i] * 63)
+        total, tokens = int(ctxs.sum()), 64 + i
+        (d,), (v,) = grid.price([total * 107 // 100], [64], [tokens])
+        skewed.append(dataclasses.replace(mixes[0], step=1000 + i, forward_ms=float(v), drafter_ms=float(d),
+                                          num_target_tokens=tokens, num_reqs=64, context_mean=total / 64,
+                                          context_max=int(ctxs.max()), context_sum=total, draft_budget=tokens - 64))
+    with ObservedWriter(tmp_path) as w:
+        for s in mixes[:30] + skewed:
+            w.append(s)
+    fit = validate(reference_table, read_observed([tmp_path]), tail_milli=0).tail_fit
+    assert (fit.steps, fit.fitted) == (70, 30)
+    assert fit.best_tail == 0.3 and fit.best_verify.median_pct == 0.0
+
+
 def test_tail_recorded_by_the_engine_is_used_and_few_mixed_steps_fit_nothing(reference_table, tmp_path):
     with ObservedWriter(tmp_path, metadata={"mode": "context-aware", "context_tail_milli": 300}) as w:
         for s in mixed_steps(reference_table, 300, 12) + synthetic_steps(reference_table, (8192,), per_context=30):
@@ -311,7 +334,7 @@ def test_tail_recorded_by_the_engine_is_used_and_few_mixed_steps_fit_nothing(ref
     console = Console(record=True, width=200)
     render_validation(res, console)
     text = console.export_text()
-    assert "mixed-context decode steps (longest >= 1.25 x mean): 12" in text and "too few to fit a tail" in text
+    assert "mixed-context decode steps (longest >= 1.25 x mean): 12" in text and "too few up to 2 x mean to fit a tail" in text
 
 
 def test_files_from_engines_with_different_tails_are_refused_and_stock_files_record_none(reference_table, tmp_path):
@@ -336,11 +359,46 @@ def test_files_from_engines_with_different_tails_are_refused_and_stock_files_rec
 def test_tail_context_sum_by_hand():
     from dspark_calib.pricing.rules import tail_context_sum
 
-    # 3 requests at 1000, 1000, 16000: S 18000, n max 48000; t 0.25 -> 18000 + 30000 / 4
-    assert tail_context_sum(18000, 16000, 3, 250) == 25500 and tail_context_sum(18000, 16000, 3, 0) == 18000
-    assert tail_context_sum(18000, 16000, 3, 1000) == 48000 and tail_context_sum(10, 4, 3, 333) == 10  # rounds down
+    # 1000, 8000, 8000: S 17000, gap G = n max - S 7000 <= S: S + t G (t 0.25 -> 18750)
+    assert tail_context_sum(17000, 8000, 3, 250) == 18750 and tail_context_sum(17000, 8000, 3, 0) == 17000
+    # 1000, 1000, 16000: S 18000, G 30000 > S (max > 2 x mean): S + t S^2 / G = 18000 + t 10800
+    assert tail_context_sum(18000, 16000, 3, 250) == 20700 and tail_context_sum(18000, 16000, 3, 1000) == 28800
+    assert tail_context_sum(10, 4, 3, 333) == 10  # rounds down
     big = np.array([2**31 - 1], dtype=np.int64)  # int32's limit as a max over 256 requests: no overflow
     assert tail_context_sum(big * 200, big, 256, 1000)[0] == (2**31 - 1) * 256
+    huge = 1 << 40  # S^2 past int64 (the largest contexts and batches a file may record): exact, as in Python
+    assert tail_context_sum(np.array([huge]), np.array([huge]), 1 << 16, 1000)[0] == tail_context_sum(
+        huge, huge, 1 << 16, 1000) == huge + huge * huge // ((1 << 56) - huge)
+
+
+def test_a_long_request_among_many_short_ones_is_priced_about_at_its_kv_sum():
+    """One 30000-token request beside 63 of 1024 (the served skewed workload): the tail charges t of
+    mean^2 / gap, not t of the gap (which priced it at 4.9x the KV it reads)."""
+    from dspark_calib.pricing.rules import tail_context_sum
+
+    contexts = [30000] + [1024] * 63
+    s = sum(contexts)
+    raised = tail_context_sum(s, max(contexts), len(contexts), DEFAULT_CONTEXT_TAIL_MILLI)
+    assert s < raised <= 1.02 * s
+    assert tail_context_sum(np.array([s]), np.array([30000]), 64, DEFAULT_CONTEXT_TAIL_MILLI)[0] == raised
+
+
+def test_mixes_up_to_twice_their_mean_are_priced_as_before_and_no_tail_passes_t_of_the_sum():
+    """The tail was fitted on 1k/8k/16k mixes, whose longest request is at most ~2x the mean: those
+    keep S + t (n max - S), integer for integer; every batch stays within S..S + t S."""
+    from dspark_calib.pricing.rules import tail_context_sum
+
+    rng = np.random.default_rng(21)
+    for _ in range(2000):
+        contexts = rng.choice([1024, 8192, 16384, 30000], int(rng.integers(1, 257)))
+        if rng.random() < 0.3:
+            contexts[1:] = rng.integers(0, 2048, len(contexts) - 1)
+        s, top, n, t = int(contexts.sum()), int(contexts.max()), len(contexts), int(rng.integers(0, 1001))
+        raised = tail_context_sum(s, top, n, t)
+        assert s <= raised <= s + t * s // 1000
+        if top * n - s <= s:  # max <= 2 x mean
+            assert raised == s + t * (top * n - s) // 1000
+        assert tail_context_sum(np.array([s]), np.array([top]), np.array([n]), t)[0] == raised
 
 
 def chunk_steps(table, n, *, seed=7, per_step=False):

@@ -564,8 +564,8 @@ def test_full_occupancy_steps_sum_the_occupied_slots_through_adds_and_removes(gr
 
 
 @pytest.mark.parametrize("name, attr, default, default_line, other, value, line, bad, warning", [
-    ("DSPARK_CALIB_CONTEXT_TAIL", "tail", 200, "mixed batches priced at mean + 0.2 x (max - mean)",
-     "0.25", 250, "mixed batches priced at mean + 0.25 x (max - mean)",
+    ("DSPARK_CALIB_CONTEXT_TAIL", "tail", 200, "mixed batches priced at mean + 0.2 x min(max - mean, mean^2 / (max - mean))",
+     "0.25", 250, "mixed batches priced at mean + 0.25 x min(max - mean, mean^2 / (max - mean))",
      "1.5", "DSPARK_CALIB_CONTEXT_TAIL='1.5' must be between 0 and 1; the default tail 0.2 taken"),
     ("DSPARK_CALIB_CONTEXT_TAIL", "tail", 200, "prefill chunks priced by their query-context pairs", "0", 0,
      "mixed batches priced at their mean context", "", ""),
