@@ -27,8 +27,9 @@ BOUND_S = 180  # two vLLM imports and config builds; a hang never ends
 TABLE_ENV = {"DSPARK_CALIB_PROBE": "0", "DSPARK_CALIB_CONTEXT_AWARE": "0"}
 
 
-def replica(rank: int, port: int, env: dict, out: str) -> None:
-    """One DP replica: what it yields or why it refused, and its dspark-calib lines, to out/rRANK.json."""
+def replica(rank: int, port: int, env: dict, out: str, stock: bool = False) -> None:
+    """One DP replica: what it yields or why it refused, and its dspark-calib lines, to out/rRANK.json.
+    stock: a node without dspark-calib (the plugin never registers: vLLM's own manager)."""
     from dspark_calib.vllm.plugin import RAY_EXTRA_VARS
 
     # a replica's own environment only: an earlier test's plugin.register() in the parent announced
@@ -38,14 +39,14 @@ def replica(rank: int, port: int, env: dict, out: str) -> None:
     os.environ.update(env)
     result: dict = {"lines": []}
     try:
-        result.update(_run_replica(rank, port, result["lines"]))
+        result.update(_run_replica(rank, port, result["lines"], stock))
     except Exception:  # noqa: BLE001 - reported to the test, which fails on it
         result["error"] = traceback.format_exc()[-3000:]
     with open(os.path.join(out, f"r{rank}.json"), "w") as fh:
         json.dump(result, fh)
 
 
-def _run_replica(rank: int, port: int, lines: list) -> dict:
+def _run_replica(rank: int, port: int, lines: list, stock: bool = False) -> dict:
     import logging
     from datetime import timedelta
     from types import SimpleNamespace
@@ -74,7 +75,8 @@ def _run_replica(rank: int, port: int, lines: list) -> dict:
     engine_info.hardware = lambda: dict(HARDWARE)
     engine_info.attention_backends = lambda e, draft: "FLASH_ATTN"
     config = vllm_config(README, {})
-    plugin.register()
+    if not stock:
+        plugin.register()
     m = manager_for(config)
     sizes = list(config.compilation_config.cudagraph_capture_sizes)
     steps = 0
@@ -94,10 +96,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_replicas(tmp_path, envs) -> list[dict]:
+def run_replicas(tmp_path, envs, stock: tuple[int, ...] = ()) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=replica, args=(rank, port, env, str(tmp_path))) for rank, env in enumerate(envs)]
+    procs = [ctx.Process(target=replica, args=(rank, port, env, str(tmp_path), rank in stock))
+             for rank, env in enumerate(envs)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + BOUND_S
@@ -138,3 +141,23 @@ def test_replicas_that_all_have_the_table_load_it(tmp_path):
 def test_replicas_without_any_setting_profile_as_vllm_does(tmp_path):
     first, second = run_replicas(tmp_path, [{}, {}])
     assert first["steps"] == second["steps"] > 0 and first["lines"] == second["lines"] == []
+
+
+@pytest.mark.parametrize("policy", ["fallback", "strict"])
+def test_a_replica_without_dspark_calib_is_waited_on_for_the_bound_then_the_policy_applies(tmp_path, policy):
+    """The other replica's node has no dspark-calib at all: it never votes and runs vLLM's own
+    profile. The replica with the table waits DSPARK_CALIB_DP_TIMEOUT, names the replica that did
+    not join, and under fallback profiles as vLLM does, step for step with the stock replica (no
+    collective was left half-done on the DP group); under strict it refuses."""
+    env = {"DSPARK_CALIB_TABLE": SHELF, "DSPARK_CALIB_POLICY": policy, "DSPARK_CALIB_DP_TIMEOUT": "2", **TABLE_ENV}
+    first, second = run_replicas(tmp_path, [env, {"VLLM_PLUGINS": ""}], stock=(1,))  # loads no plugin
+    [said] = [line for line in first["lines"] if "did not join" in line]
+    assert "data-parallel replica 1 did not join the table agreement within 2 s (DSPARK_CALIB_DP_TIMEOUT)" in said
+    assert second["lines"] == []
+    if policy == "strict":
+        assert "refusing to start (policy strict)" in said and "refusing to start" in first["refused"]
+        assert first["steps"] == 0  # the stock replica's own next DP sync then fails: its peer is gone
+    else:
+        assert "profiling at start-up as usual (policy fallback)" in said
+        assert "refused" not in first and "refused" not in second
+        assert not first["loaded"] and first["steps"] == second["steps"] > 0
