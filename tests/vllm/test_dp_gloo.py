@@ -161,3 +161,33 @@ def test_a_replica_without_dspark_calib_is_waited_on_for_the_bound_then_the_poli
         assert "profiling at start-up as usual (policy fallback)" in said
         assert "refused" not in first and "refused" not in second
         assert not first["loaded"] and first["steps"] == second["steps"] > 0
+
+
+def test_a_replica_arriving_after_the_round_closed_follows_the_closure(monkeypatch):
+    """Replica 0 gave up on replica 1 and closed the round: replica 1, arriving later with every
+    vote now present, acts on that closure (its agreement names itself missing), never on the
+    votes, so it cannot load a table replica 0 has left. The store is torch's own."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import vllm.distributed.parallel_state as parallel_state
+    from torch.distributed import distributed_c10d
+
+    from dspark_calib.vllm import load
+
+    store = dist.HashStore()
+    monkeypatch.setattr(parallel_state, "get_dp_group", lambda: SimpleNamespace(world_size=2, cpu_group=None))
+    monkeypatch.setattr(distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+    monkeypatch.setattr(load, "_rounds", {})
+    vote = (True, "ab" * 32, False, True, "fallback", 6)
+    store.set(f"{load.AGREEMENT_KEY}/table/0/vote/0", json.dumps(list(vote)))
+    store.set(f"{load.AGREEMENT_KEY}/table/0/closed", "[1]")  # replica 0 closed it: rank 1 missing
+    votes = load.dp_votes("table", vote, timeout_s=60.0, rank0=True)
+    assert votes.missing == (1,) and votes.values == [vote, vote]
+    monkeypatch.setenv("DSPARK_CALIB_DP_TIMEOUT", "60")
+    monkeypatch.setattr(load, "_rounds", {"table": 0})  # the next round: both vote, nobody closed it yet
+    store.set(f"{load.AGREEMENT_KEY}/table/1/vote/0", json.dumps(list(vote)))
+    assert load.agree_across_dp("table", vote, True) == (True, "", [vote, vote])
