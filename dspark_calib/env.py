@@ -23,6 +23,7 @@ POLICY = "DSPARK_CALIB_POLICY"  # fallback (default) | strict | warn
 CONTEXT_LEN = "DSPARK_CALIB_CONTEXT_LEN"  # context to price (default: vLLM's profile context)
 ALLOW_REFERENCE = "DSPARK_CALIB_ALLOW_REFERENCE"  # 1: also accept tables converted from vLLM logs
 LOAD_TIMEOUT = "DSPARK_CALIB_LOAD_TIMEOUT"  # seconds for the whole load decision (default 5)
+DP_TIMEOUT = "DSPARK_CALIB_DP_TIMEOUT"  # seconds a DP replica waits for the others to agree (default 300)
 TABLE_SHA256 = "DSPARK_CALIB_TABLE_SHA256"  # comma list of pinned content hashes (64 hex each)
 PROBE = "DSPARK_CALIB_PROBE"  # 0: skip the load-time probe (default 1)
 CONTEXT_AWARE = "DSPARK_CALIB_CONTEXT_AWARE"  # 0: keep vLLM's static tables for a multi-context table (default 1)
@@ -31,11 +32,15 @@ CONTEXT_CHUNKS = "DSPARK_CALIB_CONTEXT_CHUNKS"  # price prefill chunks by query-
 OBSERVE = "DSPARK_CALIB_OBSERVE"  # observe mode: a directory for observed-*.parquet (with or without a table)
 OBSERVE_EVERY = "DSPARK_CALIB_OBSERVE_EVERY"  # time every Nth priced step (default DEFAULT_OBSERVE_EVERY)
 
-ALL = (CAPTURE, TABLE, POLICY, CONTEXT_LEN, ALLOW_REFERENCE, LOAD_TIMEOUT, TABLE_SHA256, PROBE, CONTEXT_AWARE,
-       CONTEXT_TAIL, CONTEXT_CHUNKS, OBSERVE, OBSERVE_EVERY)
+ALL = (CAPTURE, TABLE, POLICY, CONTEXT_LEN, ALLOW_REFERENCE, LOAD_TIMEOUT, DP_TIMEOUT, TABLE_SHA256, PROBE,
+       CONTEXT_AWARE, CONTEXT_TAIL, CONTEXT_CHUNKS, OBSERVE, OBSERVE_EVERY)
 POLICIES = ("fallback", "strict", "warn")
 DEFAULT_LOAD_TIMEOUT_S = 5.0
 MAX_LOAD_TIMEOUT_S = 600.0  # an engine start waits on it; longer is a typo, not a wish
+# The replicas reach the agreement when each has loaded its weights, on its own schedule: the
+# bound covers that skew, not a table read.
+DEFAULT_DP_TIMEOUT_S = 300.0
+MAX_DP_TIMEOUT_S = 3600.0
 # Every 4th priced step: a sampled step costs tens of microseconds of host time, an unsampled one
 # under 1 us (benchmarks/micro/bench_observe.py), so 1 in 4 keeps observing well under 1 % of a
 # step while a busy server still records thousands of steps a minute.
@@ -167,11 +172,19 @@ def tail_to_milli(value: float, name: str) -> int:
 
 
 def load_timeout(env: Mapping[str, str] | None = None) -> float:
-    value = _number(env, LOAD_TIMEOUT, float, "a number of seconds")
+    return _seconds(env, LOAD_TIMEOUT, DEFAULT_LOAD_TIMEOUT_S, MAX_LOAD_TIMEOUT_S)
+
+
+def dp_timeout(env: Mapping[str, str] | None = None) -> float:
+    return _seconds(env, DP_TIMEOUT, DEFAULT_DP_TIMEOUT_S, MAX_DP_TIMEOUT_S)
+
+
+def _seconds(env: Mapping[str, str] | None, name: str, default: float, top: float) -> float:
+    value = _number(env, name, float, "a number of seconds")
     if value is None:
-        return DEFAULT_LOAD_TIMEOUT_S
-    if not 0 < value <= MAX_LOAD_TIMEOUT_S:  # also refuses nan and inf
-        raise CalibError(f"{LOAD_TIMEOUT}={value:g} must be > 0 and <= {MAX_LOAD_TIMEOUT_S:g} seconds")
+        return default
+    if not 0 < value <= top:  # also refuses nan and inf
+        raise CalibError(f"{name}={value:g} must be > 0 and <= {top:g} seconds")
     return value
 
 

@@ -136,11 +136,7 @@ class Fingerprint:
         extra = dict(extra or {})
         # Keys from a newer minor format are kept, not dropped, so a rewrite loses nothing.
         extra.update({k: data[k] for k in unknown})
-        values = {k: data[k] for k in known if k in data and k != "extra"}
-        # Every table written before the method was recorded is a DSpark table: profile ran only
-        # DSpark and import-vllm refused any other drafter.
-        values.setdefault("speculative_method", "dspark")
-        return cls(**values, extra=extra)
+        return cls(**{k: data[k] for k in known if k in data and k != "extra"}, extra=extra)
 
     def replace(self, **changes: Any) -> "Fingerprint":
         d = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -131,7 +131,7 @@ def table_from_startup_json(
     paths: Sequence[str],
     *,
     model: str,
-    draft: str,
+    draft: str | None,
     gpu_name: str,
     vllm_version: str,
     torch_version: str = "",
@@ -150,6 +150,7 @@ def table_from_startup_json(
     if not paths:
         raise CalibError("no start-up profiles given")
     check_model_dtype(dtype, "--dtype", RESOLVED_DTYPES)
+    draft = speculator(method).drafter_or_target(draft, model)
     check_draft(draft, num_speculative_tokens, method)
     samples: list[Sample] = []
     per_file: dict[str, list[Sample]] = {}

@@ -291,6 +291,8 @@ def decide(source: str, engine: dict[str, Any], *, policy: str = "fallback", all
     line = (PREFIX + f"loaded cost table {label}, context {ctx} for effective context {effective} "
             f"(engine max_model_len {mml if mml else 'unknown'}), {len(draft)} draft / {len(verify)} verify points; "
             "start-up profiling skipped")
+    if best.table.calibration is not None:  # hosts come from the file: escaped
+        line += f"; {escape(best.table.calibration.provenance(), 200)}"
     covered = coverage(curves, mml if isinstance(mml, int) else None)
     line += f"; {covered}"
     if best.problems:

@@ -17,12 +17,13 @@ Nothing here imports torch or vllm.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 from dspark_calib.errors import CalibError
 
 DSPARK = "dspark"
 DRAFT_MODEL = "draft_model"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,16 @@ class Speculator:
             return None
         block = config.get("block_size", config.get("dspark_block_size"))
         return block if type(block) is int and block > 0 else None
+
+    def drafter_or_target(self, draft: T | None, target: T) -> T:
+        """What drafts, for every command that takes --draft: the drafter given, or the target
+        itself for a method that drafts with the target's own layers (MTP); one line naming
+        --draft for a method with a drafter of its own."""
+        if draft is not None:
+            return draft
+        if self.own_drafter:
+            raise CalibError(f"--draft is needed for --method {self.method} (the {self.drafter})")
+        return target
 
 
 # The draft architectures vLLM runs as DSpark drafters.

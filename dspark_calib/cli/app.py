@@ -332,7 +332,6 @@ def import_vllm_cmd(
     jsons: Annotated[List[str], typer.Argument(
         metavar="JSON", help="vLLM start-up profiles (rows + batches), one per context length.")],
     model: Annotated[str, typer.Option("--model", metavar="DIR", help="Target model directory (its config.json is hashed).")],
-    draft: Annotated[str, typer.Option("--draft", metavar="DIR", help="Draft model directory (for --method).")],
     gpu_name: Annotated[str, typer.Option(
         "--gpu-name", help="GPU the profile was taken on, as torch.cuda.get_device_name() names it ('NVIDIA H200').")],
     vllm_version: Annotated[str, typer.Option("--vllm-version", help="vllm.__version__ of that engine ('0.33.0').")],
@@ -348,6 +347,8 @@ def import_vllm_cmd(
     dtype: Annotated[str, typer.Option("--dtype", callback=_not_blank)] = "bfloat16",
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", callback=_not_blank)] = "auto",
     method: MethodOpt = "dspark",
+    draft: Annotated[Optional[str], typer.Option(
+        "--draft", metavar="DIR", help="The drafter's directory for --method (not for mtp: the target drafts).")] = None,
     force: ForceOpt = False,
 ) -> None:
     """Make a table from vLLM's own start-up profiling samples (saved as JSON)."""

@@ -155,11 +155,9 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
     from dspark_calib.vllm.profile import driver
     from dspark_calib.vllm.profile.plan import ProfileOptions
 
-    spec = speculator(method)
-    if draft is None and spec.own_drafter:
-        raise CalibError(f"--draft is needed for --method {method} (the {spec.drafter})")
+    draft = speculator(method).drafter_or_target(draft, model)
     model_dir, model_id = driver.resolve_model(model, "--model")
-    draft_dir, draft_id = driver.resolve_model(draft, "--draft") if draft is not None else (model_dir, model_id)
+    draft_dir, draft_id = driver.resolve_model(draft, "--draft") if draft != model else (model_dir, model_id)
     check_keep_capture(keep_capture)
     out, log_path = check_out(out, force)
     opts = driver.resolve_options(ProfileOptions(

@@ -65,14 +65,23 @@ class Calibration:
     def hosts(self) -> list[str]:
         return sorted({str(f.get("host")) for f in self.files if f.get("host")})
 
-    def summary(self) -> str:
-        """One line: calibrated from parent X on N steps of hosts H (files when no host is recorded)."""
-        where = (f"hosts {', '.join(self.hosts())}" if self.hosts()
+    def _where(self) -> str:
+        """'N steps of hosts H' (observe files counted when no host is recorded)."""
+        hosts = self.hosts()
+        where = (f"host{'s' * (len(hosts) != 1)} {', '.join(hosts)}" if hosts
                  else f"{len(self.files)} observe file{'s' * (len(self.files) != 1)} (no host recorded)")
+        served = sum(int(f.get("steps") or 0) for f in self.files)  # observed steps, drafts and verifies in them
+        return f"{served} steps of {where}"
+
+    def provenance(self) -> str:
+        """What the load line (and check's, the same line) says of a calibrated table."""
+        return f"calibrated from {self._where()} (parent {self.parent[:12]})"
+
+    def summary(self) -> str:
+        """One line: calibrated from parent X on N steps of hosts H, and the factors."""
         moved = ", ".join(f"{k} x{self.factors[k][WITHIN]:.4f} (<= {self.capture_limit}) / x{self.factors[k][ABOVE]:.4f}"
                           for k in CURVE_KINDS)
-        served = sum(int(f.get("steps") or 0) for f in self.files)  # observed steps, drafts and verifies in them
-        return f"calibrated from parent {self.parent[:12]} on {served} steps of {where}: {moved}"
+        return f"calibrated from parent {self.parent[:12]} on {self._where()}: {moved}"
 
     def to_json(self) -> dict[str, Any]:
         return {"parent": self.parent, "capture_limit": self.capture_limit,

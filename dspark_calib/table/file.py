@@ -26,6 +26,10 @@ Format history (SCHEMA_VERSION, "major.minor"):
   per-kind, per-size-region factors the curve rows carry, the served steps and observe files
   they were fitted on; null for a measured table), covered by the 1.1 hash rule. Same
   columns. An older file migrates on read with calibration null and keeps verifying under its rule.
+  The fingerprint's ``speculative_method`` (which the last 1.2 writers began to record) is
+  recorded by every 1.3 writer; an older file without it migrates as "dspark", the only
+  method then profiled or imported. Migrated keys never enter the hash check: a file verifies
+  against its metadata as stored.
 
 Compatibility rules: a reader accepts every minor version of its major. An older
 minor is migrated on read by ``MIGRATIONS`` (append-only; columns it lacked are filled
@@ -55,6 +59,7 @@ from dspark_calib.atomic import atomic_write
 from dspark_calib.errors import CalibError, display_path, first_line
 from dspark_calib.fit import CURVE_COLUMNS, CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair
 from dspark_calib.samples import SAMPLE_COLUMNS, Samples
+from dspark_calib.speculators import DSPARK
 from dspark_calib.safe_open import open_fs, open_local
 from dspark_calib.table.calibration import Calibration
 from dspark_calib.table.identity import content_hash, hash_1_0, hash_1_1, meta_1_1
@@ -114,7 +119,12 @@ def _m_1_1_to_1_2(arrow: pa.Table, meta: dict) -> tuple[pa.Table, dict]:
 
 @migration("1.2", "1.3")
 def _m_1_2_to_1_3(arrow: pa.Table, meta: dict) -> tuple[pa.Table, dict]:
-    """1.3 added the calibration metadata key, no columns: an older table is as measured."""
+    """1.3 added the calibration metadata key, no columns: an older table is as measured. Every
+    1.3 writer records the fingerprint's speculative_method, which the last 1.2 writers began to:
+    an older table without it is a DSpark table, the only kind profile and import-vllm made then."""
+    fp = meta.get("fingerprint")
+    if isinstance(fp, dict) and "speculative_method" not in fp:
+        meta = {**meta, "fingerprint": {**fp, "speculative_method": DSPARK}}
     return arrow, {**meta, "schema_version": "1.3", "calibration": None}
 
 
@@ -147,7 +157,7 @@ class TableFile:
             # `record` as a dictionary: a string repeated on every row is held once
             self._pq = open_bounded(handle, size, path, limits, dictionary=("record",))
             self._groups, schema = self._pq.group_rows, self._pq.schema
-            self.meta = parse_meta(schema.metadata, path, limits)
+            self.meta = parse_meta(schema.metadata, path, limits, MIGRATIONS)
         except CalibError:
             self.close()
             raise

@@ -14,7 +14,7 @@ from typing import Any
 
 from dspark_calib.errors import CalibError
 from dspark_calib.fileformat.limits import ReadLimits, check_limit, load_json
-from dspark_calib.fileformat.version import parse_version
+from dspark_calib.fileformat.version import Migrations, parse_version
 from dspark_calib.fingerprint import Fingerprint
 
 METADATA_KEY = b"dspark_calib"
@@ -64,7 +64,9 @@ class TableMeta:
     raw: dict[str, Any] = dataclasses.field(repr=False, compare=False)
 
 
-def parse_meta(raw: dict | None, path: str, limits: ReadLimits) -> TableMeta:
+def parse_meta(raw: dict | None, path: str, limits: ReadLimits, migrations: Migrations) -> TableMeta:
+    """The metadata checked, its fingerprint read as `migrations` (the table format's, in
+    file.py) bring it to the current schema; ``raw`` keeps the metadata as stored (the hash's)."""
     if not raw or METADATA_KEY not in raw:
         raise CalibError("parquet file without dspark-calib metadata (not a cost table)", path=path)
     meta = load_json(raw[METADATA_KEY], path, limits)
@@ -86,7 +88,7 @@ def parse_meta(raw: dict | None, path: str, limits: ReadLimits) -> TableMeta:
             raise CalibError(f"metadata curve_rows {str(curve_rows)[:20]} is not a row count", path=path)
         check_limit("curve points", curve_rows, limits.max_curve_points, "max_curve_points", path)
     try:
-        fingerprint = Fingerprint.from_dict(meta["fingerprint"])
+        fingerprint = Fingerprint.from_dict(migrations.apply(None, dict(meta), path)[1]["fingerprint"])
     except CalibError as exc:
         raise CalibError(str(exc), path=path) from None
     return TableMeta(schema_version=str(meta["schema_version"]), tool_version=str(meta.get("tool_version", "")),

@@ -3,11 +3,12 @@
 The decision itself is ``selection.decide`` (pure; ``check`` runs the same one
 offline). Here it runs inside the engine: on TP rank 0 within the deadline
 (DSPARK_CALIB_LOAD_TIMEOUT), broadcast in the TP group, then agreed across the DP
-group, so every rank of every replica runs the same number of dummy steps (each
-step has TP collectives, and with DP > 1 a DP collective too). A disagreement is
-resolved the same way on every replica (all fall back, or all refuse under
-strict): never a hang. A replica without a table setting votes too
-(agree_without_table), as one that found no table.
+replicas (dp_votes: through the world process group's store, within
+DSPARK_CALIB_DP_TIMEOUT), so every rank of every replica runs the same number of dummy
+steps (each step has TP collectives, and with DP > 1 a DP collective too). A
+disagreement, or a replica that never votes (no dspark-calib there), is resolved the
+same way on every replica (all fall back, or all refuse under strict): never a hang. A
+replica without a table setting votes too (agree_without_table), as one that found no table.
 
 When a table loads, batches_to_profile yields one warm-up run per size above the
 capture limit (those runs JIT the piecewise shapes), then the probe (probe.py):
@@ -22,6 +23,7 @@ tested release (shape.untested_why).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -122,32 +124,98 @@ def remove_hooks() -> None:
     P.unhook_collector()
 
 
-def dp_all_gather(obj: Any) -> list | None:
-    """obj from every DP replica (None when DP is 1 or not initialised)."""
+# The agreement's keys in the world process group's store; each round of each agreement has its own.
+AGREEMENT_KEY = "dspark_calib/agree"
+_rounds: dict[str, int] = {}
+POLL_S = 0.1
+SAY_AFTER_S, SAY_EVERY_S = 10.0, 60.0  # a wait this long is said (rank 0), then again every minute
+
+
+@dataclass(frozen=True)
+class Votes:
+    values: list  # the votes of this DP group's replicas that voted, in DP-rank order
+    missing: tuple[int, ...] = ()  # the DP replicas that did not vote within the bound
+
+
+def dp_votes(what: str, mine: tuple, timeout_s: float, rank0: bool) -> Votes:
+    """Every DP replica's vote on `what` (only this one's when DP is 1 or not initialised).
+
+    Exchanged through the key-value store of the world process group (the one vLLM's DP
+    rendezvous made), not through a collective: a replica whose node runs no dspark-calib never
+    votes, and a gather would then wait forever, while a collective given up at a deadline
+    (gloo's only bound is the group's own timeout) leaves the group vLLM syncs every dummy step
+    on in an undefined state. Store requests leave the group untouched, so a replica that stops
+    waiting after `timeout_s` can still run vLLM's profile in step with that replica. The first
+    rank to close a round (all voted, or these were missing) closes it for every rank of every
+    replica, so all of them act on one outcome, a replica that arrives later included."""
     try:
         from vllm.distributed.parallel_state import get_dp_group
 
         group = get_dp_group()
         size = int(group.world_size)
     except Exception:  # noqa: BLE001 - no DP group: tests, single engine
-        return None
+        return Votes([mine])
     if size <= 1:
-        return None
+        return Votes([mine])
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
-    out: list = [None] * size
-    dist.all_gather_object(out, obj, group=group.cpu_group)
-    return out
+    store = distributed_c10d._get_default_store()
+    world, me = dist.get_world_size(), dist.get_rank()
+    peers = dist.get_process_group_ranks(group.cpu_group)  # global ranks, in DP-rank order
+    per = max(1, world // size)  # vLLM's layout: global rank = DP rank x ranks per replica + local rank
+    n = _rounds[what] = _rounds.get(what, -1) + 1
+    base = f"{AGREEMENT_KEY}/{what}/{n}"
+    vote = [f"{base}/vote/{r}" for r in range(world)]
+    closed = f"{base}/closed"
+    store.set(vote[me], json.dumps(list(mine)))
+    _wait(store, vote, closed, timeout_s, what, per if rank0 else 0)
+    missing = [r for r in range(world) if not store.check([vote[r]])]
+    outcome = json.loads(store.compare_set(closed, "", json.dumps(missing)))  # the first to close decides
+    present = [tuple(json.loads(store.get(vote[r]))) for r in peers if not outcome or store.check([vote[r]])]
+    return Votes(present, tuple(sorted({r // per for r in outcome})))
 
 
-def agree_across_dp(what: str, mine: tuple) -> tuple[bool, str, list]:
-    """(all replicas agree, one line naming each replica's value when they do not, the values)."""
+def _wait(store: Any, vote: list[str], closed: str, timeout_s: float, what: str, say_per: int) -> None:
+    """Until every rank voted, the round is closed, or timeout_s; said every so often when
+    say_per (ranks per replica; 0: this rank says nothing) is set."""
+    start, say = time.monotonic(), SAY_AFTER_S
+    while not (store.check(vote) or store.check([closed])):
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            return
+        if say_per and waited >= say:
+            late = sorted({r // say_per for r, key in enumerate(vote) if not store.check([key])})
+            log.warning(PREFIX + "waiting for data-parallel %s to join the %s agreement: %.0f s of at most %g s (%s)",
+                        _replicas(late), what, waited, timeout_s, E.DP_TIMEOUT)
+            say += SAY_EVERY_S
+        time.sleep(POLL_S)
+
+
+def _replicas(indices: Any) -> str:
+    shown = ", ".join(map(str, list(indices)[:8])) + (f" (+{len(indices) - 8} more)" if len(indices) > 8 else "")
+    return f"replica{'s' * (len(indices) != 1)} {shown}"
+
+
+def agree_across_dp(what: str, mine: tuple, rank0: bool) -> tuple[bool, str, list]:
+    """(all replicas agree, one line naming each replica's value when they do not, or the
+    replicas that never voted, the values)."""
     try:
-        everyone = dp_all_gather(mine)
-    except Exception as exc:  # noqa: BLE001 - a failed collective is a disagreement, said as such
+        timeout = E.dp_timeout()
+    except CalibError as exc:
+        timeout = E.DEFAULT_DP_TIMEOUT_S
+        if rank0:
+            log.warning(PREFIX + "%s; waiting at most the default %g s", exc, timeout)
+    try:
+        votes = dp_votes(what, mine, timeout, rank0)
+    except Exception as exc:  # noqa: BLE001 - a failed exchange is a disagreement, said as such
         return False, f"data-parallel replicas could not agree on the {what} ({type(exc).__name__})", [mine]
-    if everyone is None or all(v == everyone[0] for v in everyone):
-        return True, "", everyone or [mine]
+    everyone = votes.values
+    if votes.missing:
+        return False, (f"data-parallel {_replicas(votes.missing)} did not join the {what} agreement within "
+                       f"{timeout:g} s ({E.DP_TIMEOUT}): no dspark-calib there, or still starting"), everyone
+    if all(v == everyone[0] for v in everyone):
+        return True, "", everyone
     shown = ", ".join(f"replica {i}: {_show(v)}" for i, v in enumerate(everyone[:8]))
     more = f", +{len(everyone) - 8} more" if len(everyone) > 8 else ""
     return False, f"data-parallel replicas decided differently on the {what} ({shown}{more})", everyone
@@ -165,7 +233,7 @@ def table_vote(decision: Any, plan: P.Plan | None) -> tuple:
 def agree_on_table(decision: Any, plan: P.Plan | None, rank0: bool) -> Any:
     """The decision every data-parallel replica takes: this one when all voted alike, else none
     loads, and one replica refusing (or strict) makes every replica refuse: none may wait on it."""
-    agreed, why, everyone = agree_across_dp("table", table_vote(decision, plan))
+    agreed, why, everyone = agree_across_dp("table", table_vote(decision, plan), rank0)
     if agreed:
         return decision
     strict = decision.policy == "strict" or any(
@@ -321,7 +389,7 @@ class LoadMode:
                               conditions=P.conditions([r for r in readings if r is not None],
                                                       "" if source in ("nvml", "nvidia-smi") else "no NVML"))
         verdict = broadcast_from_rank0(verdict)  # TP ranks continue (or not) together
-        agreed, why, _ = agree_across_dp("probe", (verdict.ok,))
+        agreed, why, _ = agree_across_dp("probe", (verdict.ok,), rank0)
         if verdict.ok and agreed:
             run.priced = plan.contexts
             if rank0:

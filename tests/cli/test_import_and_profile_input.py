@@ -176,3 +176,25 @@ def test_import_records_the_method_and_checks_its_drafter(tmp_path):
                           "--num-speculative-tokens", "7", "--out", tmp_path / "v.parquet"),
                    "--method 'ngram': not supported")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet"]
+
+
+def test_import_of_an_mtp_profile_needs_no_draft_as_profile_does(tmp_path):
+    """MTP drafts with the target's own layers: import-vllm takes no --draft for it (the target is
+    the drafter, as `profile --method mtp` records it); a method with its own drafter still names
+    --draft in one line, the same line `profile` says (speculators.py holds the rule)."""
+    from dspark_calib.fingerprint import config_hash
+    from dspark_calib.table.file import read_metadata
+
+    out = tmp_path / "t.parquet"
+    r = invoke("import-vllm", fixture_json(1024), *IDENTITY, "--method", "mtp", "--num-speculative-tokens", "3",
+               "--out", out)
+    assert r.exit_code == 0, r.output
+    fp = read_metadata(str(out)).fingerprint
+    assert fp.speculative_method == "mtp" and fp.draft_config_hash == fp.target_config_hash == config_hash(MODEL)
+    for method in ("dspark", "eagle3"):
+        line = one_line_error(invoke("import-vllm", fixture_json(1024), *IDENTITY, "--method", method,
+                                     "--num-speculative-tokens", "3", "--out", tmp_path / "u.parquet"),
+                              f"--draft is needed for --method {method}")
+        assert line == one_line_error(invoke(*PROFILE[:PROFILE.index("--draft")], "--method", method,
+                                             "--out", f"{tmp_path}/"), "--draft is needed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet"]

@@ -141,6 +141,23 @@ def test_the_hosts_the_files_record_are_named(reference_table, tmp_path):
     assert cal.hosts() == ["gpu-3", "gpu-7"] and " on 1200 steps of hosts gpu-3, gpu-7: " in cal.summary()
 
 
+def test_the_load_line_and_checks_say_a_calibrated_table_is_calibrated(reference_table, tmp_path):
+    """The one load line (the plugin's, and check's, which is the same) says where a calibrated
+    table's correction comes from; a measured table's line does not."""
+    from dspark_calib.check import check_tables
+
+    files = served(reference_table, tmp_path / "s", engine=engine_keys(reference_table), host="gpu-7")
+    calibrated = calibrate(reference_table, files).table
+    engine = engine_keys(reference_table)
+    for table, name in ((calibrated, "c"), (reference_table, "m")):
+        (tmp_path / name).mkdir()
+        write_table(table, tmp_path / name / "t.parquet")
+        [line] = decide(str(tmp_path / name), engine, probe=False, allow_reference=True).lines
+        assert check_tables(str(tmp_path / name), engine, allow_reference=True).lines == (line,)
+        said = f"; calibrated from 600 steps of host gpu-7 (parent {reference_table.content_hash[:12]});"
+        assert (said in line) == (table is calibrated), line
+
+
 @pytest.mark.parametrize("raw,match", [({"parent": "x"}, "malformed"),
                                        ({"parent": "a" * 64, "capture_limit": 512, "steps": {"draft": 1, "verify": 1},
                                          "factors": {"draft": {WITHIN: 1, ABOVE: 1}, "verify": {WITHIN: 9, ABOVE: 1}}},

@@ -325,6 +325,10 @@ def test_env_parsing():
     for bad in ("0", "-1", "nan", "inf", "soon", "1e9"):
         with pytest.raises(E.CalibError, match=E.LOAD_TIMEOUT):
             E.load_timeout({E.LOAD_TIMEOUT: bad})
+    assert E.dp_timeout({}) == E.DEFAULT_DP_TIMEOUT_S and E.dp_timeout({E.DP_TIMEOUT: "1200"}) == 1200
+    for bad in ("0", "nan", "soon", "3601"):
+        with pytest.raises(E.CalibError, match=E.DP_TIMEOUT):
+            E.dp_timeout({E.DP_TIMEOUT: bad})
     assert E.policy({E.POLICY: " STRICT "}) == "strict" and E.policy({}) == "fallback"
     with pytest.raises(E.CalibError, match=E.POLICY):
         E.policy({E.POLICY: "lenient"})

@@ -214,6 +214,64 @@ def test_1_0_hash_leaves_out_only_optional_keys_not_recorded():
     assert moved.content_hash != full.content_hash  # a 1.0 key still counts
 
 
+def _stored_as(table, path, change) -> Path:
+    """The table written with its metadata changed by `change`, hashed again (a file a writer of
+    that metadata would have made)."""
+    from dspark_calib.table.identity import hash_1_1
+
+    arrow = to_arrow(table)
+    meta = json.loads(arrow.schema.metadata[METADATA_KEY])
+    change(meta)
+    meta["content_hash"] = hash_1_1({k: v for k, v in meta.items() if k != "content_hash"}, table.curves)
+    pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), path,
+                   row_group_size=meta["curve_rows"])
+    return path
+
+
+def test_the_method_of_an_older_table_is_its_formats_migration_not_a_default(reference_table, tmp_path):
+    """speculative_method is filled by the 1.2 -> 1.3 migration alone: a 1.2 file without it is a
+    DSpark table (the only kind then made), a 1.2 file that recorded one keeps it, and a 1.3 file
+    without it (no 1.3 writer makes one) has not recorded it: the load line says so, as for any
+    key a table lacks. Fingerprint.from_dict itself fills nothing."""
+    from dspark_calib.fingerprint import Fingerprint
+    from dspark_calib.selection import decide
+
+    bare = {k: v for k, v in reference_table.fingerprint.to_dict().items() if k != "speculative_method"}
+    assert Fingerprint.from_dict(bare).speculative_method is None
+
+    def stored(version, method=None):
+        def change(meta):
+            meta["schema_version"] = version
+            if version == "1.2":
+                del meta["calibration"]  # as a 1.2 writer wrote it
+            del meta["fingerprint"]["speculative_method"]
+            if method:
+                meta["fingerprint"]["speculative_method"] = method
+        return _stored_as(reference_table, tmp_path / f"{version}-{method}.parquet", change)
+
+    for path, method in ((stored("1.2"), "dspark"), (stored("1.2", "eagle3"), "eagle3"), (stored("1.3"), None)):
+        meta, table = read_metadata(path), read_table(path)
+        assert meta.fingerprint.speculative_method == table.fingerprint.speculative_method == method, path.name
+        assert table.content_hash == meta.content_hash  # verified against the metadata as stored
+        assert "speculative_method" not in meta.raw["fingerprint"] or method == "eagle3"
+    engine = {k: v for k, v in reference_table.fingerprint.to_dict().items() if k not in ("extra", "context_lens")}
+    (tmp_path / "d").mkdir()
+    os.replace(stored("1.3"), tmp_path / "d" / "t.parquet")
+    [line] = decide(str(tmp_path / "d"), {**engine, "speculative_method": "dspark"}, probe=False,
+                    allow_reference=True).lines
+    assert "loaded cost table" in line and "not recorded in the table: speculative_method" in line
+
+
+@pytest.mark.parametrize("path", [SCHEMA10, *SHIPPED_NEWER], ids=lambda p: p.name)
+def test_shipped_tables_read_as_dspark_with_the_hash_in_their_name(path):
+    """Every shipped table predates the key: read (metadata alone, or whole) as a DSpark table,
+    with the content hash its name carries."""
+    meta, table = read_metadata(path), read_table(path)
+    assert "speculative_method" not in meta.raw["fingerprint"]
+    assert meta.fingerprint.speculative_method == table.fingerprint.speculative_method == "dspark"
+    assert meta.content_hash[:12] in path.name and table.content_hash == meta.content_hash
+
+
 def _arrow_at(version: str, n: int = 5) -> pa.Table:
     """A table with every column of `version`, each holding distinct values."""
     values = {"string": lambda: pa.array([f"r{i}" for i in range(n)]), "int64": lambda: pa.array(range(7, 7 + n)),

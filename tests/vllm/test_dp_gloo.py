@@ -27,8 +27,9 @@ BOUND_S = 180  # two vLLM imports and config builds; a hang never ends
 TABLE_ENV = {"DSPARK_CALIB_PROBE": "0", "DSPARK_CALIB_CONTEXT_AWARE": "0"}
 
 
-def replica(rank: int, port: int, env: dict, out: str) -> None:
-    """One DP replica: what it yields or why it refused, and its dspark-calib lines, to out/rRANK.json."""
+def replica(rank: int, port: int, env: dict, out: str, stock: bool = False) -> None:
+    """One DP replica: what it yields or why it refused, and its dspark-calib lines, to out/rRANK.json.
+    stock: a node without dspark-calib (the plugin never registers: vLLM's own manager)."""
     from dspark_calib.vllm.plugin import RAY_EXTRA_VARS
 
     # a replica's own environment only: an earlier test's plugin.register() in the parent announced
@@ -38,14 +39,14 @@ def replica(rank: int, port: int, env: dict, out: str) -> None:
     os.environ.update(env)
     result: dict = {"lines": []}
     try:
-        result.update(_run_replica(rank, port, result["lines"]))
+        result.update(_run_replica(rank, port, result["lines"], stock))
     except Exception:  # noqa: BLE001 - reported to the test, which fails on it
         result["error"] = traceback.format_exc()[-3000:]
     with open(os.path.join(out, f"r{rank}.json"), "w") as fh:
         json.dump(result, fh)
 
 
-def _run_replica(rank: int, port: int, lines: list) -> dict:
+def _run_replica(rank: int, port: int, lines: list, stock: bool = False) -> dict:
     import logging
     from datetime import timedelta
     from types import SimpleNamespace
@@ -74,7 +75,8 @@ def _run_replica(rank: int, port: int, lines: list) -> dict:
     engine_info.hardware = lambda: dict(HARDWARE)
     engine_info.attention_backends = lambda e, draft: "FLASH_ATTN"
     config = vllm_config(README, {})
-    plugin.register()
+    if not stock:
+        plugin.register()
     m = manager_for(config)
     sizes = list(config.compilation_config.cudagraph_capture_sizes)
     steps = 0
@@ -94,10 +96,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_replicas(tmp_path, envs) -> list[dict]:
+def run_replicas(tmp_path, envs, stock: tuple[int, ...] = ()) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=replica, args=(rank, port, env, str(tmp_path))) for rank, env in enumerate(envs)]
+    procs = [ctx.Process(target=replica, args=(rank, port, env, str(tmp_path), rank in stock))
+             for rank, env in enumerate(envs)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + BOUND_S
@@ -138,3 +141,53 @@ def test_replicas_that_all_have_the_table_load_it(tmp_path):
 def test_replicas_without_any_setting_profile_as_vllm_does(tmp_path):
     first, second = run_replicas(tmp_path, [{}, {}])
     assert first["steps"] == second["steps"] > 0 and first["lines"] == second["lines"] == []
+
+
+@pytest.mark.parametrize("policy", ["fallback", "strict"])
+def test_a_replica_without_dspark_calib_is_waited_on_for_the_bound_then_the_policy_applies(tmp_path, policy):
+    """The other replica's node has no dspark-calib at all: it never votes and runs vLLM's own
+    profile. The replica with the table waits DSPARK_CALIB_DP_TIMEOUT, names the replica that did
+    not join, and under fallback profiles as vLLM does, step for step with the stock replica (no
+    collective was left half-done on the DP group); under strict it refuses."""
+    env = {"DSPARK_CALIB_TABLE": SHELF, "DSPARK_CALIB_POLICY": policy, "DSPARK_CALIB_DP_TIMEOUT": "2", **TABLE_ENV}
+    first, second = run_replicas(tmp_path, [env, {"VLLM_PLUGINS": ""}], stock=(1,))  # loads no plugin
+    [said] = [line for line in first["lines"] if "did not join" in line]
+    assert "data-parallel replica 1 did not join the table agreement within 2 s (DSPARK_CALIB_DP_TIMEOUT)" in said
+    assert second["lines"] == []
+    if policy == "strict":
+        assert "refusing to start (policy strict)" in said and "refusing to start" in first["refused"]
+        assert first["steps"] == 0  # the stock replica's own next DP sync then fails: its peer is gone
+    else:
+        assert "profiling at start-up as usual (policy fallback)" in said
+        assert "refused" not in first and "refused" not in second
+        assert not first["loaded"] and first["steps"] == second["steps"] > 0
+
+
+def test_a_replica_arriving_after_the_round_closed_follows_the_closure(monkeypatch):
+    """Replica 0 gave up on replica 1 and closed the round: replica 1, arriving later with every
+    vote now present, acts on that closure (its agreement names itself missing), never on the
+    votes, so it cannot load a table replica 0 has left. The store is torch's own."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import vllm.distributed.parallel_state as parallel_state
+    from torch.distributed import distributed_c10d
+
+    from dspark_calib.vllm import load
+
+    store = dist.HashStore()
+    monkeypatch.setattr(parallel_state, "get_dp_group", lambda: SimpleNamespace(world_size=2, cpu_group=None))
+    monkeypatch.setattr(distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+    monkeypatch.setattr(load, "_rounds", {})
+    vote = (True, "ab" * 32, False, True, "fallback", 6)
+    store.set(f"{load.AGREEMENT_KEY}/table/0/vote/0", json.dumps(list(vote)))
+    store.set(f"{load.AGREEMENT_KEY}/table/0/closed", "[1]")  # replica 0 closed it: rank 1 missing
+    votes = load.dp_votes("table", vote, timeout_s=60.0, rank0=True)
+    assert votes.missing == (1,) and votes.values == [vote, vote]
+    monkeypatch.setenv("DSPARK_CALIB_DP_TIMEOUT", "60")
+    monkeypatch.setattr(load, "_rounds", {"table": 0})  # the next round: both vote, nobody closed it yet
+    store.set(f"{load.AGREEMENT_KEY}/table/1/vote/0", json.dumps(list(vote)))
+    assert load.agree_across_dp("table", vote, True) == (True, "", [vote, vote])

@@ -371,6 +371,7 @@ def test_readme_env_table_lists_every_variable_with_the_default_the_parser_retur
     parsed = {env.POLICY: env.policy({}), env.PROBE: env.probe_enabled({}),
               env.CONTEXT_AWARE: env.context_aware_enabled({}), env.CONTEXT_TAIL: env.context_tail_milli({}) / 1000,
               env.CONTEXT_CHUNKS: env.context_chunks_enabled({}), env.LOAD_TIMEOUT: env.load_timeout({}),
+              env.DP_TIMEOUT: env.dp_timeout({}),
               env.ALLOW_REFERENCE: env.allow_reference({}), env.OBSERVE_EVERY: env.observe_every({})}
     for name, value in parsed.items():
         stated = re.fullmatch(r"`([^`]+)`", rows[name].strip())
