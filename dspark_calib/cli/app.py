@@ -688,7 +688,8 @@ def profile_cmd(
         "--out", metavar="FILE|DIR/", help="Table file (.parquet), or a directory for the default name (a new "
                                            "one ends with '/'); vLLM's log goes beside it.")] = ".",
     keep_capture: Annotated[Optional[str], typer.Option(
-        "--keep-capture", metavar="DIR", help="Also copy the raw per-rank capture JSON here.")] = None,
+        "--keep-capture", metavar="DIR", help="Also keep the raw per-rank capture JSON here (rank 0's rebuilds "
+                                             "the table: --from-capture).")] = None,
     from_capture: Annotated[Optional[str], typer.Option(
         "--from-capture", metavar="FILE",
         help="No GPU, no engine: build the table from rank 0's capture a GPU run kept (--keep-capture "

@@ -197,7 +197,7 @@ def rebuild(opts: Any, out: TableOut, capture: str, strict_stability: bool = Fal
     fp = table.fingerprint
     source = fp.extra["from_capture"]
     _said(table, path, replaced, shifts, Console(stderr=True),
-          f"wrote {path} (hash {table.short_hash}) from the capture {display_path(capture)} (sha256 "
+          f"wrote {path} from the capture {display_path(capture)} (sha256 "
           f"{source['sha256'][:12]}), measured on {_host(fp.extra['hostname'])}; {fp.replays} samples per size "
           f"({fp.warmup_replays} warm-up discarded); curves equal vLLM's own")
 

@@ -79,14 +79,14 @@ def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) ->
     )
 
 
+UNRECORDED = "unrecorded"
+
+
 def host_of(capture: dict[str, Any]) -> str:
-    """The host rank 0 measured on, as the capture names it ("unrecorded" in a capture from before
+    """The host rank 0 measured on, as the capture names it (UNRECORDED in a capture from before
     captures named it: the machine reading it may be another)."""
     host = capture.get("hostname")
     return host if isinstance(host, str) and host else UNRECORDED
-
-
-UNRECORDED = "unrecorded"
 
 
 def check_against_vllm(table: CostTable, capture: dict[str, Any]) -> None:
