@@ -281,7 +281,8 @@ KEYS: tuple[Key, ...] = (
     Key("context_lens", _INTS, None, False, "context lengths", "what this run profiled; the loader picks the "
         "curve nearest the context vLLM would profile"),
     Key("replays", _INT, None, False, "replays", "how many samples per point (merge adds them up)"),
-    Key("warmup_replays", _INT, None, False, "warm-up replays", "discarded runs per point"),
+    Key("warmup_replays", _INT, None, False, "warm-up replays", "discarded runs per point; with none, a "
+        "fall in a curve is refused (first-use costs)"),
 )
 KEY = {k.name: k for k in KEYS}
 

@@ -16,7 +16,7 @@ from dspark_calib.fit import (
     CURVE_KINDS, DRAFT, DRAFT_FLOOR_MS, VERIFY, VERIFY_FLOOR_MS, Curve, build_cost_tables, decision_map,
 )
 from dspark_calib.stability import LevelShift, table_flags
-from dspark_calib.table.model import CostTable
+from dspark_calib.table.model import FALL_FRACTION, FALL_IQRS, CostTable, falls_beyond_spread
 from dspark_calib.telemetry import Telemetry
 
 # A median from fewer samples than this is one outlier away from a wrong cost.
@@ -43,10 +43,13 @@ THROTTLE = "throttle"
 # come out the same whether vLLM charges the running max or the dip's own median (the
 # decision map, at every grid cell, with and without the dip): then it does not matter which
 # is the truth. A dip that changes a budget is a WARNING (the message says whether the fall is
-# within the points' p25-p75 spread, where more replays would settle it). No dip blocks:
-# vLLM's own start-up profile sees the same dips, from fewer samples, and absorbs them the
-# same way; what blocks is a table unlike what vLLM would measure on a quiet GPU (too few
-# samples, a noisy point, a level shift, thermal throttling, a curve short of the engine).
+# within the points' p25-p75 spread, where more replays would settle it). A fall beyond
+# max(3 x IQR, 10 %) (table.model.falls_beyond_spread) is a WARNING either way: a table
+# reads with one only after a warm-up (CostTable.check_plausible), so it is the GPU's own
+# measurement, but one worth a look. No dip blocks: vLLM's own start-up profile sees the
+# same dips, from fewer samples, and absorbs them the same way; what blocks is a table unlike
+# what vLLM would measure on a quiet GPU (too few samples, a noisy point, a level shift,
+# thermal throttling, a curve short of the engine).
 WARNING = "warning"
 NOTE = "note"
 SEVERITIES = (WARNING, NOTE)
@@ -157,18 +160,21 @@ def curve_warnings(curve: Curve, kind: str, context_len: int,
         iqr = (curve.p75_ms - curve.p25_ms).tolist()
         dips = np.flatnonzero(arr < prev_max).tolist()
         changing = set(dips) if budget_changes is None else budget_changes(dips)
+        beyond = {i for i, _ in falls_beyond_spread(curve)}
         for i in dips:
             j = setter[i - 1]
             size, earlier, c, top = sizes[i], sizes[j], cost[i], cost[j]
             text = f"{where}: size {size} median {c:.3f} ms is {_drop(1 - c / top)} below size {earlier}'s {top:.3f} ms"
+            far = (f"; a fall beyond max({FALL_IQRS:g} x IQR, {FALL_FRACTION:.0%}) (refused in a profile without "
+                   "warm-up)") if i in beyond else ""
             if i not in changing:
-                out.append(TableWarning(FALLING_MEDIAN, f"{text}; vLLM charges {top:.3f}, the same draft budgets",
-                                        context_len, kind, size, NOTE))
+                out.append(TableWarning(FALLING_MEDIAN, f"{text}; vLLM charges {top:.3f}, the same draft budgets{far}",
+                                        context_len, kind, size, WARNING if far else NOTE))
                 continue
             why = ("within the points' p25-p75 spread: more replays would settle it"
                    if dip_within_spread(top - c, iqr[i], iqr[j]) else "beyond the points' spread")
             out.append(TableWarning(FALLING_MEDIAN, f"{text}; vLLM charges {top:.3f}, which changes a draft budget "
-                                    f"({why})", context_len, kind, size, WARNING))
+                                    f"({why}){far}", context_len, kind, size, WARNING))
     return out
 
 

@@ -108,6 +108,12 @@ def read_json_file(path: str, shown: str | None = None, *, max_bytes: int = MAX_
     """A small local JSON file (config.json, --engine-args-json), through open_local: a FIFO or a
     device is refused, never read or waited on; over max_bytes is refused before it is parsed.
     Every problem is one CalibError naming the file."""
+    return read_json_bytes(path, shown, max_bytes=max_bytes)[1]
+
+
+def read_json_bytes(path: str, shown: str | None = None, *, max_bytes: int = MAX_JSON_BYTES) -> tuple[bytes, Any]:
+    """read_json_file's (the bytes read, the JSON they hold): one read, so a digest of the bytes
+    is a digest of what was parsed."""
     shown = display_path(path) if shown is None else shown
     fh, size = open_local(path, shown)
     with fh:
@@ -120,7 +126,7 @@ def read_json_file(path: str, shown: str | None = None, *, max_bytes: int = MAX_
     if len(raw) > max_bytes:  # grew after the stat
         raise CalibError(f"is over the {max_bytes >> 20} MiB a JSON input may have", path=shown)
     try:
-        return json.loads(raw.decode("utf-8"))
+        return raw, json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise CalibError(f"not UTF-8 text (byte {exc.start}): not a JSON file", path=shown) from None
     except ValueError as exc:

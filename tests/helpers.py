@@ -43,6 +43,24 @@ SCHEMA10 = REPO / "benchmarks" / "results" / "h200" / "2026-11-30-morning" / "qw
 SHIPPED = REPO / "profiles" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet"  # schema 1.2; the config and library keys added since not recorded
 
 
+# Rank 0's capture of the draft-model H200 run (Qwen3-8B + Qwen3-0.6B, K 7, contexts 1024 and 8192,
+# 5 timed replays after a warm-up block): its draft curve at 1024 falls from ~162 ms to ~64 ms at
+# 192-224 requests, in every replay and in vLLM's own fit.
+DRAFT_MODEL_RUN = REPO / "benchmarks" / "results" / "h200" / "2026-12-01-2035-draft-model"
+DRAFT_MODEL_CAPTURE = DRAFT_MODEL_RUN / "h200-tp1-draft-ctx1k8k-samples-rank0.json"
+
+
+def draft_model_table(warmup_replays: int):
+    """A table of that capture's samples (no vLLM needed): the reference fingerprint with the
+    run's 5 replays and the given warm-up."""
+    from dspark_calib.samples import samples_from_dicts
+    from dspark_calib.table.model import CostTable
+
+    samples = samples_from_dicts(load_fixture_json(DRAFT_MODEL_CAPTURE)["samples"])
+    fp = build_reference_table([fixture_json(8192)]).fingerprint
+    return CostTable.from_samples(samples, fp.replace(replays=5, warmup_replays=warmup_replays))
+
+
 def fixture_json(ctx: int) -> str:
     """The recorded vLLM start-up profile at one context length (1024, 8192 or 16384)."""
     return str(DATA_DIR / f"qwen3-8b_dspark-block7_ctx{ctx}.json")

@@ -690,13 +690,20 @@ def profile_cmd(
         "--out", metavar="FILE|DIR/", help="Table file (.parquet), or a directory for the default name (a new "
                                            "one ends with '/'); vLLM's log goes beside it.")] = ".",
     keep_capture: Annotated[Optional[str], typer.Option(
-        "--keep-capture", metavar="DIR", help="Also copy the raw per-rank capture JSON here.")] = None,
+        "--keep-capture", metavar="DIR", help="Also keep the raw per-rank capture JSON here (rank 0's rebuilds "
+                                             "the table: --from-capture).")] = None,
+    from_capture: Annotated[Optional[str], typer.Option(
+        "--from-capture", metavar="FILE",
+        help="No GPU, no engine: build the table from rank 0's capture a GPU run kept (--keep-capture "
+             "DIR/samples-rank0.json), as that run would have; give the run's own options (checked against "
+             "what the capture recorded).")] = None,
     strict_stability: Annotated[bool, typer.Option(
         "--strict-stability", help="Fail (exit 2, no table) when a block's level shifts from the others by over "
                                    "3 x the points' MAD; re-running is up to you.")] = False,
     force: ForceOpt = False,
 ) -> None:
-    """Profile vLLM's draft/verify steps on this machine's GPUs and write a cost table."""
+    """Profile vLLM's draft/verify steps on this machine's GPUs and write a cost table (or, with
+    --from-capture, rebuild one from a kept capture)."""
     options = dict(locals())
     from dspark_calib.cli import profile as profile_cmd
 

@@ -139,10 +139,11 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
          dtype: str, kv_cache_dtype: str, quantization: str | None, gpu_memory_utilization: float,
          max_model_len: int | None, distributed_executor_backend: str | None, out: str,
          keep_capture: str | None, engine_arg: Sequence[str], engine_args_json: str | None,
-         strict_stability: bool = False, cooldown: float = 1.0, force: bool = False) -> None:
+         strict_stability: bool = False, cooldown: float = 1.0, force: bool = False,
+         from_capture: str | None = None) -> None:
     """The `profile` command: everything checkable first (options, the output path, the model
     configs, vLLM's presence and the GPUs, all without importing vllm or torch), then one
-    engine start."""
+    engine start. With `from_capture`, no engine: the table from that kept capture (rebuild)."""
     check_ranges(context_len=context_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  gpu_memory_utilization=gpu_memory_utilization, replays=replays, warmup=warmup, tp=tp,
                  num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len,
@@ -158,8 +159,13 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
     draft = speculator(method).drafter_or_target(draft, model)
     model_dir, model_id = driver.resolve_model(model, "--model")
     draft_dir, draft_id = driver.resolve_model(draft, "--draft") if draft != model else (model_dir, model_id)
-    check_keep_capture(keep_capture)
-    out, log_path = check_out(out, force)
+    if from_capture is not None:
+        if keep_capture is not None:
+            raise CalibError("--keep-capture: nothing to keep with --from-capture (no engine runs)")
+        target = table_out(out, [from_capture], force=force, fresh=True)
+    else:
+        check_keep_capture(keep_capture)
+        target, log_path = check_out(out, force)
     opts = driver.resolve_options(ProfileOptions(
         model=model_dir, draft=draft_dir, method=method, tp=tp, num_speculative_tokens=num_speculative_tokens,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -169,8 +175,29 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
         distributed_executor_backend=distributed_executor_backend, extra_engine_args=extra,
         model_name=model_id, draft_name=draft_id))
+    if from_capture is not None:
+        rebuild(opts, target, from_capture, strict_stability)
+        return
     driver.check_before_import(opts)
-    _run(opts, out, log_path, keep_capture, strict_stability)
+    _run(opts, target, log_path, keep_capture, strict_stability)
+
+
+def rebuild(opts: Any, out: TableOut, capture: str, strict_stability: bool = False) -> None:
+    """`profile --from-capture`: the table the GPU run would have written from this capture, built
+    here without a GPU or vLLM (vllm.profile.table.table_from_capture_file), written by the
+    same rules."""
+    from rich.console import Console
+
+    from dspark_calib.vllm.profile.table import table_from_capture_file
+
+    table = table_from_capture_file(opts, capture)
+    path, replaced, shifts = _write(table, out, strict_stability)
+    fp = table.fingerprint
+    source = fp.extra["from_capture"]
+    _said(table, path, replaced, shifts, Console(stderr=True),
+          f"wrote {path} from the capture {display_path(capture)} (sha256 "
+          f"{source['sha256'][:12]}), measured on {_host(fp.extra['hostname'])}; {fp.replays} samples per size "
+          f"({fp.warmup_replays} warm-up discarded); curves equal vLLM's own")
 
 
 def stability_verdict(table: Any, strict: bool) -> list[str]:
@@ -203,7 +230,6 @@ def _profile(opts: Any, out: TableOut, log_path: str, keep_capture: str | None, 
     from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     from rich.text import Text
 
-    from dspark_calib.table.file import write_table
     from dspark_calib.vllm.profile.driver import run_profile
 
     class Count(ProgressColumn):  # "done/total" once the total is known, never "0/None"
@@ -254,17 +280,43 @@ def _profile(opts: Any, out: TableOut, log_path: str, keep_capture: str | None, 
                 with contextlib.suppress(OSError):
                     os.remove(log_path)
             raise
-        shifts = stability_verdict(table, strict_stability)
         phase("writing table")
-        path, replaced = out.destination(table.default_filename(), table.content_hash)
-        path = write_table(table, path)
+        path, replaced, shifts = _write(table, out, strict_stability)
         phase("done")
     extra = table.fingerprint.extra
     fp = table.fingerprint
-    terminal.print(f"wrote {path} (hash {table.short_hash}); engine start {extra.get('engine_start_s', 0):.1f} s, "
-                   f"of which profiling {extra.get('profile_s', 0):.1f} s; total {time.perf_counter() - started:.1f} s; "
-                   f"{fp.replays} samples per size ({fp.warmup_replays} warm-up discarded); curves equal vLLM's own",
-                   markup=False, highlight=False)
+    _said(table, path, replaced, shifts, terminal,
+          f"wrote {path} (hash {table.short_hash}); engine start {extra.get('engine_start_s', 0):.1f} s, "
+          f"of which profiling {extra.get('profile_s', 0):.1f} s; total {time.perf_counter() - started:.1f} s; "
+          f"{fp.replays} samples per size ({fp.warmup_replays} warm-up discarded); curves equal vLLM's own")
+
+
+def _host(name: str) -> str:
+    from dspark_calib.vllm.profile.table import UNRECORDED
+
+    return "a GPU host the capture does not name" if name == UNRECORDED else name
+
+
+def _write(table: Any, out: TableOut, strict_stability: bool) -> tuple[str, str | None, list[str]]:
+    """(the path written, the line when it replaced a table of the same content hash, the
+    level-shift lines), after --strict-stability had its say."""
+    from dspark_calib.cli.paths import write_error
+    from dspark_calib.table.file import write_table
+
+    shifts = stability_verdict(table, strict_stability)
+    path, replaced = out.destination(table.default_filename(), table.content_hash)
+    try:
+        return write_table(table, path), replaced, shifts
+    except OSError as exc:
+        raise write_error(exc, path, out.option) from None
+
+
+def _said(table: Any, path: str, replaced: str | None, shifts: list[str], terminal: Any, first: str) -> None:
+    """What a written table ends with: its line, the replaced note (stdout), the level shifts,
+    the telemetry note, and the summary with its verdict."""
+    from rich.console import Console
+
+    terminal.print(first, markup=False, highlight=False, soft_wrap=True)  # paths whole
     if replaced:
         Console().print(replaced, markup=False, highlight=False, soft_wrap=True)  # stdout, as the other commands
     for line in shifts or ["no level shift between blocks"]:

@@ -20,7 +20,7 @@ from dspark_calib import __version__
 from dspark_calib.errors import CalibError
 from dspark_calib.fileformat.version import parse_version
 from dspark_calib.fingerprint import Fingerprint, merge_mismatches
-from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, CurvePair, fit_curves
+from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair, fit_curves
 from dspark_calib.samples import SAMPLE_COLUMNS, Sample, Samples
 from dspark_calib.table.calibration import Calibration
 from dspark_calib.table.identity import content_hash
@@ -34,8 +34,9 @@ DEFAULT_CONTEXT = 8192  # vLLM's default profiling context length
 # Physical bounds of one step (ms): below a microsecond or above a minute no GPU step is real.
 MIN_STEP_MS = 1e-3
 MAX_STEP_MS = 60_000.0
-# A curve may dip (kernel shapes, noise: the shipped H200 table dips 6.4 % at 432 tokens)
-# but not fall below its running peak by more than max(FALL_IQRS x IQR, FALL_FRACTION).
+# A curve of a profile without warm-up may dip (kernel shapes, noise: the shipped H200 table
+# dips 6.4 % at 432 tokens) but not fall below its running peak by more than
+# max(FALL_IQRS x IQR, FALL_FRACTION) (CostTable.check_plausible says why only then).
 FALL_IQRS = 3.0
 FALL_FRACTION = 0.10
 # A point's IQR / median above this is refused at read time: real H200 tables measure <= 3.8 %
@@ -196,7 +197,20 @@ class CostTable:
 
     def check_plausible(self) -> None:
         """Costs a GPU can produce, or a CalibError naming the point: a forged or broken table
-        must not reach vLLM (0 or inf swings its budget to 0 or the maximum)."""
+        must not reach vLLM (0 or inf swings its budget to 0 or the maximum).
+
+        A fall (a size cheaper than a smaller one by more than its spread allows, falls_beyond_spread)
+        is refused only when the profile ran no warm-up (``warmup_replays`` 0: `profile --warmup 0`,
+        or vLLM's own start-up pass that `import-vllm` reads). There a fall is the mark of
+        first-use costs: the first replays of the smallest sizes pay one-time work, and vLLM's
+        running maximum would charge that to every larger size. After warm-up a fall is the GPU's
+        own measurement (vLLM's set_initial_cost_curves fits the same samples and shows it) and
+        it cannot lower a price: vLLM, pricing.costs and the probe all take the running maximum,
+        so a fall prices as if its points were raised to the peak before it. A forged fall is then
+        a forged higher cost, which the probe measures at every context it prices (the installed
+        curve at a probed size is the peak of every point below it); claiming a warm-up therefore
+        opens no door. Such a fall is a finding of `inspect` (inspection.FALLING_MEDIAN), never a
+        refusal."""
         fp = self.fingerprint
         # vLLM's dummy runs never exceed the engine's limits; a point past them is priced by nobody's
         # step, yet it sets the extrapolation and the chunk pair price (its largest verify size)
@@ -217,16 +231,26 @@ class CostTable:
                     i = int(np.flatnonzero(bad)[0])
                     raise CalibError(f"{where}, size {c.size[i]}: cost {float(c.cost_ms[i])!r} ms is not a plausible step "
                                      f"({'> 0' if kind == DRAFT else f'> {MIN_STEP_MS:g}'} and <= {MAX_STEP_MS:g} ms)")
-                iqr = np.nan_to_num(np.maximum(c.p75_ms - c.p25_ms, 0.0))
-                peak = np.maximum.accumulate(c.cost_ms)
-                at_peak = np.maximum.accumulate(np.where(c.cost_ms == peak, np.arange(len(c)), 0))
-                allowed = np.maximum(FALL_IQRS * np.maximum(iqr, iqr[at_peak]), FALL_FRACTION * peak)
-                falls = np.flatnonzero(peak - c.cost_ms > allowed)
-                if len(falls):
-                    i = int(falls[0])
+                if fp.warmup_replays > 0:
+                    continue
+                falls = falls_beyond_spread(c)
+                if falls:
+                    i, j = falls[0]
                     raise CalibError(f"{where}, size {c.size[i]}: cost {c.cost_ms[i]:.4g} ms falls below the "
-                                     f"{peak[i]:.4g} ms at size {c.size[at_peak[i]]} by more than its spread "
-                                     f"allows (max of {FALL_IQRS:g} x IQR, {FALL_FRACTION:.0%})")
+                                     f"{c.cost_ms[j]:.4g} ms at size {c.size[j]} by more than its spread "
+                                     f"allows (max of {FALL_IQRS:g} x IQR, {FALL_FRACTION:.0%}) in a profile without "
+                                     "warm-up, where first-use costs look like this (profile with --warmup)")
+
+
+def falls_beyond_spread(curve: Curve) -> list[tuple[int, int]]:
+    """(index, index of the running peak before it) of every point below the curve's running peak
+    by more than max(FALL_IQRS x the larger IQR of the two, FALL_FRACTION x the peak)."""
+    c = curve
+    iqr = np.nan_to_num(np.maximum(c.p75_ms - c.p25_ms, 0.0))
+    peak = np.maximum.accumulate(c.cost_ms)
+    at_peak = np.maximum.accumulate(np.where(c.cost_ms == peak, np.arange(len(c)), 0))
+    allowed = np.maximum(FALL_IQRS * np.maximum(iqr, iqr[at_peak]), FALL_FRACTION * peak)
+    return [(int(i), int(at_peak[i])) for i in np.flatnonzero(peak - c.cost_ms > allowed)]
 
 
 # Two runs of one engine share a timing (every column equal) by chance only rarely; a table
@@ -299,7 +323,8 @@ def merge_tables(tables: Sequence[CostTable], names: Sequence[str] | None = None
     extra = dict(first.fingerprint.extra, merged_from=[t.short_hash for t in tables])
     fp = first.fingerprint.replace(
         replays=sum(t.fingerprint.replays for t in tables),
-        warmup_replays=max(t.fingerprint.warmup_replays for t in tables),
+        # the least warm-up any input ran: a cold run's samples keep the fall check (check_plausible)
+        warmup_replays=min(t.fingerprint.warmup_replays for t in tables),
         extra=extra,
     )
     return CostTable.from_samples(Samples.concat(parts), fp)

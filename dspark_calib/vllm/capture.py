@@ -9,7 +9,7 @@ the `profile` command through one directory, whose layout is owned by
 * .lock (TP rank 0, for the whole capture): one engine per directory.
 * progress.json (TP rank 0, while profiling): batches done / total.
 * samples-rank{R}.json (every TP rank, atomically, when profiling ends): the tagged
-  timed samples, vLLM's own curves per context, the engine and the hardware.
+  timed samples, vLLM's own curves per context, the engine, the hardware and the host.
 * refusal.txt: vLLM's reason when it refuses adaptive verification, or (starting
   "dspark-calib:") the capture's own one-line error. The engine core runs in a child
   process for every tp, so this file is how that line reaches `profile`.
@@ -422,6 +422,7 @@ class CaptureMode:
         payload = {
             "rank": run.rank,
             "tp_size": run.tp_size,
+            "hostname": os.uname().nodename,  # the GPU host that measured (a table rebuilt elsewhere records it)
             "profile_s": time.perf_counter() - run.start,
             "num_batches": len(tags),
             "plan": asdict(run.plan),

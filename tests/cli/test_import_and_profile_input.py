@@ -198,3 +198,31 @@ def test_import_of_an_mtp_profile_needs_no_draft_as_profile_does(tmp_path):
         assert line == one_line_error(invoke(*PROFILE[:PROFILE.index("--draft")], "--method", method,
                                              "--out", f"{tmp_path}/"), "--draft is needed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet"]
+
+# -- profile --from-capture on the light install ----------------------------------------------
+def _draft_model_rebuild(*extra):
+    from tests.helpers import DRAFT_MODEL_CAPTURE
+
+    return ["profile", "--model", MODEL, "--draft", str(REPO / "profiles" / "configs" / "qwen3-0.6b"),
+            "--method", "draft_model", "--num-speculative-tokens", "7", "--context-len", "1024", "--context-len",
+            "8192", "--replays", "5", "--max-model-len", "32768", "--from-capture", str(DRAFT_MODEL_CAPTURE), *extra]
+
+
+def test_a_rebuild_from_a_capture_needs_no_gpu_torch_or_vllm(tmp_path):
+    from tests.helpers import assert_command_is_light
+
+    assert_command_is_light(*_draft_model_rebuild("--out", str(tmp_path / "t.parquet")), allow=("pandas",))
+    from dspark_calib.table.file import read_table
+
+    t = read_table(tmp_path / "t.parquet")
+    assert t.fingerprint.speculative_method == "draft_model" and t.fingerprint.extra["hostname"] == "unrecorded"
+    assert t.fingerprint.extra["from_capture"]["file"] == "h200-tp1-draft-ctx1k8k-samples-rank0.json"
+
+
+def test_a_rebuild_with_another_engine_limit_is_refused_naming_the_key(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    r = CliRunner().invoke(app, _draft_model_rebuild("--max-num-seqs", "128", "--out", str(out)))
+    one_line_error(r, "h200-tp1-draft-ctx1k8k-samples-rank0.json: max_num_seqs: the options give 128, the capture "
+                      "recorded 256; rebuild with the options of the GPU run")
+    assert list(out.iterdir()) == []

@@ -249,3 +249,15 @@ def test_inspect_and_diff_print_table_strings_as_text_never_as_escape_codes(tmp_
         assert r.exit_code in (0, 1), r.output
         assert not any(ch in r.output for ch in "\x1b\x07\r\u202e"), (args, repr(r.output[:400]))
         assert "\\x1b[2J" in r.output and not any(line.startswith("FORGED") for line in r.output.splitlines())
+
+
+def test_inspect_shows_a_fall_after_warm_up_and_reads_the_table(tmp_path):
+    """The draft-model H200 table's fall at 1024 requests-192..224: read without refusal, shown by
+    inspect (--all: notes too), each line saying what vLLM charges instead."""
+    from tests.helpers import draft_model_table
+
+    path = write_table(draft_model_table(5), tmp_path / "t.parquet")
+    r = invoke("inspect", path, "--context-len", "1024", "--all")
+    assert r.exit_code == 0, r.output
+    assert "draft @ctx 1024: size 200 median 65.033 ms is 59.8% below size 8's 161.606 ms; vLLM charges 161.606" \
+        in " ".join(r.stdout.split())

@@ -15,7 +15,7 @@ from dspark_calib.inspection import (
 from dspark_calib.samples import Sample
 from dspark_calib.table.model import CostTable
 
-from tests.helpers import SCHEMA10, build_reference_table, fixture_json
+from tests.helpers import SCHEMA10, build_reference_table, draft_model_table, fixture_json
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +284,18 @@ def test_the_face_value_trick_with_nothing_lowered_is_vllms_dense_table(real):
                                   real)
         np.testing.assert_allclose(got_v, verify, rtol=1e-12, atol=1e-9)
         np.testing.assert_allclose(got_d, draft, rtol=1e-12, atol=1e-9)
+
+
+def test_a_fall_after_warm_up_is_a_finding_never_a_reason_to_refuse():
+    """The draft-model H200 curve at 1024 (flat, then down to ~64 ms at 192-224 requests): each
+    point below the running peak is a falling-median finding, a warning where the fall is beyond the
+    allowance a profile without warm-up is refused for; the verdict does not count falls."""
+    insp = inspect_table(draft_model_table(5), context_len=1024)
+    falls = {w.size: w for w in insp.warnings if w.code == FALLING_MEDIAN and w.curve == "draft"}
+    assert set(range(176, 257, 8)) <= set(falls) and not any(w.blocks for w in falls.values())
+    assert falls[200].message.startswith("draft @ctx 1024: size 200 median 65.033 ms is 59.8% below size 8's "
+                                         "161.606 ms; vLLM charges 161.606")
+    assert falls[200].severity == WARNING and falls[200].message.endswith(
+        "the same draft budgets; a fall beyond max(3 x IQR, 10%) (refused in a profile without warm-up)")
+    assert falls[168].severity == NOTE  # 7.3 % below the peak: within the allowance, budgets the same
+    assert not any("falling" in r or "dip" in r for r in insp.verdict.reasons)

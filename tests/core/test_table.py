@@ -27,7 +27,7 @@ from dspark_calib.fingerprint import MERGE_KEYS, Fingerprint
 from dspark_calib.fit import CURVE_KINDS, Curve, CurvePair
 from dspark_calib.table import file as tablefile
 from dspark_calib.table.model import CostTable, merge_tables
-from tests.helpers import DATA_DIR, REPO, build_reference_table
+from tests.helpers import DATA_DIR, REPO, build_reference_table, draft_model_table
 from dspark_calib.table.file import COLUMNS, CURVE_COLUMNS, SCHEMA_VERSION, read_metadata, read_table, to_arrow, write_table
 from dspark_calib.table.meta import METADATA_KEY
 
@@ -240,6 +240,44 @@ def test_newer_minor_with_extra_column_and_fingerprint_key_is_accepted(tmp_path,
 def test_current_hash_definition_matches_docstring(reference_table):
     _, meta = arrow_and_meta(reference_table)
     assert hash_as_written(meta, reference_table) == reference_table.content_hash == meta["content_hash"]
+
+
+# -- falls -----------------------------------------------------------------------------------
+def test_a_fall_is_refused_only_in_a_profile_without_warm_up(tmp_path):
+    """The draft-model H200 run's curve: after warm-up its fall is the GPU's own (vLLM fits it
+    too) and the table is written and read; the same samples recorded as a cold profile are
+    refused, where a fall is the mark of first-use costs."""
+    warm, cold = draft_model_table(5), draft_model_table(0)
+    draft = warm.curves[1024].draft
+    cost = dict(zip(draft.size.tolist(), draft.cost_ms.tolist()))
+    assert cost[200] < 0.45 * cost[8] and cost[240] > 0.85 * cost[8]  # the shape: down to ~64 ms, back to ~139 ms
+    warm.check_plausible()
+    assert read_table(write_table(warm, tmp_path / "warm.parquet")).content_hash == warm.content_hash
+    with pytest.raises(CalibError) as err:
+        cold.check_plausible()
+    assert str(err.value).startswith("draft curve at context 1024, size 176: cost 135.4 ms falls below the 161.6 ms "
+                                     "at size 8 by more than its spread allows")
+    assert "in a profile without warm-up" in str(err.value)
+    with pytest.raises(CalibError, match="falls below"):
+        write_table(cold, tmp_path / "cold.parquet")
+    assert not (tmp_path / "cold.parquet").exists()
+
+
+def test_a_fall_never_reaches_the_price(tmp_path):
+    """What a fall is charged: the running maximum before it, as vLLM's own rule installs it."""
+    warm = read_table(write_table(draft_model_table(5), tmp_path / "warm.parquet"), samples=False)
+    draft, _ = warm.dense_tables(1024)
+    curve = warm.curves[1024].draft
+    peak = float(np.max(curve.cost_ms[curve.size <= 200]))
+    assert draft[200] == peak == float(curve.cost_ms[curve.size == 8][0])
+
+
+def test_a_merge_records_the_least_warm_up():
+    """A cold run pooled with a warm one keeps the fall check: its samples carry first-use costs."""
+    warm = build_reference_table([DATA_DIR / "qwen3-8b_dspark-block7_ctx1024.json"])
+    warm = dataclasses.replace(warm, fingerprint=warm.fingerprint.replace(warmup_replays=5))
+    cold = build_reference_table([DATA_DIR / "qwen3-8b_dspark-block7_ctx16384.json"])
+    assert merge_tables([warm, cold]).fingerprint.warmup_replays == 0
 
 
 # -- merge -----------------------------------------------------------------------------------

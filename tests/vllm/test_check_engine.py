@@ -260,3 +260,59 @@ def describe_engine_of(argv, env):
     from dspark_calib.vllm.engine_info import describe_engine
 
     return {**describe_engine(None, [], vllm_config(argv, env), hardware_facts=HARDWARE), **BACKENDS}
+
+
+def test_the_draft_model_table_rebuilt_from_the_h200_capture_loads_under_strict(monkeypatch, tmp_path):
+    """The draft-model H200 run's capture, rebuilt with the run's own options (its curves equal
+    vLLM's fit, checked in the build), loads under strict on the VllmConfig vLLM builds for that
+    engine, its draft curve's fall at 1024 included: the decision, and vLLM's own manager patched
+    by the plugin (probe off: no GPU to time), which installs it. The engine's every key equals
+    the capture's."""
+    import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
+    from vllm.v1.worker.gpu import model_runner
+
+    from dspark_calib.vllm import engine_info, plugin, runtime
+    from tests.vllm.test_plugin import SingleRank
+    from dspark_calib.table.file import write_table
+    from dspark_calib.vllm.engine_info import describe_engine
+    from dspark_calib.vllm.profile.driver import resolve_options
+    from dspark_calib.vllm.profile.plan import ProfileOptions
+    from dspark_calib.vllm.profile.table import table_from_capture_file
+    from tests.helpers import DRAFT_MODEL_CAPTURE
+
+    small = str(REPO / "profiles" / "configs" / "qwen3-0.6b")
+    opts = resolve_options(ProfileOptions(model=MODEL, draft=small, method="draft_model", num_speculative_tokens=7,
+                                          context_lens=(1024, 8192), replays=5, max_model_len=32768))
+    table = table_from_capture_file(opts, str(DRAFT_MODEL_CAPTURE))
+    assert table.fingerprint.extra["vllm_curves_equal"] and table.fingerprint.warmup_replays == 5
+    path = write_table(table, tmp_path)
+    capture = json.loads(DRAFT_MODEL_CAPTURE.read_text())
+    hardware = {**{k: capture["engine"][k] for k in ("gpu_name", "gpu_compute_capability", "gpu_memory_mib",
+                                                     "driver_version", "cuda_version", "torch_version")},
+                **capture["hardware"]}
+    spec = json.dumps({"method": "draft_model", "model": small, "num_speculative_tokens": 7,
+                       "enable_adaptive_verification": True})
+    argv = replaced("--speculative-config", spec)
+    config = vllm_config(argv, {})
+    engine = {**describe_engine(None, [], config, hardware_facts=hardware), **BACKENDS}
+    recorded = {**capture["hardware"], **capture["engine"]}
+    assert {k: v for k, v in engine.items() if k in recorded and recorded[k] != v} == {}
+    d = decide(path, engine, policy="strict", vllm_context_len=8192)
+    assert d.load and d.content_hash == table.content_hash and d.context_len == 8192, d.lines
+    for key in [k for k in os.environ if k.startswith("DSPARK_CALIB_")]:
+        monkeypatch.delenv(key)
+    for key, value in {"DSPARK_CALIB_TABLE": path, "DSPARK_CALIB_POLICY": "strict", "DSPARK_CALIB_PROBE": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(av, "get_tp_group", lambda: SingleRank())
+    monkeypatch.setattr(engine_info, "hardware", lambda: dict(hardware))
+    monkeypatch.setattr(engine_info, "attention_backends", lambda e, draft: "FLASH_ATTN")
+    plugin.register()
+    try:
+        m = manager_for(config)
+        list(m.batches_to_profile(list(config.compilation_config.cudagraph_capture_sizes)))
+        m.set_initial_cost_curves([])
+        assert runtime.state_of(m).run.decision.content_hash == table.content_hash
+        draft = table.curves[8192].draft
+        assert float(m.cost_tables[0][256]) == float(draft.cost_ms[draft.size == 256][0])
+    finally:
+        plugin.unpatch(av.AdaptiveVerificationManager, model_runner)

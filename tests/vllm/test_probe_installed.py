@@ -259,3 +259,26 @@ def test_dp_replicas_with_other_probe_step_counts_disagree(monkeypatch, caplog, 
     line = next(x for x in lines if "data-parallel replicas decided differently" in x)
     assert "replica 0: True" in line and "fallback 6" in line and "fallback 2" in line  # 6 probe steps here, 2 there
     assert len(batches) == 280  # vLLM's full profile, as on every replica
+
+
+def test_a_forged_fall_that_claims_a_warm_up_reads_but_fails_the_probe(monkeypatch, caplog, tmp_path,
+                                                                       reference_table):
+    """Every point below the probed sizes at 59,999 ms, falling to the real ones, spreads left
+    tight: refused on read as a cold profile; recorded as warmed up it reads (a fall is then the
+    GPU's own), and the probe fails it: the installed cost at a probed size is the peak before it."""
+    def huge_below_tight(ctx, kind, cols):
+        below = cols["size"] < (256 if kind == "draft" else LIMIT)
+        below[0] = False
+        cols["cost_ms"][below] = 59_999.0
+        for k in ("min_ms", "p25_ms", "p75_ms", "max_ms"):
+            cols[k][below] = 59_999.0
+
+    cold = forge(reference_table, huge_below_tight)
+    d = decide(write_forgery(cold, tmp_path / "cold.parquet"), {}, policy="strict", allow_reference=True)
+    assert not d.load and "falls below the 6e+04 ms" in d.refuse
+    warm = dataclasses.replace(cold, fingerprint=cold.fingerprint.replace(warmup_replays=5))
+    path = write_forgery(warm, tmp_path / "warm.parquet")
+    assert decide(path, {}, policy="strict", allow_reference=True).load
+    with pytest.raises(RuntimeError, match="policy strict") as err:
+        start(monkeypatch, caplog, path, reference_table)
+    assert "verify@512 0.00x" in str(err.value) and "does not match this GPU's measured costs" in str(err.value)

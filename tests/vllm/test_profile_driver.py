@@ -625,3 +625,127 @@ def test_terminal_shows_the_plan_line_and_the_schedule_in_the_bar(tmp_path, monk
 def test_library_callers_get_the_cooldown_range_as_one_calib_error():
     with pytest.raises(CalibError, match="cooldown_s must be between 0 and 60 seconds, got 90"):
         resolve_options(opts(cooldown_s=90.0))
+
+
+# -- profile --from-capture: the table of a kept capture, without the GPU ------------------------
+def _profile_and_keep(tmp_path, monkeypatch):
+    """run_profile over the stand-in engine, keeping the capture as `profile --keep-capture` does;
+    its timings quiet enough for the read checks (a spread under the median)."""
+    import numpy as np
+
+    import tests.vllm.test_capture as tc
+
+    def quiet(batches):
+        rng = np.random.default_rng(0)
+        return [tc.StepTimingSample(forward_ms=1 + 0.01 * b["num_tokens"] + b["context_len"] / 1000 + rng.uniform(0, 0.1),
+                                    drafter_ms=1 + 0.002 * min(b["num_tokens"], 256) + rng.uniform(0, 0.1),
+                                    num_target_tokens=b["num_tokens"], num_reqs=min(b["num_tokens"], 256),
+                                    full_cudagraph=b["num_tokens"] <= tc.SIZES[-1]) for b in batches]
+
+    monkeypatch.setattr(tc, "random_samples", quiet)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setattr(driver, "preflight", lambda o: None)  # no GPU here
+    kept = tmp_path / "kept"
+    table = driver.run_profile(opts(context_lens=(1024, 8192), replays=5, warmup=5), keep_capture=str(kept))
+    return table, kept / "samples-rank0.json"
+
+
+def rebuild(capture, *args):
+    from typer.testing import CliRunner
+
+    from dspark_calib.cli.app import app
+
+    return CliRunner().invoke(app, ["profile", "--model", MODEL, "--draft", DRAFT, "--context-len", "1024",
+                                    "--context-len", "8192", "--replays", "5", "--warmup", "5",
+                                    "--from-capture", str(capture), *map(str, args)])
+
+
+@pytest.mark.slow
+def test_a_table_rebuilt_from_the_kept_capture_is_the_profiles_own(engine_stand_in, tmp_path, monkeypatch):
+    """Curves, samples, telemetry and every fingerprint key as the GPU run's table; only created_at and
+    extra.from_capture (the file and its sha256) differ, and with those the content hash is the same."""
+    import dataclasses
+    import hashlib
+
+    import numpy as np
+
+    from dspark_calib.fit import CURVE_COLUMNS, CURVE_KINDS
+    from dspark_calib.table.file import read_table
+
+    live, kept = _profile_and_keep(tmp_path, monkeypatch)
+    res = rebuild(kept, "--out", tmp_path / "rebuilt.parquet")
+    assert res.exit_code == 0, res.output
+    assert f"from the capture {kept} (sha256" in " ".join(res.stderr.split())
+    rebuilt = read_table(tmp_path / "rebuilt.parquet")
+    for ctx in live.context_lens():
+        for kind in CURVE_KINDS:
+            for c in CURVE_COLUMNS:
+                assert np.array_equal(getattr(rebuilt.curves[ctx].curve(kind), c), getattr(live.curves[ctx].curve(kind), c),
+                                      equal_nan=True)
+    assert rebuilt.samples_digest == live.samples_digest and rebuilt.telemetry == live.telemetry
+    extra = dict(rebuilt.fingerprint.extra)
+    source = extra.pop("from_capture")
+    assert source == {"file": "samples-rank0.json", "sha256": hashlib.sha256(kept.read_bytes()).hexdigest()}
+    assert extra == live.fingerprint.extra and extra["hostname"] == os.uname().nodename  # the capture's host
+    assert "engine_start_s" in extra  # kept with the capture
+    same = dataclasses.replace(rebuilt, created_at=live.created_at, fingerprint=rebuilt.fingerprint.replace(extra=extra))
+    assert same.content_hash == live.content_hash
+
+
+@pytest.mark.slow
+def test_a_rebuilt_table_names_the_gpu_host_of_the_capture(engine_stand_in, tmp_path, monkeypatch):
+    from dspark_calib.table.file import read_table
+
+    _, kept = _profile_and_keep(tmp_path, monkeypatch)
+    capture = json.loads(kept.read_text())
+    for host, recorded in (("h200-node-7", "h200-node-7"), (None, "unrecorded")):
+        if host is None:
+            del capture["hostname"]  # a capture from before captures named their host
+        else:
+            capture["hostname"] = host
+        kept.write_text(json.dumps(capture))
+        out = tmp_path / f"{recorded}.parquet"
+        res = rebuild(kept, "--out", out)
+        assert res.exit_code == 0, res.output
+        assert read_table(out).fingerprint.extra["hostname"] == recorded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, line", [
+    (["--max-num-seqs", "128"], "max_num_seqs: the options give 128, the capture recorded 256"),
+    (["--num-speculative-tokens", "5"], "num_speculative_tokens: the options give 5, the capture recorded 7"),
+    (["--context-len", "16384"], "context_lens: the options give [1024, 8192, 16384], the capture recorded [1024, 8192]"),
+    (["--replays", "20"], "replays: the options give 20, the capture recorded 5"),
+    (["--dtype", "float16"], "dtype: the options give 'float16', the capture recorded 'bfloat16'"),
+    (["--tp", "2"], "tensor_parallel_size: the options give 2, the capture recorded 1"),
+    (["--model", DRAFT], "target_config_hash: the options give"),
+])
+def test_a_rebuild_with_other_options_than_the_capture_is_one_line(engine_stand_in, tmp_path, monkeypatch, args,
+                                                                   line):
+    from tests.helpers import one_line_error
+
+    _, kept = _profile_and_keep(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    one_line_error(rebuild(kept, "--out", out, *args), str(kept), line, "rebuild with the options of the GPU run")
+    assert list(out.iterdir()) == []
+
+
+def test_a_rebuild_refuses_what_is_no_rank_0_capture(tmp_path):
+    from tests.helpers import one_line_error
+
+    cases = {"list.json": ([], "not a profile capture (a JSON object is expected)"),
+             "plan.json": ({"context_lens": [8192]}, "not a profile capture rank 0 wrote (no engine, plan"),
+             "junk.json": ("{", "not JSON")}
+    for name, (data, line) in cases.items():
+        path = tmp_path / name
+        path.write_text(data if isinstance(data, str) else json.dumps(data))
+        one_line_error(rebuild(path, "--out", tmp_path / "t.parquet"), str(path), line)
+    from tests.helpers import DRAFT_MODEL_CAPTURE
+
+    rank1 = {**json.loads(DRAFT_MODEL_CAPTURE.read_text()), "rank": 1}
+    (tmp_path / "rank1.json").write_text(json.dumps(rank1))
+    one_line_error(rebuild(tmp_path / "rank1.json", "--out", tmp_path / "t.parquet"), "is TP rank 1's capture")
+    res = rebuild(tmp_path / "rank1.json", "--out", tmp_path / "t.parquet", "--keep-capture", tmp_path / "k")
+    one_line_error(res, "--keep-capture: nothing to keep with --from-capture")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.json", "list.json", "plan.json", "rank1.json"]

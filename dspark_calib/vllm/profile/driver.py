@@ -456,13 +456,16 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
         _env_restore(saved)
 
 
-def _keep(capture: CaptureDir, into: str, ranks: int) -> None:
+def _keep(capture: CaptureDir, into: str, ranks: int, rank0: dict[str, Any]) -> None:
+    """The capture directory's files; rank 0's as the table was built from it (the driver's
+    engine_start_s added), so `profile --from-capture` rebuilds the same table."""
     if not os.path.isdir(into):
         os.mkdir(into)  # its parent was checked before the run (cli.profile.check_keep_capture)
     for path in (capture.plan_path, capture.progress_path, capture.refusal_path,
-                 *(capture.samples_path(r) for r in range(ranks))):
+                 *(capture.samples_path(r) for r in range(1, ranks))):
         if os.path.exists(path):
             shutil.copy(path, into)
+    CaptureDir(into).write_samples(0, rank0)
 
 
 def run_profile(opts: ProfileOptions, *, phase: Callable[[str], None] = lambda s: None,
@@ -478,7 +481,7 @@ def run_profile(opts: ProfileOptions, *, phase: Callable[[str], None] = lambda s
         table = table_from_capture(opts, capture)
         if keep_capture:
             try:
-                _keep(CaptureDir(capture_dir), keep_capture, int(capture.get("tp_size") or opts.tp))
+                _keep(CaptureDir(capture_dir), keep_capture, int(capture.get("tp_size") or opts.tp), capture)
             except OSError as exc:  # a GPU run's table is worth more than its raw capture
                 note(f"--keep-capture {keep_capture}: not kept ({exc.strerror or exc}); the table is written")
         return table

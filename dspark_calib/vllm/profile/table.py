@@ -1,13 +1,21 @@
 """From rank 0's capture to the cost table `profile` writes: the fingerprint as the engine
-resolved it and as the worker ran it, and the fit checked against vLLM's own curves."""
+resolved it and as the worker ran it, and the fit checked against vLLM's own curves.
+
+The same path rebuilds a table from a kept capture file (`profile --from-capture`), without
+a GPU: the options must be the ones the GPU run had (checked against what the capture
+recorded), and the table says which file it was built from (its sha256) and keeps the GPU
+host the capture names, never the machine that rebuilt it.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
 from dspark_calib.errors import PREFIX, CalibError, first_line
-from dspark_calib.fingerprint import BACKEND_VLLM, ENGINE_KEYS, KEYS, Fingerprint, config_hash
+from dspark_calib.fingerprint import BACKEND_VLLM, ENGINE_KEYS, KEYS, RESOLVED_DTYPES, Fingerprint, config_hash
+from dspark_calib.safe_open import read_json_bytes
 from dspark_calib.samples import samples_from_dicts
 from dspark_calib.table.model import CostTable
 from dspark_calib.telemetry import Telemetry
@@ -62,13 +70,23 @@ def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) ->
         replays=replays,
         warmup_replays=warmup,
         extra={"load_format": opts.load_format, "profile_s": round(capture.get("profile_s", 0.0), 3),
-               "engine_start_s": round(capture.get("engine_start_s", 0.0), 3),
-               "profile_batches": capture.get("num_batches"), "hostname": os.uname().nodename,
+               **({"engine_start_s": round(capture["engine_start_s"], 3)} if "engine_start_s" in capture else {}),
+               "profile_batches": capture.get("num_batches"), "hostname": host_of(capture),
                "replays_asked": opts.replays, "warmup_asked": opts.warmup,
                "vllm_replays_per_block": int(capture["schedule"]["vllm_replays_per_block"]),
                **_cooldown_of(capture),
                **({"engine_args": opts.extra_engine_args} if opts.extra_engine_args else {})},
     )
+
+
+UNRECORDED = "unrecorded"
+
+
+def host_of(capture: dict[str, Any]) -> str:
+    """The host rank 0 measured on, as the capture names it (UNRECORDED in a capture from before
+    captures named it: the machine reading it may be another)."""
+    host = capture.get("hostname")
+    return host if isinstance(host, str) and host else UNRECORDED
 
 
 def check_against_vllm(table: CostTable, capture: dict[str, Any]) -> None:
@@ -88,9 +106,11 @@ def check_against_vllm(table: CostTable, capture: dict[str, Any]) -> None:
             raise CalibError(first_line(exc, 400).removeprefix(PREFIX)) from None
 
 
-def table_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) -> CostTable:
+def table_from_capture(opts: "ProfileOptions", capture: dict[str, Any], notes: dict[str, Any] | None = None) -> CostTable:
+    """The table of rank 0's capture; `notes` join the fingerprint's extra (from_capture)."""
     samples = samples_from_dicts(capture["samples"])
     fp = fingerprint_from_capture(opts, capture)
+    fp = fp.replace(extra={**fp.extra, **(notes or {})})
     counts: dict[tuple[int, int], int] = {}
     for s in samples:
         counts[(s.context_len, s.num_target_tokens)] = counts.get((s.context_len, s.num_target_tokens), 0) + 1
@@ -103,3 +123,71 @@ def table_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) -> CostT
                                    telemetry=Telemetry.from_json(capture.get("telemetry")))
     check_against_vllm(table, capture)
     return table
+
+
+# -- a kept capture file (profile --from-capture) ----------------------------------------------
+# rank 0's capture: ~100 bytes a sample (100 KB for 1120 steps); a run of many contexts and
+# replays stays far below this.
+MAX_CAPTURE_BYTES = 64 << 20
+CAPTURE_KEYS = ("engine", "plan", "schedule", "cudagraph_limit", "vllm_curves", "samples")
+
+
+def recorded_options(opts: "ProfileOptions", capture: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, the options' value, the capture's) for every option the capture recorded: the engine
+    as it resolved them, and the plan the driver wrote. An option the engine resolves from
+    "auto" (dtype, KV cache dtype) or from the model config (max_model_len, quantization) is
+    compared only when given; a key an older capture lacks is left out (the GPU run, too,
+    took it from the options)."""
+    engine, plan = capture["engine"], capture["plan"]
+    dtype = {"half": "float16", "float": "float32"}.get(opts.dtype, opts.dtype)
+    pairs = [("target_config_hash", config_hash(opts.model), engine.get("target_config_hash")),
+             ("draft_config_hash", config_hash(opts.draft), engine.get("draft_config_hash")),
+             ("speculative_method", opts.method, engine.get("speculative_method")),
+             ("num_speculative_tokens", opts.num_speculative_tokens, engine.get("num_speculative_tokens")),
+             ("tensor_parallel_size", opts.tp, engine.get("tensor_parallel_size")),
+             ("max_num_seqs", opts.max_num_seqs, engine.get("max_num_seqs")),
+             ("max_num_batched_tokens", opts.max_num_batched_tokens, engine.get("max_num_batched_tokens")),
+             ("max_model_len", opts.max_model_len, engine.get("max_model_len")),
+             ("quantization", opts.quantization, engine.get("quantization")),
+             ("dtype", dtype if dtype in RESOLVED_DTYPES else None, engine.get("dtype")),
+             ("kv_cache_dtype", None if opts.kv_cache_dtype == "auto" else opts.kv_cache_dtype,
+              engine.get("kv_cache_dtype")),
+             ("context_lens", list(opts.context_lens), plan.get("context_lens")),
+             ("replays", opts.replays, plan.get("replays")),
+             ("warmup", opts.warmup, plan.get("warmup")),
+             ("cooldown_s", opts.cooldown_s, plan.get("cooldown_s"))]
+    return [(k, ours, theirs) for k, ours, theirs in pairs if ours is not None and theirs is not None]
+
+
+def check_capture_options(opts: "ProfileOptions", capture: Any) -> None:
+    """The capture is rank 0's, of the shape `profile` writes, and taken with these options: the
+    first difference is one line naming the key and both values."""
+    if not isinstance(capture, dict):
+        raise CalibError("not a profile capture (a JSON object is expected)")
+    lacking = [k for k in CAPTURE_KEYS if k not in capture]
+    if lacking or not all(isinstance(capture[k], dict) for k in ("engine", "plan", "schedule", "vllm_curves")):
+        raise CalibError(f"not a profile capture rank 0 wrote (no {', '.join(lacking) or 'engine/plan objects'})")
+    if capture.get("rank", 0) != 0:
+        raise CalibError(f"is TP rank {capture.get('rank')!r}'s capture; a table is built from rank 0's "
+                         "(samples-rank0.json)")
+    for key, ours, theirs in recorded_options(opts, capture):
+        if ours != theirs:
+            raise CalibError(f"{key}: the options give {ours!r}, the capture recorded {theirs!r}; rebuild with "
+                             "the options of the GPU run")
+
+
+def table_from_capture_file(opts: "ProfileOptions", path: str) -> CostTable:
+    """The table `profile` would have written from this kept capture with these options, built
+    without the GPU: the same fingerprint, curves and checks against vLLM's own curves, plus
+    extra.from_capture (the file's name and sha256). Every problem is one line naming the file."""
+    raw, capture = read_json_bytes(path, max_bytes=MAX_CAPTURE_BYTES)
+    try:
+        check_capture_options(opts, capture)
+        notes = {"from_capture": {"file": os.path.basename(path), "sha256": hashlib.sha256(raw).hexdigest()}}
+        try:
+            return table_from_capture(opts, capture, notes)
+        except (KeyError, TypeError, ValueError) as exc:  # a hand-edited capture: not what rank 0 wrote
+            raise CalibError(f"not a profile capture rank 0 wrote ({type(exc).__name__}: {first_line(exc, 120)})") \
+                from None
+    except CalibError as exc:
+        raise exc if exc.path else CalibError(str(exc), path=path) from None
