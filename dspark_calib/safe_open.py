@@ -109,16 +109,17 @@ def read_json_file(path: str, shown: str | None = None, *, max_bytes: int = MAX_
     device is refused, never read or waited on; over max_bytes is refused before it is parsed.
     Every problem is one CalibError naming the file."""
     shown = display_path(path) if shown is None else shown
+    limit = f"{max_bytes >> 20} MiB" if max_bytes >= 1 << 20 else f"{max_bytes >> 10} KiB"
     fh, size = open_local(path, shown)
     with fh:
         if size > max_bytes:
-            raise CalibError(f"is {size} bytes, over the {max_bytes >> 20} MiB a JSON input may have", path=shown)
+            raise CalibError(f"is {size} bytes, over the {limit} a JSON input may have", path=shown)
         try:
             raw = fh.read(max_bytes + 1)
         except OSError as exc:
             raise CalibError(os_reason(exc), path=shown) from None
     if len(raw) > max_bytes:  # grew after the stat
-        raise CalibError(f"is over the {max_bytes >> 20} MiB a JSON input may have", path=shown)
+        raise CalibError(f"is over the {limit} a JSON input may have", path=shown)
     try:
         return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
