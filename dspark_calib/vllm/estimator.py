@@ -144,7 +144,7 @@ def decide(path: str, engine_keys: dict[str, Any], num_positions: int | None, po
             return SeedDecision(seed, PREFIX + f"{why}; seeding anyway (policy warn)", logging.WARNING)
         return unapplied(policy, why)
     host = seed.source.get("host") or "an unnamed host"
-    return SeedDecision(seed, PREFIX + f"estimator seeded from {shown} ({seed.summary()} on {host}); it keeps "
+    return SeedDecision(seed, PREFIX + f"estimator seeded from {shown}: {seed.summary()} on {host}; it keeps "
                                        "learning from the first step")
 
 
