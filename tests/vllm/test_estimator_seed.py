@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,12 +26,12 @@ from dspark_calib.observe.file import read_observed
 from dspark_calib.observe.step import ABSENT
 from dspark_calib.seed import EstimatorSeed, write_seed
 from dspark_calib.vllm import estimator as est_mode
-from dspark_calib.vllm import engine_info, plugin, runtime
+from dspark_calib.vllm import plugin
 from dspark_calib.vllm import observer as om
 from tests.helpers import MODEL, REPO
 from tests.vllm.test_context_aware import SingleRank, make_manager
-from tests.vllm.test_observe_mode import FakeRunner, events_factory, lines, step
-from tests.vllm.test_observe_mode import Clock
+from tests.vllm.test_observe_mode import Clock, FakeRunner, events_factory, lines, step
+from tests.vllm.test_observe_mode import clean  # noqa: F401 - the autouse fixture: no DSPARK_CALIB_*, one TP rank
 
 DRAFT_MODEL = str(REPO / "profiles/configs/qwen3-0.6b")
 RATES = [0.9, 0.8, 0.7, 0.55, 0.4, 0.3, 0.2]
@@ -87,16 +86,6 @@ class Runner:
 
     def initialize_kv_cache(self, kv_cache_config, is_profiling=False):
         self.kv_inits.append((kv_cache_config, is_profiling))
-
-
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("DSPARK_CALIB_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setattr(runtime, "_logged", set())
-    monkeypatch.setattr(av, "get_tp_group", SingleRank)
-    monkeypatch.setattr(parallel_state, "get_tp_group", SingleRank)
 
 
 @pytest.fixture
@@ -253,17 +242,23 @@ def test_every_tp_rank_writes_rank_0s_decision(config, tmp_path, monkeypatch):
     assert coefficients(runner.speculator.acceptance_estimator) == (0.75, pytest.approx(seed.intercepts))
 
 
+def observed_engine(config, table, monkeypatch, tmp_path, *, every):
+    """Observe's stand-in runner (vLLM's call order, test_observe_mode) whose speculator has vLLM's
+    real estimator, observed every `every` priced steps into tmp/obs: (runner, estimator, observer, clock)."""
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", str(every))
+    clock = Clock()
+    runner = FakeRunner(make_manager(table.dense_tables(8192)), clock)
+    runner.vllm_config = config
+    est = runner.speculator.acceptance_estimator = build_speculator(config).acceptance_estimator
+    return runner, est, om.maybe_observe(runner, event_factory=events_factory(clock)), clock
+
+
 def test_observe_records_the_estimator_on_refit_boundaries_without_a_sync(config, monkeypatch, tmp_path,
                                                                           reference_table_8192):
     """The first sampled step and the first after each refit carry the coefficients the step's drafts
     were ranked by; every other row reads null. A refit is stood in for as vLLM's step() does it."""
-    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
-    monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "2")
-    clock = Clock()
-    runner = FakeRunner(make_manager(reference_table_8192.dense_tables(8192)), clock)
-    runner.vllm_config = config
-    est = runner.speculator.acceptance_estimator = build_speculator(config).acceptance_estimator
-    obs = om.maybe_observe(runner, event_factory=events_factory(clock))
+    runner, est, obs, clock = observed_engine(config, reference_table_8192, monkeypatch, tmp_path, every=2)
     refit_at = {5: (0.6, 1.0), 6: (0.7, 2.0), 15: (0.8, 3.0)}  # two refits between two sampled steps at 5-6
     for n in range(1, 21):
         if n in refit_at:  # vLLM's step(): a refit every REFIT_INTERVAL steps, counted on the host
@@ -291,13 +286,7 @@ def test_observe_files_make_a_seed_that_starts_the_next_engine(config, hooked, m
                                                               reference_table_8192):
     """observe -> `dspark-calib seed` -> DSPARK_CALIB_ESTIMATOR_SEED: the restarted engine's estimator
     starts where the observed one was."""
-    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
-    monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "1")
-    clock = Clock()
-    runner = FakeRunner(make_manager(reference_table_8192.dense_tables(8192)), clock)
-    runner.vllm_config = config
-    est = runner.speculator.acceptance_estimator = build_speculator(config).acceptance_estimator
-    om.maybe_observe(runner, event_factory=events_factory(clock))
+    runner, est, _, _ = observed_engine(config, reference_table_8192, monkeypatch, tmp_path, every=1)
     for n in range(1, 5):
         if n == 3:
             est.slope.fill_(1.25)
