@@ -31,9 +31,10 @@ CONTEXT_TAIL = "DSPARK_CALIB_CONTEXT_TAIL"  # 0..1: mixed-context tail (rules.ta
 CONTEXT_CHUNKS = "DSPARK_CALIB_CONTEXT_CHUNKS"  # price prefill chunks by query-context pairs (default 1; 0: KV sum)
 OBSERVE = "DSPARK_CALIB_OBSERVE"  # observe mode: a directory for observed-*.parquet (with or without a table)
 OBSERVE_EVERY = "DSPARK_CALIB_OBSERVE_EVERY"  # time every Nth priced step (default DEFAULT_OBSERVE_EVERY)
+ESTIMATOR_SEED = "DSPARK_CALIB_ESTIMATOR_SEED"  # a seed file (`dspark-calib seed`): vLLM's acceptance estimator starts from it
 
 ALL = (CAPTURE, TABLE, POLICY, CONTEXT_LEN, ALLOW_REFERENCE, LOAD_TIMEOUT, DP_TIMEOUT, TABLE_SHA256, PROBE,
-       CONTEXT_AWARE, CONTEXT_TAIL, CONTEXT_CHUNKS, OBSERVE, OBSERVE_EVERY)
+       CONTEXT_AWARE, CONTEXT_TAIL, CONTEXT_CHUNKS, OBSERVE, OBSERVE_EVERY, ESTIMATOR_SEED)
 POLICIES = ("fallback", "strict", "warn")
 DEFAULT_LOAD_TIMEOUT_S = 5.0
 MAX_LOAD_TIMEOUT_S = 600.0  # an engine start waits on it; longer is a typo, not a wish
@@ -62,7 +63,13 @@ def _get(env: Mapping[str, str] | None, name: str) -> str | None:
 
 def is_active(env: Mapping[str, str] | None = None) -> bool:
     """Does any variable ask the plugin for work? (nothing else is imported until it does)"""
-    return bool(_get(env, CAPTURE) or _get(env, TABLE) or observe_dir(env))
+    return bool(_get(env, CAPTURE) or _get(env, TABLE) or observe_dir(env) or estimator_seed(env))
+
+
+def estimator_seed(env: Mapping[str, str] | None = None) -> str | None:
+    """The seed file as given (None when unset or blank); vllm/estimator.py reads it."""
+    raw = _get(env, ESTIMATOR_SEED)
+    return raw if raw and raw.strip() else None
 
 
 def observe_dir(env: Mapping[str, str] | None = None) -> str | None:

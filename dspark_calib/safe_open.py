@@ -115,16 +115,17 @@ def read_json_bytes(path: str, shown: str | None = None, *, max_bytes: int = MAX
     """read_json_file's (the bytes read, the JSON they hold): one read, so a digest of the bytes
     is a digest of what was parsed."""
     shown = display_path(path) if shown is None else shown
+    limit = f"{max_bytes >> 20} MiB" if max_bytes >= 1 << 20 else f"{max_bytes >> 10} KiB"
     fh, size = open_local(path, shown)
     with fh:
         if size > max_bytes:
-            raise CalibError(f"is {size} bytes, over the {max_bytes >> 20} MiB a JSON input may have", path=shown)
+            raise CalibError(f"is {size} bytes, over the {limit} a JSON input may have", path=shown)
         try:
             raw = fh.read(max_bytes + 1)
         except OSError as exc:
             raise CalibError(os_reason(exc), path=shown) from None
     if len(raw) > max_bytes:  # grew after the stat
-        raise CalibError(f"is over the {max_bytes >> 20} MiB a JSON input may have", path=shown)
+        raise CalibError(f"is over the {limit} a JSON input may have", path=shown)
     try:
         return raw, json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:

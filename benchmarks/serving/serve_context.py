@@ -258,7 +258,7 @@ class Workload:
 # -- the named configs (arms.json) -----------------------------------------------------------------
 CONFIG_PATH = os.path.join(HERE, "arms.json")
 ARM_DEFAULTS = {"observe_every": 4, "context_tail": 0.0, "context_chunks": False, "rerun": False,
-                "speculator": "dspark"}
+                "speculator": "dspark", "seed": False}
 
 
 def load_config(path: str = CONFIG_PATH) -> dict[str, Any]:
@@ -272,7 +272,10 @@ def load_config(path: str = CONFIG_PATH) -> dict[str, Any]:
         if s["speculator"] not in cfg["speculators"]:
             raise ValueError(f"{path}: arm {name}: unknown speculator {s['speculator']!r}")
         label = arm_label(s["pricing"], s["observe_every"], s["context_tail"], s["context_chunks"], s["rerun"],
-                          s["speculator"])
+                          s["speculator"], s["seed"])
+        if s["seed"] and s.get("seed_from") not in cfg["arms"]:
+            raise ValueError(f"{path}: arm {name}: a seeded arm names the arm whose observe file makes its seed "
+                             f"(seed_from), got {s.get('seed_from')!r}")
         if label != name:
             raise ValueError(f"{path}: arm {name}: its settings make the label {label!r}; name it so")
     for runs in cfg.get("comparisons", {}).values():
@@ -294,6 +297,7 @@ def apply_arm_config(args: argparse.Namespace) -> None:
     for key in ARM_DEFAULTS:
         if getattr(args, key) is None:
             setattr(args, key, s[key])
+    args.seed_from = s.get("seed_from")
     args.arm = s["pricing"]
 
 
@@ -557,10 +561,11 @@ def validate_by_context(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 # -- the arms ---------------------------------------------------------------------------------
 def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, tail: float = 0.0,
-            chunks: bool = False, base: dict[str, str] | None = None) -> dict[str, str]:
+            chunks: bool = False, base: dict[str, str] | None = None, seed: str | None = None) -> dict[str, str]:
     """The engine child's environment: base (os.environ) without any DSPARK_CALIB_* or profile
     context, plus the arm's own (tail, chunks: the aware arm's DSPARK_CALIB_CONTEXT_TAIL and
-    DSPARK_CALIB_CONTEXT_CHUNKS, set either way)."""
+    DSPARK_CALIB_CONTEXT_CHUNKS, set either way; seed: DSPARK_CALIB_ESTIMATOR_SEED, under policy
+    warn, so a seeded arm never silently serves unseeded)."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {arm!r}")
     if (tail or chunks) and arm != "aware":
@@ -573,6 +578,8 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
                 "VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"})
     if every > 0:  # every 0: observe off (the baseline for observe's own throughput cost)
         env.update({"DSPARK_CALIB_OBSERVE": observe_dir, "DSPARK_CALIB_OBSERVE_EVERY": str(every)})
+    if seed:
+        env.update({"DSPARK_CALIB_ESTIMATOR_SEED": seed, "DSPARK_CALIB_POLICY": "warn"})
     if arm not in ("stock", "fixed"):
         if not table:
             raise ValueError(f"arm {arm} needs a table")
@@ -588,12 +595,12 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
 
 
 def arm_label(arm: str, observe_every: int, tail: float = 0.0, chunks: bool = False, rerun: bool = False,
-              speculator: str = "dspark") -> str:
+              speculator: str = "dspark", seed: bool = False) -> str:
     """The files' and the report's name: the speculator when not DSpark (SPECULATOR-), the arm, -tailNN
-    (the tail in hundredths), -chunks, -noobs, -rerun (the same arm again on the same host: the run-to-run
-    spread the other differences are judged by)."""
+    (the tail in hundredths), -chunks, -noobs, -seed (the acceptance estimator seeded at start), -rerun
+    (the same arm again on the same host: the run-to-run spread the other differences are judged by)."""
     return (("" if speculator == "dspark" else f"{speculator}-") + arm + (f"-tail{round(tail * 100)}" if tail else "") + ("-chunks" if chunks else "")
-            + ("" if observe_every > 0 else "-noobs") + ("-rerun" if rerun else ""))
+            + ("" if observe_every > 0 else "-noobs") + ("-seed" if seed else "") + ("-rerun" if rerun else ""))
 
 
 CONFIG = load_config()
@@ -773,7 +780,7 @@ def engine_child(args: argparse.Namespace) -> int:
         t0 = time.time()
         if args.dry_run:
             t_import = time.time()
-            engine = FakeEngine.from_env(args.table)
+            engine = FakeEngine.from_env(args.table, estimator_keys=fake_estimator_keys(spec) if cold else None)
         else:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -811,7 +818,8 @@ class FakeEngine:
     costs from the arm's pricing, "measured" costs from the table's curves at the step's context
     plus noise). It proves the harness, not vLLM."""
 
-    def __init__(self, observe_dir: str | None, every: int, table_path: str, pricing: str):
+    def __init__(self, observe_dir: str | None, every: int, table_path: str, pricing: str,
+                 estimator_keys: dict[str, Any] | None = None):
         import numpy as np
 
         from types import SimpleNamespace
@@ -830,7 +838,21 @@ class FakeEngine:
         self.writer = ObservedWriter(observe_dir, rows_per_file=500, metadata={
             "mode": pricing, "table_hash": table.content_hash if pricing != "stock" else None, "tp_rank": 0,
             "sample_every": self.every, "max_num_reqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_BATCHED,
+            **({"estimator_keys": estimator_keys} if estimator_keys else {}),
         }) if observe_dir else None
+        # a speculator with vLLM's acceptance estimator: started from the seed when one is set (the plugin
+        # would), refitted every 100 steps toward fixed coefficients, read on refit boundaries as observe does
+        self.estimator = None
+        if estimator_keys:
+            seed_file = os.environ.get("DSPARK_CALIB_ESTIMATOR_SEED")
+            if seed_file:
+                from dspark_calib.seed import read_seed
+
+                seed = read_seed(seed_file)
+                self.estimator = {"refits": 0, "slope": seed.slope, "intercepts": list(seed.intercepts)}
+            else:
+                self.estimator = {"refits": 0, "slope": 0.5, "intercepts": [-0.2] * K}
+        self.estimator_written: int | None = None
         self.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=KV_TOKENS_MEASURED // 16,
                                                                        block_size=16))
         self.active: list[dict[str, Any]] = []
@@ -838,12 +860,12 @@ class FakeEngine:
         self.loop_task: asyncio.Task | None = None
 
     @classmethod
-    def from_env(cls, table_path: str) -> "FakeEngine":
+    def from_env(cls, table_path: str, estimator_keys: dict[str, Any] | None = None) -> "FakeEngine":
         env = os.environ
         pricing = ("stock" if "DSPARK_CALIB_TABLE" not in env else
                    "static" if env.get("DSPARK_CALIB_CONTEXT_AWARE") == "0" else "aware")
         return cls(env.get("DSPARK_CALIB_OBSERVE"), int(env.get("DSPARK_CALIB_OBSERVE_EVERY", "4")),
-                   table_path, pricing)
+                   table_path, pricing, estimator_keys)
 
     async def generate(self, prompt: Any, sp: Any, request_id: str):
         ids = prompt["prompt_token_ids"]
@@ -903,6 +925,16 @@ class FakeEngine:
         truth_verify = self.costs.at(verify_context(csum, min(tokens, MAX_BATCHED), MAX_NUM_SEQS)).verify
         noise = 1 + self.rng.normal(0, 0.003, 2)
         self.step_no += 1
+        est = self.estimator
+        if est is not None and self.step_no % 100 == 0:  # the fake refit: halfway to slope 1, intercepts 2 - i/2
+            est["refits"] += 1
+            est["slope"] += (1.0 - est["slope"]) / 2
+            est["intercepts"] = [b + (2.0 - i / 2 - b) / 2 for i, b in enumerate(est["intercepts"])]
+        reading = {}
+        if est is not None and self.step_no % self.every == 0 and est["refits"] != self.estimator_written:
+            reading = dict(estimator_refits=est["refits"], estimator_steps=self.step_no, estimator_slope=est["slope"],
+                           estimator_intercepts=tuple(est["intercepts"]))
+            self.estimator_written = est["refits"]
         if self.writer is not None and self.step_no % self.every == 0:
             from dspark_calib.observe.step import ObservedStep
 
@@ -913,7 +945,7 @@ class FakeEngine:
                 scheduled_drafts=scheduled, draft_budget=budget, priced_context=priced,
                 predicted_draft_ms=float(pd[n]), predicted_verify_ms=float(pv[min(tokens, MAX_BATCHED)]),
                 budget_static=min(budget, scheduled) if self.pricing == "static" else None,
-                budget_context_aware=budget if self.pricing == "aware" else None))
+                budget_context_aware=budget if self.pricing == "aware" else None, **reading))
         now = time.monotonic()
         for r, t, d in sched:
             if d == 0:
@@ -944,6 +976,15 @@ class FakeEngine:
             self.writer.close()
 
 
+def fake_estimator_keys(spec: dict[str, Any]) -> dict[str, Any]:
+    """The seed keys (seed.SEED_KEYS) the fake engine records: the speculative config's, None for the models'."""
+    from dspark_calib.seed import KEY_NAMES
+
+    return {**dict.fromkeys(KEY_NAMES), "speculative_method": spec["method"], "num_speculative_tokens": K,
+            "load_format": "dummy", "rejection_sample_method": spec.get("rejection_sample_method"),
+            "synthetic_acceptance_rates": spec.get("synthetic_acceptance_rates")}
+
+
 # -- the arm (parent: spawns the engine child, then post-processes) ------------------------------
 def run_arm(args: argparse.Namespace) -> int:
     t_start = time.time()
@@ -956,9 +997,17 @@ def run_arm(args: argparse.Namespace) -> int:
         print(f"arm {arm}: --context-tail {args.context_tail:g} must be a multiple of 0.01 between 0 and 1 "
               f"(the files are named by it)", file=sys.stderr)
         return 2
-    label = arm_label(arm, args.observe_every, args.context_tail, args.context_chunks, args.rerun, args.speculator)
+    label = arm_label(arm, args.observe_every, args.context_tail, args.context_chunks, args.rerun, args.speculator,
+                      args.seed)
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
+    seed = seed_info = None
+    if args.seed:
+        try:
+            seed, seed_info = arm_seed(args.seed_file, getattr(args, "seed_from", None), out_dir)
+        except Exception as exc:  # noqa: BLE001 - dspark_calib's CalibError: one line, the arm not run
+            print(f"arm {label}: no estimator seed ({exc})", file=sys.stderr)
+            return 2
     work = os.path.abspath(args.work or f"/tmp/serve-context-{label}")
     obs = os.path.join(work, "observe")
     if os.path.isdir(work):
@@ -971,7 +1020,8 @@ def run_arm(args: argparse.Namespace) -> int:
     table = os.path.abspath(args.table) if args.table else None
     plan = plan_workloads(only=args.workloads.split(",") if args.workloads else None,
                           waves=args.waves)
-    env = arm_env(arm, table, obs, every=args.observe_every, tail=args.context_tail, chunks=args.context_chunks)
+    env = arm_env(arm, table, obs, every=args.observe_every, tail=args.context_tail, chunks=args.context_chunks,
+                  seed=seed)
     deadline = args.deadline_epoch or (t_start + DEFAULT_BUDGET_S)
     child_deadline = deadline - KILL_MARGIN_S
     cmd = [sys.executable, os.path.abspath(__file__), "_engine", "--results", results_path,
@@ -1005,6 +1055,7 @@ def run_arm(args: argparse.Namespace) -> int:
     summary = post_process(arm, events, obs, table, out_dir, log_text=_grep(log_path, LOG_PATTERN), rc=rc,
                            killed=killed, dry_run=args.dry_run, label=label, observe_every=args.observe_every,
                            env=env)
+    summary["seed"] = seed_info
     summary["gpu"] = gpu_by_workload(sampler.samples, events, sampler.source, sampler.note)
     summary["host"] = _host()
     try:
@@ -1019,6 +1070,24 @@ def run_arm(args: argparse.Namespace) -> int:
         fh.write(log_text)
     print_arm(summary)
     return 0 if summary["workloads"] else 1
+
+
+def arm_seed(seed_file: str | None, seed_from: str | None, out_dir: str) -> tuple[str, dict[str, Any]]:
+    """(the seed a seeded arm serves with, what it holds): --seed-file, else one made once from the observe
+    file the arm named by seed_from left in this run's folder (context-SEED_FROM-observed.parquet ->
+    SEED_FROM-estimator-seed.json), as `dspark-calib seed` makes it. Raises CalibError when it cannot."""
+    from dspark_calib.seed import read_seed, seed_from_observed, write_seed
+
+    if seed_file is None and seed_from is None:
+        raise ValueError("this arm names no arm to make its seed from (seed_from): give --seed-file")
+    if seed_file is None:
+        seed_file = os.path.join(out_dir, f"{seed_from}-estimator-seed.json")
+        if not os.path.exists(seed_file):
+            write_seed(seed_from_observed([os.path.join(out_dir, f"context-{seed_from}-observed.parquet")]), seed_file)
+    seed = read_seed(seed_file)
+    return os.path.abspath(seed_file), {"file": os.path.abspath(seed_file), "slope": seed.slope,
+                                        "intercepts": list(seed.intercepts), "refits": seed.refits,
+                                        "steps": seed.steps, "source": seed.source}
 
 
 class GpuSampler:
@@ -1314,7 +1383,25 @@ def build_report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
         base = stock.get(r["workload"])
         r["vs_stock"] = _r(r["output_tok_s"] / base, 4) if base and r["output_tok_s"] else None
     return {"arms": sorted(arms), "rows": rows, "errors": errors, "observe_cost": observe_cost(rows),
+            "cold": cold_phases(arms),
             "tables": {a: arms[a].get("table") for a in arms}, "dry_run": any(arms[a].get("dry_run") for a in arms)}
+
+
+def cold_phases(arms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per arm with an estimator cold phase (the first requests after the engine start, timed apart):
+    its throughput and TPOT, whether the estimator started from a seed, and what it had learned after."""
+    out = []
+    for arm in sorted(arms):
+        cold = (arms[arm].get("cold") or {}).get("summary")
+        if not cold:
+            continue
+        after = next((e for e in arms[arm].get("estimator", []) if e.get("after") == "cold"), {})
+        seed = arms[arm].get("seed") or {}
+        out.append({"arm": arm, "seeded": bool(seed), "seed_refits": seed.get("refits"),
+                    "output_tok_s": cold.get("output_tok_s"), "tpot_p50_ms": cold.get("tpot_p50_ms"),
+                    "acceptance_length": cold.get("acceptance_length_mean"),
+                    "refits_after": after.get("refits"), "survival_after": after.get("survival")})
+    return out
 
 
 def observe_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1369,6 +1456,16 @@ def markdown(report: dict[str, Any]) -> str:
         for c in report["observe_cost"]:
             lines.append(f"| {c['workload']} | {c['observed']} | {c['baseline']} | {_f(c['tpot_p50_ratio'], 3)} | "
                          f"{_f(c['tpot_p90_ratio'], 3)} | {_f(c['output_tok_s_ratio'], 3)} |")
+    if report.get("cold"):
+        lines += ["", "The acceptance estimator's cold phase (the first requests after the engine start, timed apart; "
+                      "seeded: DSPARK_CALIB_ESTIMATOR_SEED from the seed's refits):", "",
+                  "| arm | seeded | tok/s | TPOT p50 ms | acceptance length | refits after | survival after |",
+                  "|---|---|---:|---:|---:|---:|---|"]
+        for c in report["cold"]:
+            survival = ", ".join(f"{x:.2f}" for x in c["survival_after"]) if c["survival_after"] else "-"
+            lines.append(f"| {c['arm']} | {'yes (' + str(c['seed_refits']) + ' refits)' if c['seeded'] else 'no'} | "
+                         f"{_f(c['output_tok_s'], 0)} | {_f(c['tpot_p50_ms'], 2)} | {_f(c['acceptance_length'], 2)} | "
+                         f"{c['refits_after'] if c['refits_after'] is not None else '-'} | {survival} |")
     val = [e for e in report["errors"] if e["source"] == "validate"]
     if val:
         lines += ["", "`dspark-calib validate` on each arm's observed steps, as run on the host (the arm's own "
@@ -1443,11 +1540,16 @@ def _git_rev() -> str | None:
         return None
 
 
+# an arm's summary file: context-LABEL.json, LABEL as arm_label makes it (the speculator's prefix when not DSpark)
+ARM_FILE = re.compile(r"context-((?:(?:%s)-)?[a-z]+(?:-tail\d+)?(?:-chunks)?(?:-noobs)?(?:-seed)?(?:-rerun)?)\.json"
+                      % "|".join(re.escape(s) for s in CONFIG["speculators"] if s != "dspark"))
+
+
 def run_report(args: argparse.Namespace) -> int:
     arms = {}
     for d in args.results:
         for name in sorted(os.listdir(d)):
-            m = re.fullmatch(r"context-([a-z]+(?:-tail\d+)?(?:-chunks)?(?:-noobs)?(?:-rerun)?)\.json", name)
+            m = ARM_FILE.fullmatch(name)
             if m:
                 with open(os.path.join(d, name)) as fh:
                     arms[m.group(1)] = json.load(fh)
@@ -1523,6 +1625,10 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--acceptance-rates", help="comma list of K non-increasing unconditional rates (instead), "
                                               "or the name of a schedule in arms.json")
     a.add_argument("--speculator", default=None, help="a speculator of arms.json (the arm's unless given)")
+    a.add_argument("--seed", action="store_true", default=None,
+                   help="start the acceptance estimator from a seed (files ...-seed.*); a seeded arm of arms.json sets it")
+    a.add_argument("--seed-file", help="the seed (`dspark-calib seed`); default: made from the observe file of the "
+                                       "arm the seeded arm names (seed_from) in --out")
     a.add_argument("--dry-run", action="store_true", help="fake engine on CPU: the whole control flow, no vLLM")
     e = sub.add_parser("_engine")
     e.add_argument("--results", required=True)

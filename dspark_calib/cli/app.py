@@ -632,6 +632,42 @@ def advise_cmd(
     _report(result.to_dict() if as_json else {}, plot, as_json, lambda c: render_advice(result, c, all_fixed=all_fixed))
 
 
+@app.command("seed")
+@handled
+def seed_cmd(
+    observed: Annotated[List[str], typer.Argument(
+        metavar="OBSERVED...", help="Observe-mode files of one engine (schema 1.3); a directory stands for its "
+                                    "observed-*.parquet files.")],
+    out: Annotated[str, typer.Option("--out", metavar="FILE", help="The seed file (.json).")],
+    as_json: JsonOpt = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing seed file.")] = False,
+) -> None:
+    """A seed for vLLM's online acceptance estimator: the most-refitted coefficients observe mode recorded,
+    with the keys an engine must match (DSPARK_CALIB_ESTIMATOR_SEED=FILE starts the estimator there).
+
+    Offline (no GPU, no torch, no vLLM).
+    """
+    from dspark_calib.cli.paths import refuse_duplicate_inputs, seed_out, write_error
+    from dspark_calib.observe.file import observed_paths
+
+    files = observed_paths(observed)
+    refuse_duplicate_inputs(files, "observe file")
+    target = seed_out(out, files, force=force)  # before any work
+    from dspark_calib.seed import seed_from_observed, write_seed
+
+    seed = seed_from_observed(files)
+    try:
+        write_seed(seed, target)
+    except OSError as exc:
+        raise write_error(exc, target, "--out") from None
+    if as_json:
+        _print_json({"path": target, **seed.to_dict()})
+        return
+    from dspark_calib.render.seed import render_seed
+
+    render_seed(seed, target, _console())
+
+
 # -- profile (the vLLM backend; imports vllm/torch only when it runs) --------------------------
 @app.command("profile")
 @handled

@@ -65,6 +65,25 @@ def plot_path(path: str | None, inputs: Sequence[str], option: str = "--plot", *
         suffix = os.path.splitext(path)[1] or "no suffix"
         raise CalibError(f"{option}: unknown plot format ({suffix}); use {', '.join('.' + f for f in FORMATS)}",
                          path=path)
+    return _new_file(path, option, force)
+
+
+SEED_SUFFIX = ".json"
+
+
+def seed_out(path: str, inputs: Sequence[str], option: str = "--out", *, force: bool = False) -> str:
+    """The estimator seed file to write: a new .json file (an existing one only with --force),
+    never an input."""
+    _not_empty(path, option)
+    refuse_inputs(path, inputs, option)
+    if not path.endswith(SEED_SUFFIX):
+        raise CalibError(f"{option}: a seed is a {SEED_SUFFIX} file; end the name with {SEED_SUFFIX}", path=path)
+    return _new_file(path, option, force)
+
+
+def _new_file(path: str, option: str, force: bool) -> str:
+    """A file path a command may write: not a directory or a special file, an existing file only
+    with force, its parent an existing writable directory."""
     if os.path.isdir(path):
         raise CalibError(f"{option}: is a directory; give a file name", path=path)
     if os.path.exists(path) and not os.path.isfile(path):

@@ -80,31 +80,33 @@ def _dictionary_codes(chunk: pa.DictionaryArray, words: Sequence[str]) -> np.nda
 
 
 def list_column(arrow: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(values, valid) of a list<int64> column: values (rows, widest list), shorter lists padded
-    with 0; values of invalid (null) rows are meaningless."""
+    """(values, valid) of a list<int64> or list<float64> column: values (rows, widest list), shorter
+    lists padded with 0 (int64) or NaN (float64); values of invalid (null) rows are meaningless."""
+    dtype = _NUMPY_TYPES[arrow.column(name).type.value_type]
+    fill = np.nan if dtype is np.float64 else 0
     rows, valid = [], []
     for chunk in arrow.column(name).chunks:
         n, off = len(chunk), chunk.offset
         if n == 0:
             continue
-        bufs = chunk.buffers()  # validity, int32 offsets, child validity, child int64 values
+        bufs = chunk.buffers()  # validity, int32 offsets, child validity, child values
         valid.append(np.ones(n, dtype=bool) if bufs[0] is None or chunk.null_count == 0 else _bits(bufs[0], off, n))
         offsets = np.frombuffer(bufs[1], dtype=np.int32)[off:off + n + 1].astype(np.int64)
         child = chunk.values  # the whole child array: offsets index it directly
-        data = (np.frombuffer(bufs[3], dtype=np.int64)[child.offset:child.offset + len(child)] if bufs[3] is not None
-                else np.zeros(len(child), dtype=np.int64))
+        data = (np.frombuffer(bufs[3], dtype=dtype)[child.offset:child.offset + len(child)] if bufs[3] is not None
+                else np.zeros(len(child), dtype=dtype))
         lengths = np.diff(offsets)
-        out = np.zeros((n, int(lengths.max(initial=0))), dtype=np.int64)
+        out = np.full((n, int(lengths.max(initial=0))), fill, dtype=dtype)
         for j in range(out.shape[1]):  # a position at a time: temporaries of one row each, not (rows, width)
             has = np.flatnonzero(lengths > j)
             out[has, j] = data[offsets[has] + j]
         rows.append(out)
     if not rows:
-        return np.zeros((0, 1), dtype=np.int64), np.zeros(0, dtype=bool)
+        return np.full((0, 1), fill, dtype=dtype), np.zeros(0, dtype=bool)
     width = max(1, max(r.shape[1] for r in rows))
     if len(rows) == 1 and rows[0].shape[1] == width:  # one chunk (a row group): no copy
         return rows[0], valid[0]
-    return (np.concatenate([np.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in rows]),
+    return (np.concatenate([np.pad(r, ((0, 0), (0, width - r.shape[1])), constant_values=fill) for r in rows]),
             np.concatenate(valid))
 
 

@@ -23,6 +23,14 @@ Format history (OBSERVED_SCHEMA_VERSION, "major.minor"):
   metadata key ``engine``: the engine's fingerprint keys as the load decision reads them
   (``advise`` refuses files of another engine than its table). Migration: a 1.1 file reads with
   both columns ABSENT (no acceptance recorded).
+* 1.3 (dspark-calib 0.1.0): four nullable columns at the end, vLLM's online acceptance estimator
+  as the step's drafts were ranked by it: ``estimator_refits``, ``estimator_steps`` (its step()
+  calls since the engine started), ``estimator_slope`` and ``estimator_intercepts`` (a float64
+  list, one per draft position); recorded on the first sampled step and on the first after each
+  refit, null otherwise and for speculators without the estimator; and the metadata key
+  ``estimator_keys`` (engines with the estimator): what a seed made from the file must match
+  (seed.SEED_KEYS). Migration: a 1.2 file reads with the four null (ABSENT counts, NaN
+  coefficients).
 
 Compatibility rules, as for tables: a reader accepts every minor of its major
 (columns a newer minor adds are ignored; a minor may only add columns); a newer
@@ -59,11 +67,12 @@ from dspark_calib.errors import CalibError, display_path, first_line
 from dspark_calib.fileformat.arrow import column, list_column, list_lengths
 from dspark_calib.fileformat.limits import ReadLimits, load_json
 from dspark_calib.fileformat.version import Migrations, parse_version
-from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COLUMNS, FLOAT, INT, NULLABLE, POSITIONS, PREFILL,
-                                       ObservedStep, ObserveMeta, column_problem, meta_problem)
+from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COEFFICIENTS, COLUMNS, ESTIMATOR, FLOAT, INT,
+                                       NULLABLE, POSITIONS, PREFILL, ObservedStep, ObserveMeta, column_problem,
+                                       meta_problem)
 from dspark_calib.safe_open import open_local
 
-OBSERVED_SCHEMA_VERSION = "1.2"
+OBSERVED_SCHEMA_VERSION = "1.3"
 METADATA_KEY = b"dspark_calib_observed"
 FILE_PREFIX = "observed-"
 # Reading, as tables are read (fileformat.limits): a writer's file is rows_per_file rows (4096 by
@@ -76,7 +85,8 @@ READ_LIMITS = ReadLimits(max_file_bytes=256 << 20, max_metadata_bytes=1 << 20, m
 # The acceptance columns are read as (rows, widest list) arrays, so a list's length sizes every
 # row's: one row of 100,000 positions among 2^17 would ask for 100 GB from a 15 KB file. A list
 # is at most as long as MAX_OBSERVED_STEPS rows of both columns fit the decode budget (32
-# positions: an engine drafts a handful a step).
+# positions: an engine drafts a handful a step); the estimator's intercepts (float64, one per
+# position) are bounded alike and add at most half of that again.
 MAX_DRAFT_POSITIONS = READ_LIMITS.max_decoded_bytes // (2 * 8 * MAX_OBSERVED_STEPS)
 
 
@@ -87,7 +97,8 @@ def _utc_now() -> str:
 def _arrow_types() -> dict[str, Any]:
     import pyarrow as pa
 
-    return {INT: pa.int64(), FLOAT: pa.float64(), BOOL: pa.bool_(), POSITIONS: pa.list_(pa.int64())}
+    return {INT: pa.int64(), FLOAT: pa.float64(), BOOL: pa.bool_(), POSITIONS: pa.list_(pa.int64()),
+            COEFFICIENTS: pa.list_(pa.float64())}
 
 
 class ObservedWriter:
@@ -220,14 +231,15 @@ def read_observed(sources: Iterable[str | os.PathLike]) -> ObservedSteps:
 
 
 def _concatenate(parts: list[np.ndarray]) -> np.ndarray:
-    """Rows of several files; per-position columns padded with 0 (nothing graded there) to the
-    widest file's positions."""
+    """Rows of several files; per-position columns padded to the widest file's positions with 0
+    (counts: nothing graded there) or NaN (coefficients: none there)."""
     if len(parts) == 1:  # one file: its arrays are already fresh
         return parts[0]
     if parts[0].ndim == 1:
         return np.concatenate(parts)
     width = max(p.shape[1] for p in parts)
-    return np.concatenate([np.pad(p, ((0, 0), (0, width - p.shape[1]))) for p in parts])
+    fill = np.nan if parts[0].dtype == np.float64 else 0
+    return np.concatenate([np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=fill) for p in parts])
 
 
 # -- migrations: a minor only adds columns; an older minor's file reads them as ABSENT ------------
@@ -250,6 +262,20 @@ def _m_1_1_to_1_2(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np
     rows = len(next(iter(cols.values()))) if cols else 0
     return {**cols, **{name: np.full((rows, 1), ABSENT, dtype=np.int64) for name in ACCEPTANCE}}, \
         {**meta, "schema_version": "1.2"}
+
+
+@migration("1.2", "1.3")
+def _m_1_2_to_1_3(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """1.3 added the acceptance estimator's coefficients: a 1.2 engine recorded none (seed refuses such files)."""
+    rows = len(next(iter(cols.values()))) if cols else 0
+    return {**cols, **null_estimator(rows)}, {**meta, "schema_version": "1.3"}
+
+
+def null_estimator(rows: int) -> dict[str, np.ndarray]:
+    """The four estimator columns of `rows` rows that read nothing (in memory: ABSENT counts, NaN coefficients)."""
+    return {"estimator_refits": np.full(rows, ABSENT, dtype=np.int64),
+            "estimator_steps": np.full(rows, ABSENT, dtype=np.int64),
+            "estimator_slope": np.full(rows, np.nan), "estimator_intercepts": np.full((rows, 1), np.nan)}
 
 
 def _read_one(path: str, rows_left: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -287,8 +313,9 @@ def _read_one(path: str, rows_left: int) -> tuple[dict[str, np.ndarray], dict[st
         col = arrow.column(name)
         if col.null_count and name not in NULLABLE:
             raise CalibError(f"column {name} has {col.null_count} null values", path=shown)
-        values, valid = (list_column if COLUMNS[name] == POSITIONS else column)(arrow, name)  # fresh arrays
-        values[~valid] = ABSENT  # nullable budgets, prefill and acceptance columns: ABSENT where null
+        values, valid = (list_column if COLUMNS[name] in (POSITIONS, COEFFICIENTS) else column)(arrow, name)  # fresh
+        # nullable budgets, prefill, acceptance and estimator columns: ABSENT where null (NaN for floats)
+        values[~valid] = np.nan if values.dtype == np.float64 else ABSENT
         cols[name] = values
     cols, meta, _ = MIGRATIONS.apply(cols, meta, shown)
     missing = [name for name in COLUMNS if name not in cols]
@@ -304,11 +331,12 @@ def _lists_problem(arrow: Any) -> str | None:
     """Checked on the lists before they become (rows, positions) arrays: each at most
     MAX_DRAFT_POSITIONS long, and a row's two lists of one length (a row is one step's
     positions; the arrays are compared element-wise)."""
-    lengths = {name: list_lengths(arrow, name) for name in ACCEPTANCE if name in arrow.column_names}
+    lengths = {name: list_lengths(arrow, name) for name in (*ACCEPTANCE, ESTIMATOR[-1]) if name in arrow.column_names}
     for name, length in lengths.items():
         widest = int(length.max(initial=0))
         if widest > MAX_DRAFT_POSITIONS:
             return f"column {name} has a list of {widest} positions, over the {MAX_DRAFT_POSITIONS} read"
+    lengths.pop(ESTIMATOR[-1], None)
     if len(lengths) == 2:
         differ = np.flatnonzero(np.not_equal(*lengths.values()))
         if len(differ):

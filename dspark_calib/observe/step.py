@@ -19,6 +19,7 @@ from dspark_calib.pricing.policy import STOCK, PricingPolicy
 
 INT, FLOAT, BOOL = "int64", "float64", "bool"
 POSITIONS = "int64[]"  # one int64 per draft position (a list column; in memory a (rows, positions) array)
+COEFFICIENTS = "float64[]"  # one float64 per draft position (a list column; in memory a (rows, positions) array)
 # Column -> type, in file order. Every step the engine observed:
 COLUMNS: dict[str, str] = {
     "step": INT,  # the engine's step counter (increasing per writer)
@@ -47,12 +48,22 @@ COLUMNS: dict[str, str] = {
     # (i+1)-th; accepted when that draft was accepted too
     "position_graded": POSITIONS,
     "position_accepted": POSITIONS,
+    # 1.3: vLLM's online acceptance estimator as this step's drafts were ranked by it (null: not read
+    # at this step; recorded on the first sampled step and on the first after each refit, never for
+    # a speculator without the estimator): its refits and step() calls since the engine started
+    # (vLLM's kernel warm-up steps included), its shared slope and per-position intercepts
+    "estimator_refits": INT,
+    "estimator_steps": INT,
+    "estimator_slope": FLOAT,
+    "estimator_intercepts": COEFFICIENTS,
 }
 BUDGETS = ("budget_static", "budget_context_aware")
 PREFILL = ("prefill_tokens", "prefill_context_sum", "prefill_pairs")
 ACCEPTANCE = ("position_graded", "position_accepted")
-NULLABLE = frozenset(BUDGETS + PREFILL + ACCEPTANCE)
+ESTIMATOR = ("estimator_refits", "estimator_steps", "estimator_slope", "estimator_intercepts")
+NULLABLE = frozenset(BUDGETS + PREFILL + ACCEPTANCE + ESTIMATOR)
 ABSENT = -1  # in memory, a null budget; a null acceptance row is ABSENT at every position
+# in memory, a null float (estimator_slope) is NaN, and a null estimator_intercepts row NaN at every position
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +91,10 @@ class ObservedStep:
     prefill_pairs: int | None = None
     position_graded: tuple[int, ...] | None = None
     position_accepted: tuple[int, ...] | None = None
+    estimator_refits: int | None = None
+    estimator_steps: int | None = None
+    estimator_slope: float | None = None
+    estimator_intercepts: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         problem = row_problem({f.name: getattr(self, f.name) for f in fields(self)})
@@ -129,6 +144,24 @@ def row_problem(r: dict[str, Any]) -> str | None:
         bad = acceptance_problem(np.array([graded]), np.array([accepted]), np.array([n]), np.array([r["draft_budget"]]))
         if bad is not None:
             return f"{bad[1]} (graded {list(graded)}, accepted {list(accepted)})"
+    return estimator_problem(*(r[name] for name in ESTIMATOR))
+
+
+def estimator_problem(refits: Any, steps: Any, slope: Any, intercepts: Any) -> str | None:
+    """What is wrong with one row's estimator reading (all four None: not read), or None. vLLM's
+    refit never takes the slope below 0."""
+    given = [v is not None for v in (refits, steps, slope, intercepts)]
+    if not any(given):
+        return None
+    if not all(given):
+        return "estimator_refits/steps/slope/intercepts must all be recorded or all be None"
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in (refits, steps)):
+        return f"estimator_refits and estimator_steps must be integers >= 0, got {refits!r}, {steps!r}"
+    numbers = (slope, *intercepts) if isinstance(intercepts, (tuple, list)) and intercepts else None
+    if numbers is None or not all(isinstance(v, (int, float, np.floating)) and not isinstance(v, bool)
+                                  and math.isfinite(v) for v in numbers) or slope < 0:
+        return (f"estimator_slope must be a finite number >= 0 and estimator_intercepts a non-empty list of finite "
+                f"numbers, got {slope!r}, {intercepts!r}")
     return None
 
 
@@ -247,6 +280,13 @@ def column_problem(c: dict[str, np.ndarray]) -> str | None:
     acceptance = acceptance_problem(c["position_graded"], c["position_accepted"], c["num_reqs"], c["draft_budget"])
     if acceptance is not None:
         checks.append(acceptance)
+    refits, steps = c["estimator_refits"], c["estimator_steps"]
+    slope, intercepts = c["estimator_slope"], c["estimator_intercepts"]
+    read = refits != ABSENT  # a null slope and intercepts row read as NaN, a null count as ABSENT
+    checks.append(((read != (steps != ABSENT)) | (read == np.isnan(slope)) | (read == np.isnan(intercepts[:, 0])),
+                   "estimator columns null in some, not all"))
+    checks.append((read & ((refits < 0) | (steps < 0) | ~(slope >= 0) | ~np.isfinite(intercepts).all(axis=1)),
+                   "estimator_refits or estimator_steps below 0, estimator_slope below 0 or an intercept not finite"))
     for bad, what in checks:
         if bad.any():
             row = int(np.flatnonzero(bad)[0])

@@ -23,6 +23,13 @@ Why here, and how, in vLLM 0.33's V2 runner:
   (non_blocking) on the current stream before drafter_start, so they have landed once
   drafter_end's query() is true; the per-position counts are made on the host then
   (step_capture.acceptance_counts). No sync, no kernel.
+* The acceptance estimator (a speculator with vLLM's OnlineAcceptanceEstimator): a sampled step
+  whose estimator has refitted since the last written reading (and the first sampled step) also
+  copies its slope and intercepts to pinned host memory (non_blocking) next to the verdict, after
+  vLLM's step() has enqueued any refit on the same stream: the copy holds the coefficients this
+  step's drafts are ranked by, and lands before drafter_end, like the verdict. Reading the
+  tensors directly would sync the device; this costs two tiny copies per refit (every 100
+  steps), none on other steps. The counters (refits, steps) are host ints.
 * TP rank 0 only: other ranks install nothing (no collective, no work). Files
   ``observed-dp{D}-{pid}-e{N}-*.parquet``, rolling and bounded (ObservedWriter).
 * Any failure inside observe is one WARNING line and observe turns off; vLLM's
@@ -56,7 +63,7 @@ _engines = itertools.count()  # per process: a second engine start in one proces
 class _Step:
     """A sampled step in flight on the host (filled by the call points, in order)."""
 
-    __slots__ = ("index", "capture", "batch", "events", "forward_ended", "acceptance")
+    __slots__ = ("index", "capture", "batch", "events", "forward_ended", "acceptance", "estimator")
 
     def __init__(self, index: int, capture: Any):
         self.index, self.capture = index, capture
@@ -64,6 +71,7 @@ class _Step:
         self.events = None
         self.forward_ended = False
         self.acceptance = None  # (num_sampled, num_rejected) on their way to the host
+        self.estimator = None  # (refits, steps, slope, intercepts), the tensors on their way to the host
 
 
 class Observer:
@@ -85,6 +93,8 @@ class Observer:
         self.pricing: Pricing | None = None
         self.writer: Any = None
         self.at_exit: Callable[[], None] | None = None
+        self.estimator: Any = None  # vLLM's acceptance estimator, when the speculator has one
+        self.estimator_written: int | None = None  # refits of the last reading written
 
     # -- call points ---------------------------------------------------------------------
     def after_budget(self, num_tokens_per_req: Any, draft_tokens: Any) -> None:
@@ -145,6 +155,11 @@ class Observer:
                 n = step.batch[2]
                 step.acceptance = (num_sampled[:n].to("cpu", non_blocking=True),
                                    num_rejected[:n].to("cpu", non_blocking=True))  # pinned: no sync
+            est = self.estimator
+            if est is not None and est._refits != self.estimator_written:  # a host int: free
+                from dspark_calib.vllm.estimator import progress, read_coefficients
+
+                step.estimator = (*progress(est), *read_coefficients(est))  # pinned: no sync
             step.events.drafter_start.record()
             return True
         except Exception as exc:  # noqa: BLE001
@@ -177,9 +192,14 @@ class Observer:
             # copied before drafter_end on the same stream: landed, since drafter_end is done
             acceptance = None if step.acceptance is None else acceptance_counts(
                 step.acceptance[0].numpy(), step.acceptance[1].numpy(), positions)
+            estimator = None
+            if step.estimator is not None and step.estimator[0] != self.estimator_written:
+                refits, steps, slope, intercepts = step.estimator
+                estimator = (refits, steps, float(slope.numpy()[0]), tuple(float(x) for x in intercepts.numpy()))
+                self.estimator_written = refits
             writer.append(to_observed(step.capture, step=step.index, forward_ms=forward_ms, drafter_ms=drafter_ms,
                                       num_target_tokens=num_target_tokens, full_cudagraph=full_cudagraph,
-                                      context_aware=aware, acceptance=acceptance))
+                                      context_aware=aware, acceptance=acceptance, estimator=estimator))
         return len(done)
 
     def _open_writer(self) -> Any:
@@ -288,6 +308,9 @@ def attach(runner: Any, obs: Observer) -> Observer:
     _wrap(runner.speculator, "propose", propose)
     if callable(getattr(runner, "shutdown", None)):
         _wrap(runner, "shutdown", shutdown)
+    from dspark_calib.vllm.estimator import estimator_of
+
+    obs.estimator = estimator_of(runner)
     state_of(runner).observer = obs
     obs.at_exit = functools.partial(_close_if_alive, weakref.ref(obs))  # exit flushes; never keeps obs alive
     atexit.register(obs.at_exit)
@@ -423,6 +446,10 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
         # advise can refuse files of another engine than its table's
         meta["engine"] = describe_engine(manager, [], getattr(runner, "vllm_config", None))
         meta["host"] = socket.gethostname()  # calibrate records which hosts its steps were served on
+        from dspark_calib.vllm.estimator import estimator_of, seed_keys
+
+        if estimator_of(runner) is not None:  # what `dspark-calib seed` writes into a seed made of these files
+            meta["estimator_keys"] = seed_keys(getattr(runner, "vllm_config", None), manager)
         from dspark_calib.vllm.step_capture import pricing_for, stock_context
 
         obs = Observer(manager, directory, every=every, event_factory=event_factory,
@@ -437,8 +464,10 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
 
 
 def hook_runner(model_runner: Any) -> None:
-    """Observe starts when the runner has its manager, collector and speculator: right after
-    GPUModelRunner.initialize_kv_cache (which builds the manager). Idempotent; plugin.patch calls it."""
+    """Per engine start, right after GPUModelRunner.initialize_kv_cache (which builds the manager;
+    the speculator and its acceptance estimator exist since load_model): the estimator's seed when
+    DSPARK_CALIB_ESTIMATOR_SEED is set (every rank, before any step: estimator.seed_runner), then
+    observe (TP rank 0), so observe's first reading is the seeded one. Idempotent; plugin.patch calls it."""
     cls = getattr(model_runner, "GPUModelRunner", None)
     orig = getattr(cls, "initialize_kv_cache", None)
     if orig is None:
@@ -454,6 +483,9 @@ def hook_runner(model_runner: Any) -> None:
         # With CUDA graphs on, vLLM first builds a throwaway KV cache (and manager) to measure
         # graph memory (initialize_kv_cache(..., is_profiling=True)), then the real one.
         if not kwargs.get("is_profiling", args[1] if len(args) > 1 else False):
+            from dspark_calib.vllm.estimator import seed_runner
+
+            seed_runner(self)  # raises only to refuse a start (strict), as load mode does
             maybe_observe(self)
         return out
 

@@ -537,3 +537,48 @@ def test_a_dry_run_aware_arm_records_the_tail_and_chunks_it_ran_with(sc, tmp_pat
     assert sc.main(args[:-3] + ["--rerun"]) == 0
     env = json.loads((tmp_path / "context-aware-rerun.json").read_text())["env"]
     assert env["DSPARK_CALIB_CONTEXT_TAIL"] == "0" and env["DSPARK_CALIB_CONTEXT_CHUNKS"] == "0"
+
+
+# -- the estimator seed's arm --------------------------------------------------------------------------
+def test_a_seeded_arm_is_named_and_served_with_its_seed(sc):
+    assert sc.arm_label("stock", 4, speculator="draft", seed=True) == "draft-stock-seed"
+    assert sc.arm_label("stock", 4, speculator="draft", seed=True, rerun=True) == "draft-stock-seed-rerun"
+    arm = sc.CONFIG["arms"]["draft-stock-seed"]
+    assert arm["seed"] and arm["seed_from"] == "draft-stock"
+    runs = sc.CONFIG["comparisons"]["draft-cold"]
+    assert runs.index(arm["seed_from"]) < runs.index("draft-stock-seed")  # its seed's observe file comes first
+    env = sc.arm_env("stock", None, "/o", base={}, seed="/s/seed.json")
+    assert env["DSPARK_CALIB_ESTIMATOR_SEED"] == "/s/seed.json" and env["DSPARK_CALIB_POLICY"] == "warn"
+    assert "DSPARK_CALIB_ESTIMATOR_SEED" not in sc.arm_env("stock", None, "/o", base={"DSPARK_CALIB_ESTIMATOR_SEED": "x"})
+    assert sc.ARM_FILE.fullmatch("context-draft-stock-seed.json").group(1) == "draft-stock-seed"
+    assert sc.ARM_FILE.fullmatch("context-stock-requests.json") is None
+
+
+def test_a_seeded_arm_without_a_seed_source_is_refused(sc, tmp_path):
+    bad = json.loads((REPO / "benchmarks" / "serving" / "arms.json").read_text())
+    bad["arms"]["draft-stock-seed"].pop("seed_from")
+    path = tmp_path / "arms.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="seed_from"):
+        sc.load_config(str(path))
+    with pytest.raises(ValueError, match="give --seed-file"):
+        sc.arm_seed(None, None, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_the_cold_comparison_dry_runs_and_seeds_from_the_first_arm(sc, tmp_path):
+    """draft-stock (observe records the fake estimator), then draft-stock-seed: its seed is made from the
+    first arm's observe file and the engine child starts from it; the report has the cold phases."""
+    common = ["--table", str(SCHEMA10), "--out", str(tmp_path), "--work", str(tmp_path / "w"), "--dry-run",
+              "--workloads", "ctx8k", "--acceptance-rates", "decaying"]
+    assert sc.main(["arm", "draft-stock", *common]) == 0
+    assert sc.main(["arm", "draft-stock-seed", *common]) == 0
+    seed = json.loads((tmp_path / "draft-stock-estimator-seed.json").read_text())
+    summary = json.loads((tmp_path / "context-draft-stock-seed.json").read_text())
+    assert summary["env"]["DSPARK_CALIB_ESTIMATOR_SEED"] == str(tmp_path / "draft-stock-estimator-seed.json")
+    assert summary["seed"]["refits"] == seed["refits"] >= 1 and summary["cold"]["summary"]["requests"] == 128
+    first = read_observed([tmp_path / "context-draft-stock-seed-observed.parquet"])
+    assert first["estimator_slope"][first["estimator_refits"] == 0].tolist() == [seed["slope"]]  # started there
+    assert sc.main(["report", "--results", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serve_context.json").read_text())
+    assert [(c["arm"], c["seeded"]) for c in report["cold"]] == [("draft-stock", False), ("draft-stock-seed", True)]

@@ -12,7 +12,9 @@ import pytest
 
 from dspark_calib.observe import file as observe
 from dspark_calib.errors import CalibError
-from dspark_calib.observe.step import ABSENT, ACCEPTANCE, COLUMNS, PREFILL, ObservedStep, PendingSteps
+import math
+
+from dspark_calib.observe.step import ABSENT, ACCEPTANCE, COLUMNS, ESTIMATOR, PREFILL, ObservedStep, PendingSteps
 from dspark_calib.observe.file import ObservedWriter, read_observed
 
 
@@ -27,13 +29,17 @@ def step(i=0, **kw):
 
 # 8 requests, 40 drafts verified: 6 accepted at position 1, 4 at 2, ... (each graded one had all before accepted)
 GRADED, ACCEPTED = (8, 6, 4, 2, 1, 0, 0), (6, 4, 2, 1, 0, 0, 0)
+# vLLM's acceptance estimator after 3 refits (300 of its steps and 12 more)
+ESTIMATED = dict(estimator_refits=3, estimator_steps=312, estimator_slope=0.75,
+                 estimator_intercepts=(2.5, 1.25, 0.5, -0.25, -1.0, -1.5, -2.0))
 
 
 def test_round_trip_keeps_every_value(tmp_path):
     steps = [step(i, budget_static=i % 3 if i % 2 else None, full_cudagraph=bool(i % 2),
                   **(dict(prefill_tokens=3 * i, prefill_context_sum=100 * i, prefill_pairs=3 * i * (100 + 3 * i))
                      if i % 3 else {}),
-                  **(dict(position_graded=GRADED, position_accepted=ACCEPTED) if i % 2 == 0 else {}))
+                  **(dict(position_graded=GRADED, position_accepted=ACCEPTED) if i % 2 == 0 else {}),
+                  **(ESTIMATED if i % 3 == 1 else {}))
              for i in range(7)]
     with ObservedWriter(tmp_path, metadata={"mode": "context_aware", "table_hash": "ab" * 32, "tp_rank": 1}) as w:
         for s in steps:
@@ -45,8 +51,27 @@ def test_round_trip_keeps_every_value(tmp_path):
     for name in COLUMNS:
         want = [getattr(s, name) for s in steps]
         absent = [ABSENT] * len(GRADED) if name in ACCEPTANCE else ABSENT
+        if name in ("estimator_slope", "estimator_intercepts"):  # null floats read as NaN
+            absent = [math.nan] * len(GRADED) if name == "estimator_intercepts" else math.nan
         want = [absent if v is None else list(v) if isinstance(v, tuple) else v for v in want]
-        assert got[name].tolist() == want, name
+        assert json.dumps(got[name].tolist()) == json.dumps(want), name  # NaN == NaN as text
+    assert [i for i in range(7) if got["estimator_refits"][i] != ABSENT] == [1, 4]
+
+
+def test_a_12_file_reads_with_no_estimator_recorded(tmp_path):
+    """The 1.2 -> 1.3 migration: the four estimator columns read null (ABSENT counts, NaN coefficients)."""
+    with ObservedWriter(tmp_path) as w:
+        w.append(step(0, position_graded=GRADED, position_accepted=ACCEPTED))
+    (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
+    t = pq.read_table(path)
+    meta = json.loads(t.schema.metadata[observe.METADATA_KEY])
+    t = t.drop_columns(list(ESTIMATOR)).replace_schema_metadata(
+        {observe.METADATA_KEY: json.dumps({**meta, "schema_version": "1.2"}).encode()})
+    pq.write_table(t, path)
+    got = read_observed([path])
+    assert got["estimator_refits"].tolist() == got["estimator_steps"].tolist() == [ABSENT]
+    assert math.isnan(got["estimator_slope"][0]) and math.isnan(got["estimator_intercepts"][0, 0])
+    assert got["position_graded"].tolist() == [list(GRADED)]
 
 
 def test_rolling_files_are_bounded_and_keep_the_newest(tmp_path):
@@ -110,7 +135,14 @@ def test_an_unusable_directory_is_one_line(tmp_path):
                                  dict(position_graded=(4, 5), position_accepted=(4, 1)),  # graded rises
                                  dict(position_graded=(4, 3), position_accepted=(2, 1)),  # 3 graded at 2, 2 accepted at 1
                                  dict(position_graded=(4, 0), position_accepted=(5, 0)),
-                                 dict(position_graded=(4, -1), position_accepted=(2, 0))])
+                                 dict(position_graded=(4, -1), position_accepted=(2, 0)),
+                                 # estimator: all four or none; counts >= 0; finite coefficients; slope >= 0
+                                 dict(estimator_slope=0.5),
+                                 {**ESTIMATED, "estimator_refits": -1},
+                                 {**ESTIMATED, "estimator_slope": -0.1},
+                                 {**ESTIMATED, "estimator_slope": float("nan")},
+                                 {**ESTIMATED, "estimator_intercepts": ()},
+                                 {**ESTIMATED, "estimator_intercepts": (1.0, float("inf"))}])
 def test_bad_steps_are_refused(bad):
     with pytest.raises(CalibError) as err:
         step(**bad)
@@ -203,7 +235,7 @@ def test_a_1_1_file_reads_with_no_acceptance_recorded(tmp_path):
     pq.write_table(t.replace_schema_metadata({observe.METADATA_KEY: json.dumps(meta).encode()}), tmp_path / "old.parquet")
     got = read_observed([tmp_path / "old.parquet"])
     assert all((got[name][:, 0] == ABSENT).all() for name in ACCEPTANCE)
-    assert got.metadata[0].raw["schema_version"] == "1.2"
+    assert got.metadata[0].raw["schema_version"] == observe.OBSERVED_SCHEMA_VERSION  # migrated all the way
 
 
 def test_files_of_different_widths_read_together_padded(tmp_path):
