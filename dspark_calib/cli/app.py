@@ -747,7 +747,29 @@ def profile_cmd(
 
 
 def main() -> None:
-    app(prog_name=PROG)
+    """The console script (and ``python -m dspark_calib``). A command that ran without vLLM
+    leaves without the interpreter's teardown: pyarrow's native thread pools, destroyed
+    there, now and then abort a finished command ("terminate called without an active
+    exception", SIGABRT) after its output and exit code were settled. Output is flushed
+    first and the command writes its files atomically before it returns, so nothing is
+    lost. With vLLM imported (profile), the normal exit runs vLLM's own shutdown hooks."""
+    try:
+        app(prog_name=PROG)
+        code: Any = 0
+    except SystemExit as exc:
+        code = exc.code
+    if "vllm" in sys.modules:
+        sys.exit(code)
+    if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, exit 1
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed pipe: what could be said was said
+            code = code or EXIT_ERROR
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":
