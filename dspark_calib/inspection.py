@@ -15,6 +15,7 @@ import numpy as np
 from dspark_calib.fit import (
     CURVE_KINDS, DRAFT, DRAFT_FLOOR_MS, VERIFY, VERIFY_FLOOR_MS, Curve, build_cost_tables, decision_map,
 )
+from dspark_calib.speculators import is_clamped_batch
 from dspark_calib.stability import LevelShift, table_flags
 from dspark_calib.table.model import FALL_FRACTION, FALL_IQRS, CostTable, falls_beyond_spread
 from dspark_calib.telemetry import Telemetry
@@ -291,7 +292,9 @@ def table_warnings(table: CostTable, context_lens: Sequence[int] | None = None,
             out += curve_warnings(pair.curve(kind), kind, ctx, dip_budget_check(table, ctx, kind))
         # Past its last point vLLM extrapolates linearly: a guess, not a measurement.
         last_v = int(pair.verify.size[-1])
-        if last_v < fp.max_num_batched_tokens:
+        # vLLM's own profile ends where _dummy_run clamps the largest batch (a draft model: 7936 of 8192)
+        if last_v < fp.max_num_batched_tokens and not is_clamped_batch(last_v, fp.max_num_batched_tokens,
+                                                                        min(fp.max_num_seqs, fp.max_num_batched_tokens)):
             out.append(TableWarning(SHORT_VERIFY, f"verify @ctx {ctx}: last size {last_v} < max_num_batched_tokens "
                                     f"{fp.max_num_batched_tokens}; larger steps are extrapolated", ctx, VERIFY, last_v,
                                     blocks=True))

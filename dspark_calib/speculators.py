@@ -24,6 +24,16 @@ from dspark_calib.errors import CalibError
 DSPARK = "dspark"
 DRAFT_MODEL = "draft_model"
 T = TypeVar("T")
+# vLLM's _dummy_run clamps a profile batch to max_num_batched_tokens - num_reqs x extra for a
+# speculator that adds `extra` query slots per request (a draft model: one, so the largest
+# verify batch of 8192 tokens at 256 requests runs, and is keyed, as 7936).
+MAX_EXTRA_SLOTS = 8
+
+
+def is_clamped_batch(tokens: int, max_tokens: int, num_reqs: int) -> bool:
+    """Whether a batch of `tokens` is vLLM's clamp of a larger one at `num_reqs` requests."""
+    return tokens < max_tokens and any(tokens == max_tokens - num_reqs * extra
+                                       for extra in range(1, MAX_EXTRA_SLOTS + 1))
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 from dspark_calib.errors import PREFIX, CalibError
 from dspark_calib.safe_open import open_lock_file
+from dspark_calib.speculators import is_clamped_batch
 from dspark_calib.atomic import atomic_write, atomic_write_json
 from dspark_calib import env as E
 from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S, Cooldown, check_cooldown
@@ -54,11 +55,10 @@ DEFAULT_WARMUP = 2
 def _same_batch(reported: int, scheduled: int, max_reqs: int, max_tokens: int) -> bool:
     """Whether a step that reports `reported` tokens is the `scheduled`-token profile batch: the
     same count, or vLLM's _dummy_run clamp of it to max_num_batched_tokens - num_reqs x extra
-    query slots per request (1..8: a draft-model speculator has one)."""
+    query slots per request (speculators.is_clamped_batch)."""
     if reported == scheduled:
         return True
-    num_reqs = min(scheduled, max_reqs)
-    return reported < scheduled and any(reported == max_tokens - num_reqs * extra for extra in range(1, 9))
+    return reported < scheduled and is_clamped_batch(reported, max_tokens, min(scheduled, max_reqs))
 
 
 class CaptureError(RuntimeError):

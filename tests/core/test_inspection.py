@@ -57,6 +57,16 @@ def test_each_warning_on_its_case(real):
     assert "size 1" in dip.message and "5.000" in dip.message and dip.context_len == 2048
 
 
+def test_a_verify_curve_ending_at_vllms_clamp_is_not_short(real):
+    """vLLM's dummy run clamps a draft model's largest batch to max_num_batched_tokens -
+    max_num_seqs (one extra query slot a request): 64 - 16 = 48 is where its own profile ends."""
+    sizes = (1, 2, 4, 8, 16)
+    clamped = _synthetic(real, {**{s: [float(s)] * 5 for s in sizes}, 48: [48.0] * 5}, max_num_batched_tokens=64)
+    assert not [w for w in inspect_table(clamped).warnings if w.code == SHORT_VERIFY]
+    short = _synthetic(real, {**{s: [float(s)] * 5 for s in sizes}, 40: [40.0] * 5}, max_num_batched_tokens=64)
+    assert [(w.code, w.size) for w in inspect_table(short).warnings if w.code == SHORT_VERIFY] == [(SHORT_VERIFY, 40)]
+
+
 def test_a_clean_table_has_no_warnings(real):
     t = _synthetic(real, {s: [float(s)] * 5 for s in (1, 2, 4, 8, 16, 32, 64)})
     assert inspect_table(t).warnings == []
