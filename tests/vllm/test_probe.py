@@ -14,10 +14,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch.distributed
 
 import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
-from vllm.distributed import parallel_state
 from vllm.v1.worker.gpu import model_runner
 from vllm.v1.worker.gpu.async_utils import StepTimingCollector
 
@@ -195,23 +193,18 @@ def test_judge_tolerance_uses_the_tables_spread(reference_table):
 
 
 # -- data parallel ------------------------------------------------------------------------
-class DPGroup:
-    def __init__(self, size, rank):
-        self.world_size, self.rank_in_group, self.cpu_group = size, rank, object()
-
-
 def stub_dp(monkeypatch, size, rank, others):
-    """others(call, mine) -> the other replicas' tuples for this all-gather."""
-    group, calls = DPGroup(size, rank), []
+    """others(call, mine) -> the other replicas' votes in this exchange (load.dp_votes, whose store
+    exchange test_dp_gloo runs over real gloo processes)."""
+    calls = []
 
-    def all_gather_object(out, obj, group=None):
-        assert group is not None
-        values = others(len(calls), obj)
-        calls.append(obj)
-        out[:] = values[:rank] + [obj] + values[rank:]
+    def dp_votes(what, mine, timeout_s, rank0):
+        assert timeout_s > 0
+        values = others(len(calls), mine)
+        calls.append(mine)
+        return loader.Votes(values[:rank] + [mine] + values[rank:])
 
-    monkeypatch.setattr(parallel_state, "get_dp_group", lambda: group)
-    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(loader, "dp_votes", dp_votes)
     return calls
 
 
