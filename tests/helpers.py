@@ -86,9 +86,9 @@ def assert_command_is_light(*argv: str, codes: tuple[int, ...] = (0,), allow: tu
     importing torch, vllm, pandas, scipy or matplotlib (offline commands stay fast on any machine).
     `allow`: what a command may import all the same (a command writing a table: pyarrow imports
     pandas, when installed, to build any Arrow array)."""
-    code = ("import sys\nfrom dspark_calib.cli.app import main\n"
+    code = ("import sys\nfrom dspark_calib.cli.app import PROG, app\n"
             f"sys.argv = ['dspark-calib', *{[str(a) for a in argv]!r}]\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+            "try:\n    app(prog_name=PROG)\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
             f"heavy = [m for m in {tuple(m for m in HEAVY_MODULES if m not in allow)!r} if m in sys.modules]\n"
             "assert not heavy, heavy\n"
             f"assert (code or 0) in {tuple(codes)!r}, code\nprint('OK')\n")

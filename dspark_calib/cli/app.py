@@ -758,7 +758,7 @@ def main() -> None:
         code: Any = 0
     except SystemExit as exc:
         code = exc.code
-    if "vllm" in sys.modules:
+    if sys.modules.get("vllm") is not None:
         sys.exit(code)
     if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, exit 1
         print(code, file=sys.stderr)

@@ -99,10 +99,10 @@ def _profile_in_a_fresh_python(args, *, block_vllm=False, **env):
     """`dspark-calib ARGS` in a new interpreter: (exit code, stderr, seconds, heavy modules imported)."""
     code = ("import sys, time\n"
             + ("sys.modules['vllm'] = None\n" if block_vllm else "")
-            + "from dspark_calib.cli.app import main\n"
+            + "from dspark_calib.cli.app import PROG, app\n"
             f"sys.argv = ['dspark-calib', *{[str(a) for a in args]!r}]\n"
             "t0 = time.perf_counter()\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+            "try:\n    app(prog_name=PROG)\nexcept SystemExit as e:\n    code = e.code\n"
             "print(code, round(time.perf_counter() - t0, 3), [m for m in ('vllm', 'torch') if sys.modules.get(m)])\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                        env={**os.environ, **env})

@@ -203,9 +203,9 @@ def test_diff_threshold_exits_1_on_a_significant_speed_up(files):
 
 
 def test_diff_without_significance_says_so_and_needs_no_scipy(files):
-    code = ("import sys\nfrom dspark_calib.cli.app import main\n"
+    code = ("import sys\nfrom dspark_calib.cli.app import PROG, app\n"
             f"sys.argv = ['dspark-calib', 'diff', {files['c1024']!r}, {files['c16384']!r}]\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            "try:\n    app(prog_name=PROG)\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
             "assert 'scipy' not in sys.modules and 'matplotlib' not in sys.modules\n")
     r = _run("-c", code)
     assert r.returncode == 0, r.stderr
