@@ -159,7 +159,9 @@ def apply(est: Any, seed: Any) -> None:
 
 def seed_runner(runner: Any) -> SeedDecision | None:
     """Seed this runner's estimator when DSPARK_CALIB_ESTIMATOR_SEED is set, once per estimator;
-    the decision (None when unset). Raises RuntimeError only to refuse (strict), on every rank."""
+    the decision (None when unset). Raises RuntimeError only to refuse (strict): on every rank
+    when the engine has an estimator; without one only rank 0 decides, so only rank 0 refuses
+    (the executor then fails the start)."""
     path = E.estimator_seed()
     if not path:
         return None

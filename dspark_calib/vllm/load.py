@@ -172,7 +172,9 @@ def dp_votes(what: str, mine: tuple, timeout_s: float, rank0: bool) -> Votes:
     _wait(store, vote, closed, timeout_s, what, per if rank0 else 0)
     missing = [r for r in range(world) if not store.check([vote[r]])]
     outcome = json.loads(store.compare_set(closed, "", json.dumps(missing)))  # the first to close decides
-    present = [tuple(json.loads(store.get(vote[r]))) for r in peers if not outcome or store.check([vote[r]])]
+    # The votes the closure counted, on every rank alike: a late vote stored after the closure
+    # would otherwise reach the ranks that read after it and not those that read before.
+    present = [tuple(json.loads(store.get(vote[r]))) for r in peers if r not in outcome]
     return Votes(present, tuple(sorted({r // per for r in outcome})))
 
 
