@@ -32,7 +32,7 @@ import datetime as _dt
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from dspark_calib import __version__
@@ -223,5 +223,4 @@ def seed_from_observed(paths: Iterable[str]) -> EstimatorSeed:
     if refit_count < 1:
         raise CalibError(f"the estimator never refitted in the observe files given ({step_count} steps; vLLM refits "
                          "every 100): a seed of vLLM's own starting point seeds nothing")
-    return EstimatorSeed(keys=seed.keys, slope=seed.slope, intercepts=seed.intercepts, refits=seed.refits,
-                         steps=seed.steps, source={**seed.source, "files": len(paths)})
+    return replace(seed, source={**seed.source, "files": len(paths)})

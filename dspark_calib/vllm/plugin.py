@@ -17,13 +17,14 @@ Modes, chosen from the env at each engine start:
 
 It patches vLLM's AdaptiveVerificationManager.batches_to_profile and
 .set_initial_cost_curves, and wraps model_runner's
-maybe_create_adaptive_verification_manager (to hand the manager the engine's
-config) and GPUModelRunner.initialize_kv_cache (where the acceptance estimator's seed,
-DSPARK_CALIB_ESTIMATOR_SEED, is written and observe mode starts, per runner), when vLLM's model runner module is imported (processes that never
-import it pay nothing), whether or not a DSPARK_CALIB_* variable is set (the
-agreement above needs every replica). On an API shape it does not know, it logs
-one line (when a variable asked for work) and leaves vLLM untouched. Our own failures never stop an engine that would
-otherwise start; capture failures and strict refusals are one line.
+maybe_create_adaptive_verification_manager (to hand the manager the engine's config) and
+GPUModelRunner.initialize_kv_cache (where the acceptance estimator's seed,
+DSPARK_CALIB_ESTIMATOR_SEED, is written and observe mode starts, per runner), when vLLM's
+model runner module is imported (processes that never import it pay nothing), whether or not
+a DSPARK_CALIB_* variable is set (the agreement above needs every replica). On an API shape
+it does not know, it logs one line (when a variable asked for work) and leaves vLLM
+untouched. Our own failures never stop an engine that would otherwise start; capture
+failures and strict refusals are one line.
 """
 
 from __future__ import annotations
