@@ -19,7 +19,8 @@ engine the tables are profiled for). Arms (named in arms.json by pricing and set
           unless the arm sets context_tail / context_chunks (the plugin's defaults: tail
           0.2, chunks by pairs; the harness always sets both, so the label says what ran)
 Every arm: DSPARK_CALIB_POLICY=warn (the table loads even if a detail differs: the
-benchmark must not silently turn into stock; the plugin's lines are kept in the summary),
+benchmark must not silently turn into stock; the plugin's lines are kept in the summary;
+`--policy strict` makes the engine refuse to start instead, the proof that it loads as an operator's would),
 DSPARK_CALIB_OBSERVE=<fresh dir>, DSPARK_CALIB_OBSERVE_EVERY=4 (observe's default: a sampled
 step costs the host tens of microseconds more in the context-aware arm, which computes the
 other pricing's budget too; sampling keeps that bias out of the throughput comparison).
@@ -561,11 +562,16 @@ def validate_by_context(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 # -- the arms ---------------------------------------------------------------------------------
 def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, tail: float = 0.0,
-            chunks: bool = False, base: dict[str, str] | None = None, seed: str | None = None) -> dict[str, str]:
+            chunks: bool = False, base: dict[str, str] | None = None, seed: str | None = None,
+            policy: str = "warn") -> dict[str, str]:
     """The engine child's environment: base (os.environ) without any DSPARK_CALIB_* or profile
     context, plus the arm's own (tail, chunks: the aware arm's DSPARK_CALIB_CONTEXT_TAIL and
-    DSPARK_CALIB_CONTEXT_CHUNKS, set either way; seed: DSPARK_CALIB_ESTIMATOR_SEED, under policy
-    warn, so a seeded arm never silently serves unseeded)."""
+    DSPARK_CALIB_CONTEXT_CHUNKS, set either way; seed: DSPARK_CALIB_ESTIMATOR_SEED). policy: the
+    plugin's DSPARK_CALIB_POLICY wherever a table or a seed is given: warn (a detail that differs
+    is a line, the table still serves: the benchmark never silently turns into stock) or strict
+    (the engine refuses to start instead: the proof that the table loads as an operator's would)."""
+    if policy not in ("warn", "strict"):
+        raise ValueError(f"policy must be warn or strict, got {policy!r}")
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {arm!r}")
     if (tail or chunks) and arm != "aware":
@@ -579,11 +585,11 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
     if every > 0:  # every 0: observe off (the baseline for observe's own throughput cost)
         env.update({"DSPARK_CALIB_OBSERVE": observe_dir, "DSPARK_CALIB_OBSERVE_EVERY": str(every)})
     if seed:
-        env.update({"DSPARK_CALIB_ESTIMATOR_SEED": seed, "DSPARK_CALIB_POLICY": "warn"})
+        env.update({"DSPARK_CALIB_ESTIMATOR_SEED": seed, "DSPARK_CALIB_POLICY": policy})
     if arm not in ("stock", "fixed"):
         if not table:
             raise ValueError(f"arm {arm} needs a table")
-        env.update({"DSPARK_CALIB_TABLE": table, "DSPARK_CALIB_POLICY": "warn"})
+        env.update({"DSPARK_CALIB_TABLE": table, "DSPARK_CALIB_POLICY": policy})
         if arm == "static":
             env.update({"DSPARK_CALIB_CONTEXT_AWARE": "0", "DSPARK_CALIB_CONTEXT_LEN": "8192"})
         else:
@@ -1021,7 +1027,7 @@ def run_arm(args: argparse.Namespace) -> int:
     plan = plan_workloads(only=args.workloads.split(",") if args.workloads else None,
                           waves=args.waves)
     env = arm_env(arm, table, obs, every=args.observe_every, tail=args.context_tail, chunks=args.context_chunks,
-                  seed=seed)
+                  seed=seed, policy=args.policy)
     deadline = args.deadline_epoch or (t_start + DEFAULT_BUDGET_S)
     child_deadline = deadline - KILL_MARGIN_S
     cmd = [sys.executable, os.path.abspath(__file__), "_engine", "--results", results_path,
@@ -1612,6 +1618,9 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--workloads", help="comma list (default all: ctx1k,ctx8k,ctx16k,mix)")
     a.add_argument("--waves", type=int, default=2)
     # each option overrides the named arm's setting; the files are named by the settings (arm_label)
+    a.add_argument("--policy", choices=("warn", "strict"), default="warn",
+                   help="DSPARK_CALIB_POLICY for a table or a seed (default warn: a differing detail is a line; "
+                        "strict: the engine refuses to start)")
     a.add_argument("--observe-every", type=int, default=None, help="0: observe off (files context-ARM-noobs.*)")
     a.add_argument("--context-tail", type=float, default=None,
                    help="aware arm: DSPARK_CALIB_CONTEXT_TAIL (files context-aware-tailNN.*); 0 unless the arm "

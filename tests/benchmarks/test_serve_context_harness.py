@@ -278,6 +278,19 @@ def test_arm_envs(sc):
         sc.arm_env("aware", None, "/o", base={})
 
 
+def test_arm_policy(sc):
+    """--policy strict reaches the plugin wherever a table or a seed is given; nothing else changes."""
+    strict = sc.arm_env("aware", "/t.parquet", "/o", tail=0.2, chunks=True, base={}, policy="strict")
+    assert strict["DSPARK_CALIB_POLICY"] == "strict" and strict["DSPARK_CALIB_TABLE"] == "/t.parquet"
+    warn = sc.arm_env("aware", "/t.parquet", "/o", tail=0.2, chunks=True, base={})
+    assert {k: v for k, v in strict.items() if k != "DSPARK_CALIB_POLICY"} == \
+        {k: v for k, v in warn.items() if k != "DSPARK_CALIB_POLICY"}
+    assert sc.arm_env("stock", None, "/o", base={}, seed="/s.json", policy="strict")["DSPARK_CALIB_POLICY"] == "strict"
+    assert "DSPARK_CALIB_POLICY" not in sc.arm_env("stock", None, "/o", base={}, policy="strict")
+    with pytest.raises(ValueError):
+        sc.arm_env("aware", "/t.parquet", "/o", base={}, policy="lenient")
+
+
 def test_vllm_accepts_the_engine_config(sc):
     pytest.importorskip("vllm")
     import dataclasses
