@@ -48,6 +48,8 @@ SHIPPED = REPO / "profiles" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__n
 # 192-224 requests, in every replay and in vLLM's own fit.
 DRAFT_MODEL_RUN = REPO / "benchmarks" / "results" / "h200" / "2026-12-01-2035-draft-model"
 DRAFT_MODEL_CAPTURE = DRAFT_MODEL_RUN / "h200-tp1-draft-ctx1k8k-samples-rank0.json"
+# the shipped draft_model table: that run's 1024 + 8192 merged with a 16384 run of the same engine
+SHIPPED_DRAFT_MODEL = next((REPO / "profiles" / "h200").glob("qwen3-8b__qwen3-0.6b__tp1__nvidia-h200__*.parquet"))
 
 
 def draft_model_table(warmup_replays: int):

@@ -320,11 +320,46 @@ def merge_tables(tables: Sequence[CostTable], names: Sequence[str] | None = None
         part = t.samples.with_replay_offset(offset)
         offset = int(part.replay.max()) + 1
         parts.append(part)
-    extra = dict(first.fingerprint.extra, merged_from=[t.short_hash for t in tables])
     fp = first.fingerprint.replace(
-        replays=sum(t.fingerprint.replays for t in tables),
+        replays=merged_replays(tables),
         # the least warm-up any input ran: a cold run's samples keep the fall check (check_plausible)
         warmup_replays=min(t.fingerprint.warmup_replays for t in tables),
-        extra=extra,
+        extra=merged_extra(tables),
     )
-    return CostTable.from_samples(Samples.concat(parts), fp)
+    return CostTable.from_samples(Samples.concat(parts), fp, telemetry=merged_telemetry(tables))
+
+
+def merged_telemetry(tables: Sequence[CostTable]) -> Telemetry | None:
+    """Every input's block readings, in input order: the merged curves come from all of those
+    blocks, so the conditions they ran under stay beside them (`inspect`, `diff`)."""
+    have = [t.telemetry for t in tables if t.telemetry is not None]
+    if not have:
+        return None
+    sources = sorted({t.source for t in have if t.source})
+    notes = [t.note for t in have if t.note]
+    return Telemetry(source=", ".join(sources)[:40], note="; ".join(dict.fromkeys(notes))[:200],
+                     blocks=tuple(b for t in have for b in t.blocks))
+
+
+def merged_replays(tables: Sequence[CostTable]) -> int:
+    """The replays behind every point of the merged table: per context, the inputs that profiled
+    it pooled; the fewest over the contexts. Runs of one context add up (5 + 5 = 10 samples per
+    size); runs of different contexts do not (1024 from one, 16384 from another: 5 each)."""
+    per_context: dict[int, int] = {}
+    for t in tables:
+        for ctx in t.context_lens():
+            per_context[ctx] = per_context.get(ctx, 0) + t.fingerprint.replays
+    return min(per_context.values())
+
+
+def merged_extra(tables: Sequence[CostTable]) -> dict[str, Any]:
+    """The run notes every input shares, `merged_from` (the inputs' hashes), and per input the
+    notes that differ (`merged_inputs`: a run's profile time, host, capture), so no input's own
+    run reads as the merged table's."""
+    extras = [t.fingerprint.extra for t in tables]
+    shared = {k: v for k, v in extras[0].items()
+              if k not in ("merged_from", "merged_inputs") and all(k in e and e[k] == v for e in extras[1:])}
+    own = {t.short_hash: {k: v for k, v in t.fingerprint.extra.items() if k not in shared}
+           for t in tables}
+    return {**shared, "merged_from": [t.short_hash for t in tables],
+            **({"merged_inputs": own} if any(own.values()) else {})}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -236,8 +237,12 @@ def test_the_shipped_directory_picks_the_table_of_the_engines_tp_with_every_key_
         assert r.exit_code == 3, r.output
         d = json.loads(r.stdout)
         assert d["loads"] and want in d["chosen"]["path"] and d["not_recorded"] == []
-        other = next(t for t in d["tables"] if t["path"] != d["chosen"]["path"])
-        assert other["status"] == MISMATCH and other["reason"].startswith("tensor_parallel_size: table ")
+        others = {Path(t["path"]).name.split("__")[1]: t for t in d["tables"] if t["path"] != d["chosen"]["path"]}
+        assert all(t["status"] == MISMATCH for t in others.values())
+        dspark = [t for name, t in others.items() if name.startswith("dspark-")]
+        assert [t["reason"].split(":")[0] for t in dspark] == ["tensor_parallel_size"]
+        # the draft-model table's drafter is another model: named by its config's hash
+        assert others["qwen3-0.6b"]["reason"].startswith("draft_config_hash: table ")
     assert read_metadata(SHIPPED).schema_version == "1.2"
 
 

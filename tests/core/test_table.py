@@ -323,6 +323,50 @@ def test_merge_of_different_context_lengths_covers_both():
     assert merged.curves[16384].as_vllm() == t16k.curves[16384].as_vllm()
 
 
+def test_a_merge_of_other_contexts_keeps_each_contexts_replays_and_each_runs_notes():
+    """1024 from one run and 16384 from another, 5 replays each: every point of the merge has 5
+    samples, not 10; a note both runs share stays, one only a run has (its profile time, its
+    capture) is listed under that run, never read as the merge's own."""
+    def run(path, **notes):
+        t = build_reference_table([DATA_DIR / path])
+        return dataclasses.replace(t, fingerprint=t.fingerprint.replace(replays=5, extra=notes))
+
+    a = run("qwen3-8b_dspark-block7_ctx1024.json", load_format="dummy", profile_s=261.4, from_capture={"file": "a"})
+    b = run("qwen3-8b_dspark-block7_ctx16384.json", load_format="dummy", profile_s=350.5)
+    merged = merge_tables([a, b])
+    assert merged.fingerprint.replays == 5
+    extra = merged.fingerprint.extra
+    assert extra["load_format"] == "dummy" and "profile_s" not in extra and "from_capture" not in extra
+    assert extra["merged_from"] == [a.short_hash, b.short_hash]
+    assert extra["merged_inputs"] == {a.short_hash: {"profile_s": 261.4, "from_capture": {"file": "a"}},
+                                      b.short_hash: {"profile_s": 350.5}}
+    # a third run of 1024 pools with the first: 10 there, still 5 at 16384
+    c = run("qwen3-8b_dspark-block7_ctx1024.json", load_format="dummy")
+    c = CostTable.from_samples([dataclasses.replace(s, forward_ms=s.forward_ms * 1.01) for s in c.iter_samples()],
+                               c.fingerprint)
+    assert merge_tables([a, b, c]).fingerprint.replays == 5
+    assert merge_tables([a, c]).fingerprint.replays == 10
+
+
+def test_a_merge_keeps_every_inputs_telemetry():
+    """The merged curves come from every input's blocks: their readings stay beside them."""
+    from dspark_calib.telemetry import BlockTelemetry, Reading, Telemetry
+
+    def run(path, sm):
+        t = build_reference_table([DATA_DIR / path])
+        ctx = t.context_lens()[0]
+        tel = Telemetry(source="nvml", note="", blocks=(BlockTelemetry(ctx, 0, Reading(sm_mhz=sm), Reading(sm_mhz=sm)),))
+        return dataclasses.replace(t, telemetry=tel)
+
+    a, b = run("qwen3-8b_dspark-block7_ctx1024.json", 1980.0), run("qwen3-8b_dspark-block7_ctx16384.json", 1890.0)
+    merged = merge_tables([a, b])
+    assert [(x.context_len, x.start.sm_mhz) for x in merged.telemetry.blocks] == [(1024, 1980.0), (16384, 1890.0)]
+    assert merged.telemetry.source == "nvml"
+    bare = dataclasses.replace(b, telemetry=None)
+    assert len(merge_tables([a, bare]).telemetry.blocks) == 1
+    assert merge_tables([dataclasses.replace(a, telemetry=None), bare]).telemetry is None
+
+
 @pytest.mark.parametrize("key,value", [
     ("gpu_name", "NVIDIA A100-SXM4-80GB"),
     ("vllm_version", "0.32.0"),

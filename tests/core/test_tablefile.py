@@ -31,6 +31,8 @@ from dspark_calib.table.meta import METADATA_KEY, ReadLimits
 RESULTS = REPO / "benchmarks" / "results" / "h200" / "2026-11-30-morning"
 BENCH_RESULTS = sorted(RESULTS.glob("h200-tp1-ctx8192-*.parquet"))  # the morning's tables (schema 1.0)
 SHIPPED_NEWER = sorted(p for p in (REPO / "profiles" / "h200").glob("*.parquet") if p != SCHEMA10)
+SHIPPED_DSPARK = [p for p in SHIPPED_NEWER if "__dspark-" in p.name]  # profiled before the method was recorded
+SHIPPED_OTHER_METHODS = [p for p in SHIPPED_NEWER if p not in SHIPPED_DSPARK]
 
 
 def forge(path, table: CostTable, **meta_changes) -> Path:
@@ -262,14 +264,29 @@ def test_the_method_of_an_older_table_is_its_formats_migration_not_a_default(ref
     assert "loaded cost table" in line and "not recorded in the table: speculative_method" in line
 
 
-@pytest.mark.parametrize("path", [SCHEMA10, *SHIPPED_NEWER], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [SCHEMA10, *SHIPPED_DSPARK], ids=lambda p: p.name)
 def test_shipped_tables_read_as_dspark_with_the_hash_in_their_name(path):
-    """Every shipped table predates the key: read (metadata alone, or whole) as a DSpark table,
-    with the content hash its name carries."""
+    """Every shipped DSpark table predates the key: read (metadata alone, or whole) as a DSpark
+    table, with the content hash its name carries."""
     meta, table = read_metadata(path), read_table(path)
     assert "speculative_method" not in meta.raw["fingerprint"]
     assert meta.fingerprint.speculative_method == table.fingerprint.speculative_method == "dspark"
     assert meta.content_hash[:12] in path.name and table.content_hash == meta.content_hash
+
+
+@pytest.mark.parametrize("path", SHIPPED_OTHER_METHODS, ids=lambda p: p.name)
+def test_shipped_tables_of_other_methods_record_theirs(path):
+    """A shipped table of another speculator records its method (schema 1.3) and the drafter its
+    name carries; the content hash is in its name."""
+    meta, table = read_metadata(path), read_table(path)
+    method = meta.raw["fingerprint"]["speculative_method"]
+    assert method != "dspark" and meta.fingerprint.speculative_method == table.fingerprint.speculative_method == method
+    assert f"__{meta.fingerprint.draft_model}__" in path.name and meta.schema_version >= "1.3"
+    assert meta.content_hash[:12] in path.name and table.content_hash == meta.content_hash
+
+
+def test_a_non_dspark_table_ships():
+    assert [read_metadata(p).fingerprint.speculative_method for p in SHIPPED_OTHER_METHODS] == ["draft_model"]
 
 
 def _arrow_at(version: str, n: int = 5) -> pa.Table:

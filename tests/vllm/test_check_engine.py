@@ -278,7 +278,7 @@ def test_the_draft_model_table_rebuilt_from_the_h200_capture_loads_under_strict(
     from dspark_calib.vllm.profile.driver import resolve_options
     from dspark_calib.vllm.profile.plan import ProfileOptions
     from dspark_calib.vllm.profile.table import table_from_capture_file
-    from tests.helpers import DRAFT_MODEL_CAPTURE
+    from tests.helpers import DRAFT_MODEL_CAPTURE, SHIPPED_DRAFT_MODEL
 
     small = str(REPO / "profiles" / "configs" / "qwen3-0.6b")
     opts = resolve_options(ProfileOptions(model=MODEL, draft=small, method="draft_model", num_speculative_tokens=7,
@@ -299,6 +299,9 @@ def test_the_draft_model_table_rebuilt_from_the_h200_capture_loads_under_strict(
     assert {k: v for k, v in engine.items() if k in recorded and recorded[k] != v} == {}
     d = decide(path, engine, policy="strict", vllm_context_len=8192)
     assert d.load and d.content_hash == table.content_hash and d.context_len == 8192, d.lines
+    # the shipped table (this run merged with the 16384 one) loads for the same engine under strict
+    shipped = decide(str(SHIPPED_DRAFT_MODEL), engine, policy="strict", vllm_context_len=8192)
+    assert shipped.load and shipped.content_hash[:12] in SHIPPED_DRAFT_MODEL.name, shipped.lines
     for key in [k for k in os.environ if k.startswith("DSPARK_CALIB_")]:
         monkeypatch.delenv(key)
     for key, value in {"DSPARK_CALIB_TABLE": path, "DSPARK_CALIB_POLICY": "strict", "DSPARK_CALIB_PROBE": "0"}.items():
