@@ -259,7 +259,8 @@ class Workload:
 # -- the named configs (arms.json) -----------------------------------------------------------------
 CONFIG_PATH = os.path.join(HERE, "arms.json")
 ARM_DEFAULTS = {"observe_every": 4, "context_tail": 0.0, "context_chunks": False, "rerun": False,
-                "speculator": "dspark", "seed": False}
+                "speculator": "dspark", "seed": False, "estimator": "learn"}
+ESTIMATORS = ("learn", "pinned")  # pinned: estimator_probe.EstimatorProbe.estimator_pin, the enforced acceptance
 
 
 def load_config(path: str = CONFIG_PATH) -> dict[str, Any]:
@@ -273,7 +274,14 @@ def load_config(path: str = CONFIG_PATH) -> dict[str, Any]:
         if s["speculator"] not in cfg["speculators"]:
             raise ValueError(f"{path}: arm {name}: unknown speculator {s['speculator']!r}")
         label = arm_label(s["pricing"], s["observe_every"], s["context_tail"], s["context_chunks"], s["rerun"],
-                          s["speculator"], s["seed"])
+                          s["speculator"], s["seed"], s["estimator"])
+        if s["estimator"] not in ESTIMATORS:
+            raise ValueError(f"{path}: arm {name}: estimator must be one of {', '.join(ESTIMATORS)}, "
+                             f"got {s['estimator']!r}")
+        if s["estimator"] == "pinned" and ("estimator_cold" not in cfg["speculators"][s["speculator"]]
+                                           or s["pricing"] == "fixed" or s["seed"]):
+            raise ValueError(f"{path}: arm {name}: a pinned estimator needs a speculator with one "
+                             "(estimator_cold), adaptive verification and no seed")
         if s["seed"] and s.get("seed_from") not in cfg["arms"]:
             raise ValueError(f"{path}: arm {name}: a seeded arm names the arm whose observe file makes its seed "
                              f"(seed_from), got {s.get('seed_from')!r}")
@@ -601,12 +609,30 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
 
 
 def arm_label(arm: str, observe_every: int, tail: float = 0.0, chunks: bool = False, rerun: bool = False,
-              speculator: str = "dspark", seed: bool = False) -> str:
+              speculator: str = "dspark", seed: bool = False, estimator: str = "learn") -> str:
     """The files' and the report's name: the speculator when not DSpark (SPECULATOR-), the arm, -tailNN
-    (the tail in hundredths), -chunks, -noobs, -seed (the acceptance estimator seeded at start), -rerun
-    (the same arm again on the same host: the run-to-run spread the other differences are judged by)."""
+    (the tail in hundredths), -chunks, -noobs, -seed (the acceptance estimator seeded at start), -pinned
+    (the estimator pinned to the enforced acceptance), -rerun (the same arm again on the same host: the
+    run-to-run spread the other differences are judged by)."""
     return (("" if speculator == "dspark" else f"{speculator}-") + arm + (f"-tail{round(tail * 100)}" if tail else "") + ("-chunks" if chunks else "")
-            + ("" if observe_every > 0 else "-noobs") + ("-seed" if seed else "") + ("-rerun" if rerun else ""))
+            + ("" if observe_every > 0 else "-noobs") + ("-seed" if seed else "")
+            + ("-pinned" if estimator == "pinned" else "") + ("-rerun" if rerun else ""))
+
+
+def conditional_rates(rates: list[float]) -> list[float]:
+    """vLLM's synthetic rates are unconditional (position i accepted with all before it); the
+    estimator predicts each position given the ones before: r[i] / r[i - 1]."""
+    out, prev = [], 1.0
+    for r in rates:
+        out.append(r / prev if prev > 0 else 0.0)
+        prev = r
+    return out
+
+
+def pinned_intercepts(rates: list[float]) -> list[float]:
+    """The estimator's intercepts that, with slope 0, predict the conditional acceptance of these
+    unconditional rates whatever the draft's feature: logit(c), c kept off 0 and 1."""
+    return [math.log(c / (1 - c)) for c in (min(max(x, 1e-4), 1 - 1e-4) for x in conditional_rates(rates))]
 
 
 CONFIG = load_config()
@@ -722,7 +748,7 @@ async def estimator_state(engine: Any) -> Any:
 
 async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any]], None], *,
                 deadline: float, est_factor: float = 1.5, now: Callable[[], float] = time.time,
-                cold: dict[str, int] | None = None) -> None:
+                cold: dict[str, int] | None = None, track_estimator: bool = False) -> None:
     """Warm-up, the estimator's cold phase when the speculator has one (timed and reported
     apart: an unfitted estimator trims almost every draft), then per workload: a marker, the
     workload, what the estimator has learned; a final marker. A workload that would end past the
@@ -758,7 +784,7 @@ async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any
         recs, wall = await run_requests(engine, w.name, prompts, w.output_len, w.concurrency)
         sink({"event": "workload", "workload": asdict(w), "estimate_s": round(est, 1),
               "summary": summarize_requests(recs, wall), "requests": recs})
-        if cold:
+        if cold or track_estimator:
             sink({"event": "estimator", "after": w.name, "state": await estimator_state(engine)})
     await marker()
     sink({"event": "markers", "count": markers})
@@ -780,13 +806,17 @@ def engine_child(args: argparse.Namespace) -> int:
     plan = [Workload(**{**w, "prompt_lens": tuple(w["prompt_lens"])}) for w in json.loads(args.plan)]
     rates = [float(x) for x in args.acceptance_rates.split(",")] if args.acceptance_rates else None
     spec = speculative_config(args.acceptance_length, rates, speculator=args.speculator, adaptive=not args.fixed)
-    cold = CONFIG["speculators"][args.speculator].get("estimator_cold") if not args.fixed else None
+    # vLLM's draft-model speculator has an acceptance estimator under adaptive verification; a pinned
+    # one has no cold phase: it is right from the first step
+    has_estimator = not args.fixed and "estimator_cold" in CONFIG["speculators"][args.speculator]
+    cold = CONFIG["speculators"][args.speculator]["estimator_cold"] if has_estimator and not args.pin_estimator \
+        else None
 
     async def main() -> None:
         t0 = time.time()
         if args.dry_run:
             t_import = time.time()
-            engine = FakeEngine.from_env(args.table, estimator_keys=fake_estimator_keys(spec) if cold else None)
+            engine = FakeEngine.from_env(args.table, estimator_keys=fake_estimator_keys(spec) if has_estimator else None)
         else:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -802,8 +832,14 @@ def engine_child(args: argparse.Namespace) -> int:
               "plan": [asdict(w) for w in fitted]})
         task = asyncio.current_task()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)  # the parent's deadline
+        if args.pin_estimator:
+            states = await engine.collective_rpc("estimator_pin", args=(pinned_intercepts(rates),))
+            if not states or states[0] is None:
+                raise RuntimeError("--pin-estimator: the speculator has no acceptance estimator to pin")
+            sink({"event": "estimator", "after": "pin", "state": states[0]})
         try:
-            await drive(engine, fitted, sink, deadline=args.child_deadline, cold=cold)
+            await drive(engine, fitted, sink, deadline=args.child_deadline, cold=cold,
+                        track_estimator=bool(cold or args.pin_estimator))
         except asyncio.CancelledError:
             sink({"event": "cancelled", "at": round(time.time(), 1)})
         finally:
@@ -873,6 +909,15 @@ class FakeEngine:
         return cls(env.get("DSPARK_CALIB_OBSERVE"), int(env.get("DSPARK_CALIB_OBSERVE_EVERY", "4")),
                    table_path, pricing, estimator_keys)
 
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """The estimator probe's calls, as one rank answers them: the pin (the fake's estimator
+        then predicts the given conditional rates and stops refitting); no state to read."""
+        if method == "estimator_pin" and self.estimator is not None:
+            self.estimator = {"refits": self.estimator["refits"], "slope": 0.0, "intercepts": list(args[0]),
+                              "pinned": True}
+            return [dict(self.estimator)]
+        return [None]
+
     async def generate(self, prompt: Any, sp: Any, request_id: str):
         ids = prompt["prompt_token_ids"]
         q: asyncio.Queue = asyncio.Queue()
@@ -932,7 +977,7 @@ class FakeEngine:
         noise = 1 + self.rng.normal(0, 0.003, 2)
         self.step_no += 1
         est = self.estimator
-        if est is not None and self.step_no % 100 == 0:  # the fake refit: halfway to slope 1, intercepts 2 - i/2
+        if est is not None and not est.get("pinned") and self.step_no % 100 == 0:  # the fake refit: halfway to slope 1, intercepts 2 - i/2
             est["refits"] += 1
             est["slope"] += (1.0 - est["slope"]) / 2
             est["intercepts"] = [b + (2.0 - i / 2 - b) / 2 for i, b in enumerate(est["intercepts"])]
@@ -1004,7 +1049,10 @@ def run_arm(args: argparse.Namespace) -> int:
               f"(the files are named by it)", file=sys.stderr)
         return 2
     label = arm_label(arm, args.observe_every, args.context_tail, args.context_chunks, args.rerun, args.speculator,
-                      args.seed)
+                      args.seed, args.estimator)
+    if args.estimator == "pinned" and not args.acceptance_rates:
+        print(f"arm {label}: a pinned estimator predicts the enforced rates: give --acceptance-rates", file=sys.stderr)
+        return 2
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     seed = seed_info = None
@@ -1035,6 +1083,8 @@ def run_arm(args: argparse.Namespace) -> int:
            "--acceptance-length", str(args.acceptance_length), "--speculator", args.speculator]
     if arm == "fixed":
         cmd += ["--fixed"]
+    if args.estimator == "pinned":
+        cmd += ["--pin-estimator"]
     if args.acceptance_rates:
         cmd += ["--acceptance-rates", args.acceptance_rates]
     if args.dry_run:
@@ -1636,6 +1686,9 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--speculator", default=None, help="a speculator of arms.json (the arm's unless given)")
     a.add_argument("--seed", action="store_true", default=None,
                    help="start the acceptance estimator from a seed (files ...-seed.*); a seeded arm of arms.json sets it")
+    a.add_argument("--estimator", choices=ESTIMATORS, default=None,
+                   help="pinned: the draft-model speculator's acceptance estimator predicts the enforced rates and "
+                        "never refits (files ...-pinned.*); the arm's unless given")
     a.add_argument("--seed-file", help="the seed (`dspark-calib seed`); default: made from the observe file of the "
                                        "arm the seeded arm names (seed_from) in --out")
     a.add_argument("--dry-run", action="store_true", help="fake engine on CPU: the whole control flow, no vLLM")
@@ -1647,6 +1700,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--acceptance-rates")
     e.add_argument("--speculator", default="dspark")
     e.add_argument("--fixed", action="store_true", help="adaptive verification off: every step verifies K")
+    e.add_argument("--pin-estimator", action="store_true", help="the estimator predicts the enforced rates, never refits")
     e.add_argument("--dry-run", action="store_true")
     e.add_argument("--table")
     r = sub.add_parser("report")

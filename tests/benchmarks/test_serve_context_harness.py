@@ -595,3 +595,55 @@ def test_the_cold_comparison_dry_runs_and_seeds_from_the_first_arm(sc, tmp_path)
     assert sc.main(["report", "--results", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "serve_context.json").read_text())
     assert [(c["arm"], c["seeded"]) for c in report["cold"]] == [("draft-stock", False), ("draft-stock-seed", True)]
+
+
+# -- the pinned estimator's arms -------------------------------------------------------------------------
+def test_a_pinned_estimator_predicts_the_enforced_conditional_rates(sc):
+    """vLLM's synthetic rates are unconditional; the estimator predicts each position given the ones
+    before. Pinned at slope 0, sigmoid(intercept) is that conditional rate whatever the feature."""
+    rates = sc.CONFIG["schedules"]["decaying"]
+    cond = sc.conditional_rates(rates)
+    assert cond[0] == rates[0] and cond[3] == pytest.approx(0.55 / 0.7)
+    assert np.cumprod(cond) == pytest.approx(rates)
+    b = np.array(sc.pinned_intercepts(rates))
+    assert 1 / (1 + np.exp(-b)) == pytest.approx(cond)
+    assert sc.conditional_rates([0.5, 0.0, 0.0]) == [0.5, 0.0, 0.0]
+    assert np.isfinite(sc.pinned_intercepts([1.0, 0.0, 0.0])).all()  # kept off 0 and 1
+    assert sc.arm_label("aware", 4, 0.2, True, speculator="draft", estimator="pinned") == \
+        "draft-aware-tail20-chunks-pinned"
+    assert sc.arm_label("stock", 4, speculator="draft", estimator="pinned", rerun=True) == "draft-stock-pinned-rerun"
+    runs = sc.CONFIG["comparisons"]["draft-goodput-pinned"]
+    assert runs[0] == "draft-stock-pinned" and runs[-1] == "draft-stock-pinned-rerun" and "draft-fixed" in runs
+
+
+@pytest.mark.parametrize("change", [{"speculator": "dspark"}, {"pricing": "fixed"}, {"estimator": "oracle"}])
+def test_a_pinned_estimator_needs_one_to_pin(sc, tmp_path, change):
+    """DSpark's confidence head has no estimator, fixed K verifies everything: neither can be pinned."""
+    cfg = json.loads((REPO / "benchmarks" / "serving" / "arms.json").read_text())
+    cfg["arms"]["draft-stock-pinned"].update(change)
+    path = tmp_path / "arms.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="estimator|label"):
+        sc.load_config(str(path))
+
+
+def test_a_pinned_arm_needs_the_rates_it_pins(sc, tmp_path, capsys):
+    assert sc.main(["arm", "draft-stock-pinned", "--table", str(SCHEMA10), "--out", str(tmp_path), "--dry-run",
+                    "--workloads", "ctx8k"]) == 2
+    assert "give --acceptance-rates" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_pinned_arm_dry_runs_pinned_from_the_start(sc, tmp_path):
+    """The engine child pins before the warm-up: no cold phase, the fake estimator never refits,
+    the pin's state is recorded."""
+    assert sc.main(["arm", "draft-stock-pinned", "--table", str(SCHEMA10), "--out", str(tmp_path), "--work",
+                    str(tmp_path / "w"), "--dry-run", "--workloads", "ctx8k", "--acceptance-rates", "decaying"]) == 0
+    summary = json.loads((tmp_path / "context-draft-stock-pinned.json").read_text())
+    pin = next(e for e in summary["estimator"] if e["after"] == "pin")
+    assert pin["slope"] == 0.0 and pin["pinned"] and pin["intercepts"] == sc.pinned_intercepts(
+        sc.CONFIG["schedules"]["decaying"])
+    assert summary.get("cold") is None
+    seen = read_observed([tmp_path / "context-draft-stock-pinned-observed.parquet"])
+    refits = np.asarray(seen["estimator_refits"], dtype=float)
+    assert set(refits[refits >= 0]) == {0}  # written once (negative: absent, no new refit)
