@@ -44,6 +44,10 @@ SEED_SCHEMA_VERSION = "1.0"
 FORMAT = "dspark-calib estimator seed"
 MAX_SEED_BYTES = 64 << 10  # a seed is a few hundred bytes; read at every engine start
 MAX_POSITIONS = 64  # intercepts: one per draft position (vLLM drafts a handful)
+# vLLM's refit weighs each graded draft by p(1 - p), which float32 makes 0 once a logit passes
+# ~17: a fit whose coefficients reach this many logits predicts certainties and cannot step back
+# (its Newton steps divide by the L2 term alone); no calibrated fit comes near it.
+MAX_LOGIT = 100.0
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,8 @@ class EstimatorSeed:
 
 def coefficients_problem(slope: Any, intercepts: Any) -> str:
     """'' when slope is a finite number >= 0 (vLLM's refit keeps it there) and intercepts 1 to
-    MAX_POSITIONS finite numbers; otherwise what is wrong."""
+    MAX_POSITIONS finite numbers, none of them past MAX_LOGIT (a fit that ran away); otherwise
+    what is wrong."""
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -143,6 +148,10 @@ def coefficients_problem(slope: Any, intercepts: Any) -> str:
     if not (isinstance(intercepts, list) and 1 <= len(intercepts) <= MAX_POSITIONS
             and all(number(v) for v in intercepts)):
         return f"intercepts must be a list of 1 to {MAX_POSITIONS} finite numbers, got {escape(intercepts, 60)}"
+    worst = max([slope, *map(abs, intercepts)])
+    if worst > MAX_LOGIT:
+        return (f"the estimator's fit ran away (slope {slope:.4g}, intercepts up to {max(map(abs, intercepts)):.4g}; "
+                f"a coefficient past {MAX_LOGIT:g} predicts certainties its refits cannot leave): not a seed")
     return ""
 
 
@@ -223,4 +232,7 @@ def seed_from_observed(paths: Iterable[str]) -> EstimatorSeed:
     if refit_count < 1:
         raise CalibError(f"the estimator never refitted in the observe files given ({step_count} steps; vLLM refits "
                          "every 100): a seed of vLLM's own starting point seeds nothing")
+    problem = coefficients_problem(seed.slope, list(seed.intercepts))
+    if problem:
+        raise CalibError(f"the chosen reading (refit {refit_count}, {seed.source['file']}): {problem}")
     return replace(seed, source={**seed.source, "files": len(paths)})

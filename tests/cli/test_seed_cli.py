@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from dspark_calib.cli.app import app
 from dspark_calib.seed import read_seed
 from tests.core.test_seed import KEYS, observed, reading
-from tests.helpers import assert_command_is_light, one_line_error
+from tests.helpers import REPO, assert_command_is_light, one_line_error
 
 runner = CliRunner()
 
@@ -71,3 +71,12 @@ def test_seed_refuses_in_one_line_and_writes_nothing(tmp_path):
 def test_seed_is_light(tmp_path):
     files(tmp_path)
     assert_command_is_light("seed", str(tmp_path / "obs"), "--out", str(tmp_path / "seed.json"))
+
+
+def test_seed_refuses_the_h200_runs_estimator_that_ran_away(tmp_path):
+    """The committed draft-stock arm (dummy weights): vLLM's estimator ran away on its second refit;
+    `seed` says so in one line and writes nothing."""
+    obs = REPO / "benchmarks" / "results" / "h200" / "2026-12-02-0005-draft-cold" / "context-draft-stock-observed.parquet"
+    out = tmp_path / "seed.json"
+    one_line_error(invoke("seed", obs, "--out", out), "the estimator's fit ran away (slope 3.765e+07")
+    assert not out.exists()

@@ -112,6 +112,8 @@ def good():
     (lambda d: {**d, "intercepts": [1.0] * 65}, "intercepts must be a list of 1 to 64 finite numbers"),
     (lambda d: {**d, "intercepts": []}, "intercepts must be a list of 1 to 64"),
     (lambda d: {**d, "refits": -1}, "refits and steps must be integers >= 0"),
+    (lambda d: {**d, "slope": 3.7645e7, "intercepts": [-2.8e5] * 7}, "the estimator's fit ran away"),
+    (lambda d: {**d, "intercepts": [395.1, 362.7, 1, 1, 1, 1, 1]}, "the estimator's fit ran away"),
 ])
 def test_bad_seed_files_are_one_line(tmp_path, change, why):
     path = tmp_path / "seed.json"
@@ -134,3 +136,14 @@ def test_a_nan_a_fifo_and_a_huge_file_are_refused(tmp_path):
     big.write_text(json.dumps({**good(), "source": {"pad": "x" * MAX_SEED_BYTES}}))
     with pytest.raises(CalibError, match="bytes, over the 64 KiB a JSON input may have"):
         read_seed(str(big))
+
+
+def test_a_reading_that_ran_away_is_no_seed(tmp_path):
+    """The H200 run's estimator on dummy weights: refit 1 overshot to intercepts ~395 (every draft
+    certain), refit 2 ran away (slope 5.7e7); the most refitted reading is refused, naming why."""
+    path = observed(tmp_path, [reading(1, 88, 0.5, 395.0), reading(9, 884, 3.7645e7, -2.8e5)])
+    with pytest.raises(CalibError, match=r"refit 9.*fit ran away \(slope 3.764e\+07") as err:
+        seed_from_observed([path])
+    assert "\n" not in str(err.value)
+    sane = observed(tmp_path / "ok", [reading(2, 200, 0.8, 2.0)])
+    assert seed_from_observed([sane]).slope == 0.8
