@@ -54,7 +54,7 @@ import numpy as np
 from dspark_calib.errors import CalibError, display_path
 from dspark_calib.fit import choose_draft_budget
 from dspark_calib.observe.file import ObservedSteps
-from dspark_calib.observe.step import ABSENT
+from dspark_calib.observe.step import ABSENT, decode_steps
 from dspark_calib.pricing.costs import ContextCosts
 from dspark_calib.pricing.grid import ContextGrid
 from dspark_calib.pricing.policy import MAX_EXTRAPOLATE_TO
@@ -456,3 +456,22 @@ def predict_steps(table: Any, acceptance: Acceptance, num_reqs: Sequence[int], c
     return StepMix(str(getattr(table, "content_hash", "")), model.k, replace(acceptance, rates=model.rates),
                    model.one_context, len(n), int(n.sum()), float((n * ctx).sum() / n.sum()), options,
                    model.max_total_logits, tuple(str(w) for w in seen if w is not None))
+
+
+def modelled_steps(columns: Any) -> np.ndarray:
+    """Which observed steps advise models: decode-shaped (observe.step.decode_steps) with drafts scheduled."""
+    return decode_steps(columns) & (columns["scheduled_drafts"] > 0)
+
+
+def predict_observed(table: Any, acceptance: Acceptance, observed: ObservedSteps, *, one_context: int | None = None,
+                     vocab_size: int | None = None) -> StepMix:
+    """``predict_steps`` over the decode steps observe files recorded (batch size, mean context), after
+    checking that every file comes from an engine of the table's fingerprint where it records one."""
+    for path, meta in zip(observed.files, observed.metadata):
+        meta.check_engine(table.fingerprint, path)
+    keep = modelled_steps(observed)
+    if not keep.any():
+        shown = display_path(observed.files[0]) if observed.files else "no file"
+        raise CalibError(f"{shown}: the observe files record no decode step with drafts to model")
+    return predict_steps(table, acceptance, observed["num_reqs"][keep], observed["context_mean"][keep],
+                         one_context=one_context, vocab_size=vocab_size)

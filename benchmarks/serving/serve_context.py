@@ -1552,10 +1552,11 @@ def enforced_schedule(spec: dict[str, Any]) -> list[float] | None:
 
 
 def decode_rows(cols: dict[str, Any], rows: Any) -> Any:
-    """These rows split into (decode steps: drafts scheduled, one non-draft token per request, validate's
-    rule; the others: steps carrying a prefill chunk, or no drafts)."""
-    sub = {k: cols[k][rows] for k in ("scheduled_drafts", "num_target_tokens", "draft_budget", "num_reqs")}
-    keep = (sub["scheduled_drafts"] > 0) & (sub["num_target_tokens"] - sub["draft_budget"] == sub["num_reqs"])
+    """These rows split into (the steps advise models: decode steps with drafts; the others: steps carrying
+    a prefill chunk, or no drafts)."""
+    from dspark_calib.advise import modelled_steps
+
+    keep = modelled_steps({k: v[rows] for k, v in cols.items()})
     return rows[keep], rows[~keep]
 
 

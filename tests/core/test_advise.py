@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_calib.advise import Acceptance, advise, check_schedule, observed_acceptance, parse_rates, predict_steps
+from dspark_calib.advise import (Acceptance, advise, check_schedule, observed_acceptance, parse_rates, predict_observed,
+                                 predict_steps)
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import ENGINE_KEYS
 from dspark_calib.fit import Curve, CurvePair
@@ -225,3 +226,34 @@ def test_a_k_that_does_not_fit_some_step_is_no_option_of_the_mix(hand_table):
 def test_steps_the_table_cannot_model_are_one_line(hand_table, steps, why):
     with pytest.raises(CalibError, match=__import__("re").escape(why)):
         predict_steps(hand_table, given(), *steps)
+
+
+def one_request(i, context, **kw):
+    """A decode step of the hand table's engine: one request, 3 drafts scheduled, 2 verified."""
+    return step(i, **{**dict(num_reqs=1, context_mean=float(context), context_max=context, context_sum=context,
+                             scheduled_drafts=3, draft_budget=2, num_target_tokens=3, budget_context_aware=2), **kw})
+
+
+def test_observed_steps_are_modelled_by_their_decode_steps(tmp_path, hand_table):
+    """Two decode steps at 1024, one at 8192, a step carrying a prefill chunk (4 tokens: 2 non-draft) and
+    one without drafts: the mix is STEPS' exactly."""
+    rows = [one_request(0, 1024), one_request(1, 8192), one_request(2, 1024),
+            one_request(3, 1024, num_target_tokens=4), one_request(4, 1024, scheduled_drafts=0, draft_budget=0,
+                                                                   num_target_tokens=1, budget_context_aware=0)]
+    with ObservedWriter(tmp_path / "o", metadata={"engine": engine_of(hand_table)}, name="o") as w:
+        for r in rows:
+            w.append(r)
+    mix = predict_observed(hand_table, given(), read_observed([tmp_path / "o"]))
+    assert mix.to_dict() == predict_steps(hand_table, given(), *STEPS).to_dict()
+
+
+def test_observed_steps_of_another_engine_or_without_decode_steps_are_refused(tmp_path, hand_table):
+    with ObservedWriter(tmp_path / "a", metadata={"engine": engine_of(hand_table, tensor_parallel_size=2)},
+                        name="a") as w:
+        w.append(one_request(0, 1024))
+    with pytest.raises(CalibError, match="observed on another engine"):
+        predict_observed(hand_table, given(), read_observed([tmp_path / "a"]))
+    with ObservedWriter(tmp_path / "b", metadata={}, name="b") as w:  # no engine recorded: steps still usable
+        w.append(one_request(0, 1024, num_target_tokens=4))
+    with pytest.raises(CalibError, match="record no decode step with drafts"):
+        predict_observed(hand_table, given(), read_observed([tmp_path / "b"]))
