@@ -1633,12 +1633,16 @@ def ranking(values: dict[str, float], tie: float = 0.0) -> list[list[str]]:
     return groups
 
 
-def rank_agrees(predicted: dict[str, float], measured: dict[str, float], tie: float, noise: float | None) -> bool:
+def rank_agrees(predicted: dict[str, float], measured: dict[str, float], tie: float,
+                noise: float | None) -> bool | None:
     """Every pair the prediction orders (by more than `tie`) is measured in that order, and every pair it
     predicts within `tie` (advise's minimum gain: below it the model claims no order) is measured within
-    the larger of `tie` and the noise (|rerun / stock - 1|), when the noise is known."""
-    apart = all(measured[a] > measured[b] for a in predicted for b in predicted
-                if predicted[a] > predicted[b] * (1 + tie))
+    the larger of `tie` and the noise (|rerun / stock - 1|), when the noise is known. None when there is
+    nothing to check: fewer than two arms, or every pair predicted equal and no noise known."""
+    pairs = [(a, b) for a in predicted for b in predicted if predicted[a] > predicted[b] * (1 + tie)]
+    if len(predicted) < 2 or (not pairs and noise is None):
+        return None
+    apart = all(measured[a] > measured[b] for a, b in pairs)
     if noise is None:
         return apart
     spread = max(tie, noise)
@@ -1658,7 +1662,9 @@ def compare_advice(arms: dict[str, dict[str, Any]], stock: str, advice: dict[str
     rerun = arms.get(f"{stock}-rerun")
     out = []
     for workload, w in advice.get("workloads", {}).items():
-        measured = {a: (arms[a].get("workloads", {}).get(workload) or {}).get("output_tok_s") for a in names}
+        served = {a: arms[a].get("workloads", {}).get(workload) or {} for a in names}
+        measured = {a: served[a].get("output_tok_s") for a in names}
+        tpot = {a: served[a].get("tpot_p50_ms") for a in names}
         base = measured[stock]
         again = ((rerun or {}).get("workloads", {}).get(workload) or {}).get("output_tok_s")
         base_mean = (base + again) / 2 if base and again else None
@@ -1677,12 +1683,15 @@ def compare_advice(arms: dict[str, dict[str, Any]], stock: str, advice: dict[str
                 whole = total / (w["other_ms"] + w["decode_ms"] / decode) if total else None
                 m = measured[a]
                 ratio = m / base if m and base else None
+                per_token = tpot[stock] / tpot[a] if tpot[stock] and tpot[a] else None  # > 1: faster decode
                 rows.append({"arm": a, "option": o["name"], "predicted_tok_s": _r(1000 * o["goodput_per_ms"], 1),
                              "predicted_drafts_per_request": _r(o["drafts"] / mix["requests"]),
                              "predicted_decode_ratio": _r(decode, 4), "predicted_ratio": _r(whole, 4),
                              "measured_tok_s": m, "measured_ratio": _r(ratio, 4),
                              "measured_ratio_stock_mean": _r(m / base_mean, 4) if m and base_mean else None,
-                             "within": (abs(whole / ratio - 1) <= WITHIN) if whole and ratio else None})
+                             "within": (abs(whole / ratio - 1) <= WITHIN) if whole and ratio else None,
+                             "measured_tpot_ratio": _r(per_token, 4),
+                             "within_tpot": (abs(decode / per_token - 1) <= WITHIN) if per_token else None})
             ranked = [r for r in rows if r["measured_ratio"] is not None and r["predicted_ratio"] is not None]
             predicted = {r["arm"]: r["predicted_ratio"] for r in ranked}
             seen = {r["arm"]: r["measured_ratio"] for r in ranked}
@@ -1691,8 +1700,7 @@ def compare_advice(arms: dict[str, dict[str, Any]], stock: str, advice: dict[str
                         "other_time_share": _r(w["other_ms"] / (w["decode_ms"] + w["other_ms"]), 4)
                         if w["decode_ms"] + w["other_ms"] else None,
                         "rates": mix["acceptance"]["rates"], "arms": rows, "rank_predicted": ranking(predicted, MIN_GAIN),
-                        "rank_measured": ranking(seen), "rank_agrees": rank_agrees(predicted, seen, MIN_GAIN, noise)
-                        if len(ranked) > 1 else None,
+                        "rank_measured": ranking(seen), "rank_agrees": rank_agrees(predicted, seen, MIN_GAIN, noise),
                         "all_within": all(r["within"] for r in ranked) if ranked else None,
                         "noise": _r(again / base, 4) if base and again else None})
     return out
@@ -1739,23 +1747,27 @@ def advice_markdown(advice: dict[str, Any]) -> list[str]:
                       "start-up profile at VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN), aware as adaptive "
                       f"(priced per step at its mean context; the context tail is not modelled). Acceptance: {acc}. "
                       "Ratios to stock: decode, the decode steps alone; workload, with the stock arm's measured time "
-                      "of its other steps (prefill chunks) added to every arm; measured, output tok/s. Within: the "
-                      f"workload ratio within {100 * WITHIN:g} % of the measured one. Ranking: = where the predicted "
+                      "of its other steps (prefill chunks) added to every arm; measured, output tok/s, and stock's "
+                      "TPOT p50 over the arm's (the steady decode). Within: the workload ratio within "
+                      f"{100 * WITHIN:g} % of the measured tok/s ratio / the decode ratio within {100 * WITHIN:g} % "
+                      "of the TPOT ratio. Ranking (by the workload ratio): = where the predicted "
                       f"ratios differ by less than {100 * MIN_GAIN:g} % (advise's minimum gain); it agrees when every "
                       "pair predicted apart is measured in that order and every pair predicted equal is measured "
                       f"within the larger of {100 * MIN_GAIN:g} % and the noise (rerun against stock).", ""]
         lines += [f"- {n}" for n in g["notes"]]
         lines += ["| workload | acceptance | arm | modelled as | drafts/req | predicted tok/s (decode) | "
-                  "predicted vs stock: decode / workload | measured vs stock | vs stock+rerun mean | within |",
-                  "|---|---|---|---|---:|---:|---|---:|---:|---|"]
+                  "predicted vs stock: decode / workload | measured vs stock | vs stock+rerun mean | "
+                  "TPOT p50 stock / arm | within: workload / decode |",
+                  "|---|---|---|---|---:|---:|---|---:|---:|---:|---|"]
         rows = [r for r in advice["rows"] if r["stock"] == g["stock"]]
         for r in rows:
             for a in r["arms"]:
-                within = "-" if a["within"] is None else "yes" if a["within"] else "no"
+                within = " / ".join("-" if x is None else "yes" if x else "no" for x in (a["within"], a["within_tpot"]))
                 lines.append(f"| {r['workload']} | {r['acceptance']} | {a['arm']} | {a['option']} | "
                              f"{_f(a['predicted_drafts_per_request'], 2)} | {_f(a['predicted_tok_s'], 0)} | "
                              f"{_f(a['predicted_decode_ratio'], 3)} / {_f(a['predicted_ratio'], 3)} | "
-                             f"{_f(a['measured_ratio'], 3)} | {_f(a['measured_ratio_stock_mean'], 3)} | {within} |")
+                             f"{_f(a['measured_ratio'], 3)} | {_f(a['measured_ratio_stock_mean'], 3)} | "
+                             f"{_f(a['measured_tpot_ratio'], 3)} | {within} |")
         lines.append("")
         for r in rows:
             agrees = "-" if r["rank_agrees"] is None else "yes" if r["rank_agrees"] else "no"
@@ -1763,7 +1775,7 @@ def advice_markdown(advice: dict[str, Any]) -> list[str]:
             order = [" > ".join(" = ".join(g) for g in r[k]) or "-" for k in ("rank_predicted", "rank_measured")]
             lines.append(f"- {r['workload']}, {r['acceptance']} acceptance ({r['decode_steps']} decode steps; "
                          f"{r['other_steps']} others, {_f(share, 0)} % of the stock arm's time): ranking predicted "
-                         f"{order[0]}, measured {order[1]}: agrees {agrees}; every ratio within "
+                         f"{order[0]}, measured {order[1]}: agrees {agrees}; every workload ratio within "
                          f"{100 * WITHIN:g} %: {'-' if r['all_within'] is None else 'yes' if r['all_within'] else 'no'}; "
                          f"noise (rerun / stock) {_f(r['noise'], 3)}")
     return lines

@@ -625,11 +625,16 @@ def test_a_ranking_groups_values_within_the_tie_and_agrees_on_the_pairs_it_order
     assert sc.rank_agrees(predicted, {"a": 1.03, "b": 1.1, "c": 1.0}, 0.01, 0.04)
     assert not sc.rank_agrees(predicted, {"a": 1.03, "b": 1.1, "c": 1.0}, 0.01, 0.02)
     assert sc.rank_agrees(predicted, {"a": 1.03, "b": 1.1, "c": 1.0}, 0.01, None)  # no rerun: no noise known
+    # nothing to check: every pair predicted equal and no noise known, or one arm
+    assert sc.rank_agrees({"a": 1.0, "c": 1.005}, {"a": 1.2, "c": 1.0}, 0.01, None) is None
+    assert sc.rank_agrees({"a": 1.0, "c": 1.005}, {"a": 1.2, "c": 1.0}, 0.01, 0.05) is False
+    assert sc.rank_agrees({"a": 1.0}, {"a": 1.2}, 0.01, 0.05) is None
 
 
 def _summary(arm, pricing, tok_s, k=7):
+    """tok/s per workload; TPOT p50 1 ms per 1000 tok/s (its ratio to stock's is the tok/s ratio)."""
     return {"arm": arm, "pricing": pricing, "engine": {"speculative_config": {"num_speculative_tokens": k}},
-            "workloads": {w: {"output_tok_s": v} for w, v in tok_s.items()}}
+            "workloads": {w: {"output_tok_s": v, "tpot_p50_ms": 1000.0 / v} for w, v in tok_s.items()}}
 
 
 def _mix(goodputs, requests=10):
@@ -659,6 +664,8 @@ def test_the_prediction_beside_the_arms_by_hand(sc):
     assert fixed["predicted_decode_ratio"] == 1.1 and fixed["predicted_ratio"] == pytest.approx(400 / (100 + 300 / 1.1), abs=1e-4)
     assert fixed["measured_ratio"] == 1.1 and fixed["measured_ratio_stock_mean"] == pytest.approx(1100 / 1010, abs=1e-4)
     assert fixed["predicted_tok_s"] == 1100.0 and fixed["predicted_drafts_per_request"] == 7.0
+    # the decode ratio against the steady decode: 1.10 against 1.10, 1.05 against 1.05
+    assert fixed["measured_tpot_ratio"] == 1.1 and fixed["within_tpot"] and got["draft-aware-tail20-chunks"]["within_tpot"]
     assert aware["predicted_ratio"] == pytest.approx(400 / (100 + 300 / 1.05), abs=1e-4) and aware["within"]
     assert fixed["within"] and got["draft-stock"]["predicted_ratio"] == 1.0 and got["draft-stock"]["within"]
     assert w["rank_predicted"] == [["draft-fixed"], ["draft-aware-tail20-chunks"], ["draft-stock"]]
@@ -721,7 +728,9 @@ def test_the_report_puts_advises_prediction_beside_the_dry_run_arms(sc, tmp_path
     for r in rows:
         assert r["decode_steps"] > 0 and [a["option"] for a in r["arms"]] == ["adaptive@8192", "K=7"]
         assert all(a["predicted_ratio"] and a["measured_ratio"] and a["within"] is not None for a in r["arms"])
-        assert r["rank_agrees"] is not None and r["noise"] is None
+        assert sorted(sum(r["rank_predicted"], [])) == sorted(sum(r["rank_measured"], [])) == ["draft-fixed",
+                                                                                               "draft-stock"]
+        assert r["noise"] is None  # no rerun
     md = (tmp_path / "serve_context.md").read_text()
     assert "`dspark-calib advise`'s model beside the arms" in md and "| ctx8k | observed | draft-fixed | K=7 |" in md
 
