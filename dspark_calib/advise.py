@@ -30,6 +30,11 @@ acceptance, the per-step host work of choosing a budget, variable-length graphs)
 change away from adaptive verification is advised only for a gain of at least
 ``min_gain`` (1 %).
 
+Over a mix of decode steps (``predict_steps``: the (batch size, context) of each step a
+workload served, e.g. from observe files), each step is modelled as a cell and an option's
+goodput is its tokens over its time summed over the steps: each step counts by its length,
+as a workload's time is the sum of its steps'.
+
 Acceptance from observe files: per position, the drafts graded (all before it accepted,
 itself verified) and accepted, summed over the files' steps; the schedule is the
 Kaplan-Meier product of the per-position acceptance ratios, as vLLM's online acceptance
@@ -49,7 +54,7 @@ import numpy as np
 from dspark_calib.errors import CalibError, display_path
 from dspark_calib.fit import choose_draft_budget
 from dspark_calib.observe.file import ObservedSteps
-from dspark_calib.observe.step import ABSENT
+from dspark_calib.observe.step import ABSENT, decode_steps
 from dspark_calib.pricing.costs import ContextCosts
 from dspark_calib.pricing.grid import ContextGrid
 from dspark_calib.pricing.policy import MAX_EXTRAPOLATE_TO
@@ -280,51 +285,193 @@ def _option(name: str, n: int, budget: int, survival: np.ndarray, draft: np.ndar
     return Option(name, budget / n, 1.0 + accepted / n, float(draft[n]), float(verify[n + budget]), n)
 
 
+class _Model:
+    """A table's costs and an acceptance schedule, ready to model decode steps one by one:
+    the fixed K options and both adaptive pricings of a step of n requests whose computed
+    tokens sum to S (what ``advise`` shows per cell and ``predict_steps`` sums over steps)."""
+
+    def __init__(self, table: Any, acceptance: Acceptance, *, one_context: int | None = None,
+                 vocab_size: int | None = None):
+        fp = table.fingerprint
+        self.k = k = int(fp.num_speculative_tokens)
+        self.rates = check_schedule(acceptance.rates, k)
+        self.max_reqs, self.max_tokens = int(fp.max_num_seqs), int(fp.max_num_batched_tokens)
+        self.max_model_len = int(fp.max_model_len or 0)
+        self.max_total_logits = None if vocab_size is None else max(1, MAX_CHUNK_LOGIT_BYTES // (int(vocab_size) * 4))
+        self.costs = ContextCosts(table.curves, self.max_reqs, self.max_tokens, int(fp.cudagraph_limit),
+                                  profile_num_reqs=min(self.max_reqs, self.max_tokens),
+                                  extrapolate_to=min(self.max_model_len, MAX_EXTRAPOLATE_TO))
+        self.grid = ContextGrid(self.costs)
+        self.one_context = table.default_context() if one_context is None else int(one_context)
+        self.one_tables = self.costs.at(self.one_context).as_tuple()
+        self.survival = np.asarray(self.rates, dtype=np.float64)
+        self.conf = _confidences(self.rates)
+
+    def feasible(self, n: int) -> list[int]:
+        """The fixed K whose n (1 + K) tokens fit max_num_batched_tokens."""
+        return [K for K in range(1, self.k + 1) if n * (1 + K) <= self.max_tokens]
+
+    def step(self, n: int, context_sum: int) -> tuple[tuple[Option | None, ...], Option, Option]:
+        """(fixed K = 1..k, None where it does not fit; adaptive; adaptive@one context) for a decode step
+        of n requests (each one non-draft token and the most drafts that fit) at this KV sum."""
+        feasible = self.feasible(n)
+        draft, verify = self.grid.step_tables(context_sum, n)
+        draft, verify = np.array(draft), np.array(verify)  # the grid's buffer is rewritten by the next step
+        fixed_options = tuple(_option(fixed(K), n, n * K, self.survival, draft, verify) if K in feasible else None
+                              for K in range(1, self.k + 1))
+        rule = dict(confidences=np.broadcast_to(self.conf, (n, self.k)), scheduled_drafts=[max(feasible)] * n,
+                    non_draft_tokens=[1] * n, max_total_logits=self.max_total_logits)
+        b = choose_draft_budget(draft, verify, **rule)
+        b_one = choose_draft_budget(*self.one_tables, **rule)
+        return (fixed_options, _option(ADAPTIVE, n, b, self.survival, draft, verify),
+                _option(f"{ADAPTIVE}@{self.one_context}", n, b_one, self.survival, draft, verify))
+
+
 def advise(table: Any, acceptance: Acceptance, *, contexts: Sequence[int] | None = None,
            max_num_seqs: int | None = None, min_gain: float = MIN_GAIN, vocab_size: int | None = None) -> Advice:
     """The modelled goodput of fixed K and adaptive verification per batch size and context."""
-    fp = table.fingerprint
-    k = int(fp.num_speculative_tokens)
-    rates = check_schedule(acceptance.rates, k)
-    max_reqs, max_tokens = int(fp.max_num_seqs), int(fp.max_num_batched_tokens)
+    model = _Model(table, acceptance, vocab_size=vocab_size)
+    k, max_reqs = model.k, model.max_reqs
     top = max_reqs if max_num_seqs is None else int(max_num_seqs)
     if not 1 <= top <= max_reqs:
         raise CalibError(f"--max-num-seqs {top}: the table prices batches of 1..{max_reqs} requests "
                          "(its max_num_seqs)")
-    max_model_len = int(fp.max_model_len or 0)
     ctxs = tuple(sorted(set(int(c) for c in contexts))) if contexts else tuple(table.context_lens())
     for c in ctxs:
-        if c < 0 or (max_model_len and c + k + 1 > max_model_len):
+        if c < 0 or (model.max_model_len and c + k + 1 > model.max_model_len):
             raise CalibError(f"--context {c}: a request there cannot hold {k + 1} more tokens within the table's "
-                             f"max_model_len {max_model_len}")
-    max_total_logits = None if vocab_size is None else max(1, MAX_CHUNK_LOGIT_BYTES // (int(vocab_size) * 4))
-    costs = ContextCosts(table.curves, max_reqs, max_tokens, int(fp.cudagraph_limit),
-                         profile_num_reqs=min(max_reqs, max_tokens),
-                         extrapolate_to=min(max_model_len, MAX_EXTRAPOLATE_TO))
-    grid = ContextGrid(costs)
-    one_ctx = table.default_context()
-    one_draft, one_verify = costs.tables[one_ctx]
-    survival = np.asarray(rates, dtype=np.float64)
-    conf = _confidences(rates)
-    warnings = [str(w) for w in (costs.at(c).warning for c in ctxs) if w is not None]
+                             f"max_model_len {model.max_model_len}")
+    warnings = [str(w) for w in (model.costs.at(c).warning for c in ctxs) if w is not None]
     cells = []
     for ctx in ctxs:
         for n in batch_sizes(top):
-            feasible = [K for K in range(1, k + 1) if n * (1 + K) <= max_tokens]
-            if not feasible:
+            if not model.feasible(n):
                 continue  # not even one draft each fits max_num_batched_tokens: no speculative step
-            draft, verify = grid.step_tables(n * ctx, n)
-            draft, verify = np.array(draft), np.array(verify)  # the grid's buffer is rewritten by the next step
-            options = tuple(_option(fixed(K), n, n * K, survival, draft, verify) if K in feasible else None
-                            for K in range(1, k + 1))
-            # every request schedules the most drafts that fit, one non-draft token each (a decode step)
-            rule = dict(confidences=np.broadcast_to(conf, (n, k)), scheduled_drafts=[max(feasible)] * n,
-                        non_draft_tokens=[1] * n, max_total_logits=max_total_logits)
-            b = choose_draft_budget(draft, verify, **rule)
-            b_one = choose_draft_budget(one_draft, one_verify, **rule)
-            cells.append(Cell(n, ctx, options, _option(ADAPTIVE, n, b, survival, draft, verify),
-                              _option(f"{ADAPTIVE}@{one_ctx}", n, b_one, survival, draft, verify), min_gain))
+            cells.append(Cell(n, ctx, *model.step(n, n * ctx), min_gain))
     if not cells:
-        raise CalibError(f"no batch fits max_num_batched_tokens {max_tokens} with a draft per request")
-    return Advice(str(getattr(table, "content_hash", "")), k, replace(acceptance, rates=rates), ctxs,
-                  batch_sizes(top), one_ctx, tuple(cells), min_gain, max_total_logits, tuple(warnings))
+        raise CalibError(f"no batch fits max_num_batched_tokens {model.max_tokens} with a draft per request")
+    return Advice(str(getattr(table, "content_hash", "")), k, replace(acceptance, rates=model.rates), ctxs,
+                  batch_sizes(top), model.one_context, tuple(cells), min_gain, model.max_total_logits,
+                  tuple(warnings))
+
+
+# -- goodput over a mix of decode steps ------------------------------------------------------
+@dataclass(frozen=True)
+class MixOption:
+    """One way to verify, summed over the steps of a mix: the tokens it generates, the drafts it
+    verifies and the modelled time of those steps."""
+
+    name: str
+    tokens: float
+    drafts: float
+    ms: float
+
+    @property
+    def goodput(self) -> float:
+        """Generated tokens per ms over the whole mix (total tokens over total time, not a mean of steps)."""
+        return self.tokens / self.ms
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.ms / self.tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "tokens": self.tokens, "drafts": self.drafts, "ms": self.ms,
+                "goodput_per_ms": self.goodput, "ms_per_token": self.ms_per_token}
+
+
+@dataclass(frozen=True)
+class StepMix:
+    """Each option's modelled goodput over given decode steps (``predict_steps``)."""
+
+    table_hash: str
+    num_speculative_tokens: int
+    acceptance: Acceptance
+    one_context: int
+    steps: int
+    requests: int  # summed over the steps
+    context_mean: float  # over the steps' requests
+    options: tuple[MixOption, ...]  # the fixed K that fit every step, adaptive, adaptive@one_context
+    max_total_logits: int | None = None
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def one_context_name(self) -> str:
+        return f"{ADAPTIVE}@{self.one_context}"
+
+    def option(self, name: str) -> MixOption | None:
+        return next((o for o in self.options if o.name == name), None)
+
+    def ratio(self, name: str) -> float | None:
+        """An option's goodput over adaptive@one_context's (stock vLLM's): > 1 faster."""
+        o = self.option(name)
+        return None if o is None else o.goodput / self.option(self.one_context_name).goodput
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"table_hash": self.table_hash, "num_speculative_tokens": self.num_speculative_tokens,
+                "acceptance": self.acceptance.to_dict(), "one_context": self.one_context, "steps": self.steps,
+                "requests": self.requests, "context_mean": self.context_mean,
+                "max_total_logits": self.max_total_logits, "goodput_unit": "tokens/ms",
+                "options": [{**o.to_dict(), "vs_one_context": self.ratio(o.name)} for o in self.options],
+                "warnings": list(self.warnings)}
+
+
+def predict_steps(table: Any, acceptance: Acceptance, num_reqs: Sequence[int], context_lens: Sequence[float], *,
+                  one_context: int | None = None, vocab_size: int | None = None) -> StepMix:
+    """Each option's goodput over decode steps: step i has num_reqs[i] requests at mean context
+    context_lens[i] (its KV sum n L, rounded), each modelled as an ``advise`` cell; an option's
+    goodput is its tokens over its time summed over the steps, so each step counts by its length.
+    one_context: the context adaptive@ decides with (default the table's default context, as
+    ``advise``); a fixed K is an option only where it fits every step."""
+    n = np.asarray(num_reqs, dtype=np.int64).ravel()
+    ctx = np.asarray(context_lens, dtype=np.float64).ravel()
+    if len(n) != len(ctx):
+        raise CalibError(f"steps: {len(n)} batch sizes and {len(ctx)} contexts; one of each per step")
+    if not len(n):
+        raise CalibError("no decode steps to model")
+    model = _Model(table, acceptance, one_context=one_context, vocab_size=vocab_size)
+    if n.min() < 1 or n.max() > model.max_reqs:
+        raise CalibError(f"a step of {int(n.min() if n.min() < 1 else n.max())} requests: the table prices "
+                         f"batches of 1..{model.max_reqs} requests (its max_num_seqs)")
+    if not np.isfinite(ctx).all() or ctx.min() < 0:
+        raise CalibError("step contexts must be finite and >= 0")
+    if not model.feasible(int(n.max())):
+        raise CalibError(f"a step of {int(n.max())} requests: not even one draft each fits max_num_batched_tokens "
+                         f"{model.max_tokens}")
+    sums = np.rint(n * ctx).astype(np.int64)
+    pairs, counts = np.unique(np.stack([n, sums], axis=1), axis=0, return_counts=True)
+    names = [fixed(K) for K in range(1, model.k + 1)] + [ADAPTIVE, f"{ADAPTIVE}@{model.one_context}"]
+    totals = {name: np.zeros(3) for name in names}  # tokens, drafts, ms
+    for (steps_n, steps_sum), count in zip(pairs.tolist(), counts.tolist()):
+        fixed_options, adaptive, one = model.step(steps_n, steps_sum)
+        for o in (*fixed_options, adaptive, one):
+            if o is None:
+                continue
+            totals[o.name] += count * np.array([o.num_reqs * o.tokens_per_step, o.num_reqs * o.drafts_per_request,
+                                                o.step_ms])
+    fits = set(model.feasible(int(n.max())))
+    options = tuple(MixOption(name, *(float(x) for x in totals[name])) for name in names
+                    if not name.startswith("K=") or int(name[2:]) in fits)
+    seen = (model.costs.at(int(c)).warning for c in {math.floor(ctx.min()), math.ceil(ctx.max())})
+    return StepMix(str(getattr(table, "content_hash", "")), model.k, replace(acceptance, rates=model.rates),
+                   model.one_context, len(n), int(n.sum()), float((n * ctx).sum() / n.sum()), options,
+                   model.max_total_logits, tuple(str(w) for w in seen if w is not None))
+
+
+def modelled_steps(columns: Any) -> np.ndarray:
+    """Which observed steps advise models: decode-shaped (observe.step.decode_steps) with drafts scheduled."""
+    return decode_steps(columns) & (columns["scheduled_drafts"] > 0)
+
+
+def predict_observed(table: Any, acceptance: Acceptance, observed: ObservedSteps, *, one_context: int | None = None,
+                     vocab_size: int | None = None) -> StepMix:
+    """``predict_steps`` over the decode steps observe files recorded (batch size, mean context), after
+    checking that every file comes from an engine of the table's fingerprint where it records one."""
+    for path, meta in zip(observed.files, observed.metadata):
+        meta.check_engine(table.fingerprint, path)
+    keep = modelled_steps(observed)
+    if not keep.any():
+        shown = display_path(observed.files[0]) if observed.files else "no file"
+        raise CalibError(f"{shown}: the observe files record no decode step with drafts to model")
+    return predict_steps(table, acceptance, observed["num_reqs"][keep], observed["context_mean"][keep],
+                         one_context=one_context, vocab_size=vocab_size)

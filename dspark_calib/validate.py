@@ -60,7 +60,7 @@ from dspark_calib.pricing.grid import DEFAULT_TOLERANCE, ContextGrid
 from dspark_calib.pricing.costs import ContextCosts
 from dspark_calib.pricing.rules import prefill_context_sum, tail_context_sum
 from dspark_calib.errors import CalibError, display_path
-from dspark_calib.observe.step import ABSENT
+from dspark_calib.observe.step import ABSENT, decode_steps
 from dspark_calib.observe.file import ObservedSteps
 
 SINGLE, AWARE = "single_context", "context_aware"
@@ -362,7 +362,7 @@ def price_steps(table: Any, observed: ObservedSteps, *, single_context: int | No
                  "verify": verify, "verify_prefill": verify}
     measured = {"draft": c["drafter_ms"], "verify": c["forward_ms"], "verify_prefill": c["forward_ms"]}
     sizes = {"draft": num_reqs, "verify": num_tokens, "verify_prefill": num_tokens}
-    decode = num_tokens - c["draft_budget"] == num_reqs  # one non-draft token per request
+    decode = decode_steps(c)
     timed = c["forward_ms"] > 0
     steps = {"draft": c["full_cudagraph"] & (c["drafter_ms"] > 0), "verify": timed & decode,
              "verify_prefill": timed & ~decode}

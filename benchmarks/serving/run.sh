@@ -25,4 +25,4 @@ for arm in $arms; do
     --out "$out" "${dry[@]}" "$@"
 done
 rm -rf "$out/.work"
-"$py" "$harness" report --results "$out"
+PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$py" "$harness" report --results "$out"  # this checkout's dspark_calib, as the arms

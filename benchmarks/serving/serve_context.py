@@ -109,7 +109,11 @@ summary and the observe files still come back.
 Outputs under --out (4 files per arm): context-ARM.json (summary), context-ARM-requests.json
 (per request), context-ARM-observed.parquet (the arm's observe files compacted into one,
 metadata kept: `dspark-calib validate` reads it), context-ARM.log (engine and harness log,
-last 4 MB). `report` joins the arms into serve_context.json and serve_context.md.
+last 4 MB). `report` joins the arms into serve_context.json and serve_context.md: each arm's
+tok/s against its speculator's stock arm, and `dspark-calib advise`'s model beside the arms
+(advise_report: advise.predict_steps over each workload's decode steps in the stock arm's observe
+file, each arm as the option that models it, the predicted ratio to stock against the measured one,
+within 5 %, and the predicted ranking against the measured one).
 """
 from __future__ import annotations
 
@@ -816,7 +820,8 @@ def engine_child(args: argparse.Namespace) -> int:
         t0 = time.time()
         if args.dry_run:
             t_import = time.time()
-            engine = FakeEngine.from_env(args.table, estimator_keys=fake_estimator_keys(spec) if has_estimator else None)
+            engine = FakeEngine.from_env(args.table, estimator_keys=fake_estimator_keys(spec) if has_estimator else None,
+                                         fixed=args.fixed)
         else:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -855,17 +860,19 @@ def engine_child(args: argparse.Namespace) -> int:
 # -- the fake engine (--dry-run: the whole control flow on CPU) --------------------------------
 class FakeEngine:
     """Stands in for AsyncLLM: one step loop over the active requests (8192-token chunked prefill,
-    then decode with K drafts, a budget of min(K, 3 or 5) per request and 3 accepted), DELTA
-    outputs with vLLM-like metrics, and observe files written as the plugin would (predicted
-    costs from the arm's pricing, "measured" costs from the table's curves at the step's context
-    plus noise). It proves the harness, not vLLM."""
+    then decode with K drafts, a budget of min(K, 3 or 5) per request, all K with adaptive
+    verification off (fixed), and 3 accepted), DELTA outputs with vLLM-like metrics, and observe
+    files written as the plugin would (predicted costs from the arm's pricing, "measured" costs
+    from the table's curves at the step's context plus noise, the drafts graded and accepted per
+    position). It proves the harness, not vLLM."""
 
     def __init__(self, observe_dir: str | None, every: int, table_path: str, pricing: str,
-                 estimator_keys: dict[str, Any] | None = None):
+                 estimator_keys: dict[str, Any] | None = None, fixed: bool = False):
         import numpy as np
 
         from types import SimpleNamespace
 
+        from dspark_calib.fingerprint import ENGINE_KEYS
         from dspark_calib.pricing.costs import ContextCosts
         from dspark_calib.pricing.grid import ContextGrid
         from dspark_calib.observe.file import ObservedWriter
@@ -875,10 +882,14 @@ class FakeEngine:
         self.costs = ContextCosts.from_table(table)
         self.grid = ContextGrid(self.costs)
         self.pricing = pricing
+        self.fixed = fixed
         self.rng = np.random.default_rng(0)
         self.every = max(1, every)
+        # the engine the plugin would record (describe_engine): the table's own, so advise reads the acceptance
+        fp = table.fingerprint.to_dict()
         self.writer = ObservedWriter(observe_dir, rows_per_file=500, metadata={
             "mode": pricing, "table_hash": table.content_hash if pricing != "stock" else None, "tp_rank": 0,
+            "engine": {k: fp[k] for k in ENGINE_KEYS if fp.get(k) is not None},
             "sample_every": self.every, "max_num_reqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_BATCHED,
             **({"estimator_keys": estimator_keys} if estimator_keys else {}),
         }) if observe_dir else None
@@ -902,12 +913,13 @@ class FakeEngine:
         self.loop_task: asyncio.Task | None = None
 
     @classmethod
-    def from_env(cls, table_path: str, estimator_keys: dict[str, Any] | None = None) -> "FakeEngine":
+    def from_env(cls, table_path: str, estimator_keys: dict[str, Any] | None = None,
+                 fixed: bool = False) -> "FakeEngine":
         env = os.environ
         pricing = ("stock" if "DSPARK_CALIB_TABLE" not in env else
                    "static" if env.get("DSPARK_CALIB_CONTEXT_AWARE") == "0" else "aware")
         return cls(env.get("DSPARK_CALIB_OBSERVE"), int(env.get("DSPARK_CALIB_OBSERVE_EVERY", "4")),
-                   table_path, pricing, estimator_keys)
+                   table_path, pricing, estimator_keys, fixed)
 
     async def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """The estimator probe's calls, as one rank answers them: the pin (the fake's estimator
@@ -958,7 +970,7 @@ class FakeEngine:
         n, csum = len(sched), sum(ctx)
         scheduled = sum(d for _, _, d in sched)
         mean_ctx = -(-csum // n)
-        per_req = 3 if (self.pricing != "aware" or mean_ctx > 4096) else 5
+        per_req = K if self.fixed else 3 if (self.pricing != "aware" or mean_ctx > 4096) else 5
         budget = sum(min(d, per_req) for _, _, d in sched)
         non_draft = sum(t - d for _, t, d in sched)
         tokens = non_draft + budget
@@ -989,6 +1001,12 @@ class FakeEngine:
         if self.writer is not None and self.step_no % self.every == 0:
             from dspark_calib.observe.step import ObservedStep
 
+            # per position i (vLLM's estimator labels): graded where the first i drafts were accepted and an
+            # (i+1)-th verified, accepted where it was accepted too (3 accepted of min(d, per_req) verified)
+            verified = [min(d, per_req) for _, _, d in sched if d]
+            graded = tuple(sum(b > i and min(b, 3) >= i for b in verified) for i in range(K))
+            accepted = tuple(sum(min(b, 3) > i for b in verified) for i in range(K))
+
             self.writer.append(ObservedStep(
                 step=self.step_no, forward_ms=float(truth_verify[min(tokens, MAX_BATCHED)] * noise[0]),
                 drafter_ms=float(truth.draft[n] * noise[1]), num_target_tokens=max(1, tokens), num_reqs=n,
@@ -996,7 +1014,8 @@ class FakeEngine:
                 scheduled_drafts=scheduled, draft_budget=budget, priced_context=priced,
                 predicted_draft_ms=float(pd[n]), predicted_verify_ms=float(pv[min(tokens, MAX_BATCHED)]),
                 budget_static=min(budget, scheduled) if self.pricing == "static" else None,
-                budget_context_aware=budget if self.pricing == "aware" else None, **reading))
+                budget_context_aware=budget if self.pricing == "aware" else None,
+                position_graded=graded, position_accepted=accepted, **reading))
         now = time.monotonic()
         for r, t, d in sched:
             if d == 0:
@@ -1414,7 +1433,7 @@ def print_arm(s: dict[str, Any]) -> None:
 # -- report (anywhere) ------------------------------------------------------------------------
 def build_report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One row per arm x workload, plus validate's per-context errors per arm, plus throughput of
-    static and aware relative to stock per workload."""
+    each arm relative to its speculator's stock arm per workload."""
     rows, errors = [], []
     for arm in [a for a in ARMS if a in arms] + sorted(set(arms) - set(ARMS)):
         s = arms[arm]
@@ -1434,9 +1453,9 @@ def build_report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
             errors.append({"arm": arm, "source": "engine", **e})
         for v in s.get("validate_by_context", []):
             errors.append({"arm": arm, "source": "validate", **v})
-    stock = {r["workload"]: r["output_tok_s"] for r in rows if r["arm"] == "stock"}
-    for r in rows:
-        base = stock.get(r["workload"])
+    stock = {(r["arm"], r["workload"]): r["output_tok_s"] for r in rows}
+    for r in rows:  # each speculator's arms against its own stock arm
+        base = stock.get((speculator_prefix(r["arm"]) + "stock", r["workload"]))
         r["vs_stock"] = _r(r["output_tok_s"] / base, 4) if base and r["output_tok_s"] else None
     return {"arms": sorted(arms), "rows": rows, "errors": errors, "observe_cost": observe_cost(rows),
             "cold": cold_phases(arms),
@@ -1543,9 +1562,273 @@ def markdown(report: dict[str, Any]) -> str:
                              f"({_f(e['single_context_median_signed_pct'], 1)}) | "
                              f"{_f(e['context_aware_median_pct'], 2)} / {_f(e['context_aware_p90_pct'], 2)} "
                              f"({_f(e['context_aware_median_signed_pct'], 1)}) |")
+    if report.get("advice"):
+        lines += advice_markdown(report["advice"])
     if report.get("dry_run"):
         lines += ["", "DRY RUN: fake engine, not measurements."]
     return "\n".join(lines) + "\n"
+
+
+# -- advise's prediction beside the arms (report) ---------------------------------------------------
+PREDICTED_AS = {"fixed": "fixed", "stock": "one context", "static": "one context", "aware": "context-aware"}
+WITHIN = 0.05  # the prediction holds when its ratio to stock is within 5 % of the measured one
+
+
+def speculator_prefix(label: str) -> str:
+    """'draft-' for an arm of the draft speculator (arm_label's prefix), '' for DSpark's."""
+    return next((f"{s}-" for s in CONFIG["speculators"] if s != "dspark" and label.startswith(f"{s}-")), "")
+
+
+def predicted_arms(arms: dict[str, dict[str, Any]], stock: str) -> list[str]:
+    """The arms of stock's speculator advise models (stock first): stock, static, aware and fixed, once each
+    (not a rerun, a seeded arm or one with observe off: those are the same engine as one listed)."""
+    prefix = speculator_prefix(stock)
+    same = [a for a in arms if speculator_prefix(a) == prefix and arms[a].get("pricing") in PREDICTED_AS
+            and not re.search(r"-(rerun|seed|noobs)(-|$)", a[len(prefix):])]
+    return [stock] + sorted(a for a in same if a != stock)
+
+
+def enforced_schedule(spec: dict[str, Any]) -> list[float] | None:
+    """The acceptance schedule a synthetic-acceptance engine enforced: its synthetic_acceptance_rates, or its
+    synthetic_acceptance_length as vLLM resolves it (the minimum-variance schedule: whole drafts accepted
+    with probability 1, the fraction at the next position); None for real acceptance."""
+    if spec.get("rejection_sample_method") != "synthetic":
+        return None
+    if spec.get("synthetic_acceptance_rates") is not None:
+        return [float(r) for r in spec["synthetic_acceptance_rates"]]
+    k, drafts = int(spec["num_speculative_tokens"]), float(spec["synthetic_acceptance_length"]) - 1
+    full = int(drafts)
+    return ([1.0] * full + [drafts - full] + [0.0] * (k - full - 1))[:k]
+
+
+def decode_rows(cols: dict[str, Any], rows: Any) -> Any:
+    """These rows split into (the steps advise models: decode steps with drafts; the others: steps carrying
+    a prefill chunk, or no drafts)."""
+    from dspark_calib.advise import modelled_steps
+
+    keep = modelled_steps({k: v[rows] for k, v in cols.items()})
+    return rows[keep], rows[~keep]
+
+
+def target_vocab_size() -> int | None:
+    """The served target's vocabulary (adaptive verification's one-chunk logit limit), from its config."""
+    try:
+        with open(os.path.join(TARGET, "config.json")) as fh:
+            return int(json.load(fh)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def advise_workloads(table_path: str, observed: str, workloads: list[str], spec: dict[str, Any], *,
+                     one_context: int, acceptance_files: list[str]) -> dict[str, Any]:
+    """advise.predict_steps over each workload's decode steps in the stock arm's observe file (rows between
+    the marker batches), at the schedule the run enforced and at the acceptance observe mode measured
+    (acceptance_files: every arm's observe file of the run; the fixed arm grades every position), with
+    the stock arm's measured decode and other-step (prefill chunks) time beside it."""
+    from dspark_calib.advise import Acceptance, observed_acceptance, predict_steps
+    from dspark_calib.errors import CalibError
+    from dspark_calib.observe.file import read_observed
+    from dspark_calib.table.file import read_table
+
+    table = read_table(table_path, samples=False)
+    acceptances, notes = {}, []
+    schedule = enforced_schedule(spec)
+    if schedule is not None:
+        acceptances["schedule"] = Acceptance(tuple(schedule), "given")
+    try:
+        acceptances["observed"] = observed_acceptance(table, read_observed(acceptance_files))
+    except CalibError as exc:
+        notes.append(f"no observed acceptance: {exc}")
+    cols = sorted_columns(dict(read_observed([observed]).columns))
+    segments, why = segment_steps(cols, len(workloads))
+    out: dict[str, Any] = {"table_hash": table.content_hash[:12], "one_context": one_context,
+                           "vocab_size": target_vocab_size(), "segmented": why, "notes": notes,
+                           "acceptance": {k: a.to_dict() for k, a in acceptances.items()}, "workloads": {}}
+    ms = cols["forward_ms"] + cols["drafter_ms"]
+    for name, rows in zip(workloads, segments or []):
+        decode, other = decode_rows(cols, rows)
+        w: dict[str, Any] = {"decode_steps": int(len(decode)), "other_steps": int(len(other)),
+                             "decode_ms": float(ms[decode].sum()), "other_ms": float(ms[other].sum()), "mix": {}}
+        for source, acc in acceptances.items() if len(decode) else ():
+            try:
+                mix = predict_steps(table, acc, cols["num_reqs"][decode], cols["context_mean"][decode],
+                                    one_context=one_context, vocab_size=out["vocab_size"])
+            except CalibError as exc:
+                notes.append(f"{name}, {source} acceptance: {exc}")
+                continue
+            w["mix"][source] = mix.to_dict()
+        out["workloads"][name] = w
+    return out
+
+
+def option_of(summary: dict[str, Any], one_context: int) -> str:
+    """advise's option that models an arm: K=k for fixed, adaptive@C for one-context pricing, adaptive."""
+    kind = PREDICTED_AS[summary["pricing"]]
+    if kind == "fixed":
+        return f"K={(summary.get('engine') or {}).get('speculative_config', {}).get('num_speculative_tokens', K)}"
+    return f"adaptive@{one_context}" if kind == "one context" else "adaptive"
+
+
+def ranking(values: dict[str, float], tie: float = 0.0) -> list[list[str]]:
+    """Names from the highest value down, grouped where a value is within `tie` (relative) of its group's
+    first: [["a"], ["b", "c"]] reads a > b = c."""
+    groups: list[list[str]] = []
+    top = None
+    for name in sorted(values, key=lambda n: -values[n]):
+        if top is not None and values[name] * (1 + tie) >= top:
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+            top = values[name]
+    return groups
+
+
+def rank_agrees(predicted: dict[str, float], measured: dict[str, float], tie: float,
+                noise: float | None) -> bool | None:
+    """Every pair the prediction orders (by more than `tie`) is measured in that order, and every pair it
+    predicts within `tie` (advise's minimum gain: below it the model claims no order) is measured within
+    the larger of `tie` and the noise (|rerun / stock - 1|), when the noise is known. None when there is
+    nothing to check: fewer than two arms, or every pair predicted equal and no noise known."""
+    pairs = [(a, b) for a in predicted for b in predicted if predicted[a] > predicted[b] * (1 + tie)]
+    if len(predicted) < 2 or (not pairs and noise is None):
+        return None
+    apart = all(measured[a] > measured[b] for a, b in pairs)
+    if noise is None:
+        return apart
+    spread = max(tie, noise)
+    return apart and all(measured[a] <= measured[b] * (1 + spread) for a in predicted for b in predicted
+                         if predicted[a] <= predicted[b] * (1 + tie))
+
+
+def compare_advice(arms: dict[str, dict[str, Any]], stock: str, advice: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per workload and acceptance: each modelled arm's predicted goodput and ratio to stock (decode steps
+    alone, and the workload: the stock arm's measured other-step time added to every arm) beside its
+    measured output tok/s ratio to stock (and to the mean of stock and its rerun), whether each predicted
+    ratio is within WITHIN of the measured one, and whether the predicted ranking of the arms is the
+    measured one; the noise (rerun over stock) beside it."""
+    from dspark_calib.advise import MIN_GAIN  # predicted ratios closer than advise's minimum gain are a tie
+
+    names = predicted_arms(arms, stock)
+    rerun = arms.get(f"{stock}-rerun")
+    out = []
+    for workload, w in advice.get("workloads", {}).items():
+        served = {a: arms[a].get("workloads", {}).get(workload) or {} for a in names}
+        measured = {a: served[a].get("output_tok_s") for a in names}
+        tpot = {a: served[a].get("tpot_p50_ms") for a in names}
+        base = measured[stock]
+        again = ((rerun or {}).get("workloads", {}).get(workload) or {}).get("output_tok_s")
+        base_mean = (base + again) / 2 if base and again else None
+        noise = abs(again / base - 1) if base and again else None
+        for source, mix in w["mix"].items():
+            options = {o["name"]: o for o in mix["options"]}
+            one = options[f"adaptive@{advice['one_context']}"]
+            rows = []
+            for a in names:
+                o = options.get(option_of(arms[a], advice["one_context"]))
+                if o is None:
+                    continue
+                decode = o["goodput_per_ms"] / one["goodput_per_ms"]
+                # every arm pays the stock arm's other steps; its decode steps take stock's time / decode ratio
+                total = w["decode_ms"] + w["other_ms"]
+                whole = total / (w["other_ms"] + w["decode_ms"] / decode) if total else None
+                m = measured[a]
+                ratio = m / base if m and base else None
+                per_token = tpot[stock] / tpot[a] if tpot[stock] and tpot[a] else None  # > 1: faster decode
+                rows.append({"arm": a, "option": o["name"], "predicted_tok_s": _r(1000 * o["goodput_per_ms"], 1),
+                             "predicted_drafts_per_request": _r(o["drafts"] / mix["requests"]),
+                             "predicted_decode_ratio": _r(decode, 4), "predicted_ratio": _r(whole, 4),
+                             "measured_tok_s": m, "measured_ratio": _r(ratio, 4),
+                             "measured_ratio_stock_mean": _r(m / base_mean, 4) if m and base_mean else None,
+                             "within": (abs(whole / ratio - 1) <= WITHIN) if whole and ratio else None,
+                             "measured_tpot_ratio": _r(per_token, 4),
+                             "within_tpot": (abs(decode / per_token - 1) <= WITHIN) if per_token else None})
+            ranked = [r for r in rows if r["measured_ratio"] is not None and r["predicted_ratio"] is not None]
+            predicted = {r["arm"]: r["predicted_ratio"] for r in ranked}
+            seen = {r["arm"]: r["measured_ratio"] for r in ranked}
+            out.append({"workload": workload, "acceptance": source, "stock": stock,
+                        "decode_steps": w["decode_steps"], "other_steps": w["other_steps"],
+                        "other_time_share": _r(w["other_ms"] / (w["decode_ms"] + w["other_ms"]), 4)
+                        if w["decode_ms"] + w["other_ms"] else None,
+                        "rates": mix["acceptance"]["rates"], "arms": rows, "rank_predicted": ranking(predicted, MIN_GAIN),
+                        "rank_measured": ranking(seen), "rank_agrees": rank_agrees(predicted, seen, MIN_GAIN, noise),
+                        "all_within": all(r["within"] for r in ranked) if ranked else None,
+                        "noise": _r(again / base, 4) if base and again else None})
+    return out
+
+
+def advise_report(arms: dict[str, dict[str, Any]], folders: dict[str, str]) -> dict[str, Any] | None:
+    """advise's prediction beside each speculator's measured arms (compare_advice), from the files each arm
+    left in its run folder (folders: arm -> folder): the stock arm's observe file and summary, the table
+    beside them; None without a stock arm that left them."""
+    out: dict[str, Any] = {"groups": [], "rows": []}
+    for stock in sorted(a for a in arms if a == speculator_prefix(a) + "stock"):
+        s = arms[stock]
+        observed = os.path.join(folders[stock], f"context-{stock}-observed.parquet")
+        spec = (s.get("engine") or {}).get("speculative_config") or {}
+        group = predicted_arms(arms, stock)
+        files = [f for a in arms if speculator_prefix(a) == speculator_prefix(stock)
+                 for f in [os.path.join(folders[a], f"context-{a}-observed.parquet")] if os.path.isfile(f)]
+        one = int((s.get("env") or {}).get("VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN", 8192))
+        try:  # one bad file costs this prediction, not the report
+            table = local_table(s, folders[stock])
+            if not (os.path.isfile(observed) and table):
+                continue
+            advice = advise_workloads(table, observed, list(s.get("workloads", {})), spec, one_context=one,
+                                      acceptance_files=files)
+        except Exception as exc:  # noqa: BLE001
+            print(f"advise on {observed} skipped: {type(exc).__name__}: {exc}"[:300])
+            continue
+        out["groups"].append({"stock": stock, "arms": group, **{k: v for k, v in advice.items() if k != "workloads"},
+                              "workloads": advice["workloads"]})
+        out["rows"] += compare_advice(arms, stock, advice)
+    return out if out["groups"] else None
+
+
+def advice_markdown(advice: dict[str, Any]) -> list[str]:
+    from dspark_calib.advise import MIN_GAIN
+
+    lines = []
+    for g in advice["groups"]:
+        acc = "; ".join(f"{k} {', '.join(f'{r:.3f}' for r in a['rates'])}" for k, a in g["acceptance"].items())
+        lines += ["", f"`dspark-calib advise`'s model beside the arms (advise.predict_steps, table {g['table_hash']}, "
+                      f"vocabulary {g['vocab_size']}): over the decode steps {g['stock']} served in each workload "
+                      f"(its observe file), each arm as an option: fixed as K, stock and static as adaptive@"
+                      f"{g['one_context']} (deciding with the table's {g['one_context']} tables, as vLLM's "
+                      "start-up profile at VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN), aware as adaptive "
+                      f"(priced per step at its mean context; the context tail is not modelled). Acceptance: {acc}. "
+                      "Ratios to stock: decode, the decode steps alone; workload, with the stock arm's measured time "
+                      "of its other steps (prefill chunks) added to every arm; measured, output tok/s, and stock's "
+                      "TPOT p50 over the arm's (the steady decode). Within: the workload ratio within "
+                      f"{100 * WITHIN:g} % of the measured tok/s ratio / the decode ratio within {100 * WITHIN:g} % "
+                      "of the TPOT ratio. Ranking (by the workload ratio): = where the predicted "
+                      f"ratios differ by less than {100 * MIN_GAIN:g} % (advise's minimum gain); it agrees when every "
+                      "pair predicted apart is measured in that order and every pair predicted equal is measured "
+                      f"within the larger of {100 * MIN_GAIN:g} % and the noise (rerun against stock).", ""]
+        lines += [f"- {n}" for n in g["notes"]]
+        lines += ["| workload | acceptance | arm | modelled as | drafts/req | predicted tok/s (decode) | "
+                  "predicted vs stock: decode / workload | measured vs stock | vs stock+rerun mean | "
+                  "TPOT p50 stock / arm | within: workload / decode |",
+                  "|---|---|---|---|---:|---:|---|---:|---:|---:|---|"]
+        rows = [r for r in advice["rows"] if r["stock"] == g["stock"]]
+        for r in rows:
+            for a in r["arms"]:
+                within = " / ".join("-" if x is None else "yes" if x else "no" for x in (a["within"], a["within_tpot"]))
+                lines.append(f"| {r['workload']} | {r['acceptance']} | {a['arm']} | {a['option']} | "
+                             f"{_f(a['predicted_drafts_per_request'], 2)} | {_f(a['predicted_tok_s'], 0)} | "
+                             f"{_f(a['predicted_decode_ratio'], 3)} / {_f(a['predicted_ratio'], 3)} | "
+                             f"{_f(a['measured_ratio'], 3)} | {_f(a['measured_ratio_stock_mean'], 3)} | "
+                             f"{_f(a['measured_tpot_ratio'], 3)} | {within} |")
+        lines.append("")
+        for r in rows:
+            agrees = "-" if r["rank_agrees"] is None else "yes" if r["rank_agrees"] else "no"
+            share = None if r["other_time_share"] is None else 100 * r["other_time_share"]
+            order = [" > ".join(" = ".join(g) for g in r[k]) or "-" for k in ("rank_predicted", "rank_measured")]
+            lines.append(f"- {r['workload']}, {r['acceptance']} acceptance ({r['decode_steps']} decode steps; "
+                         f"{r['other_steps']} others, {_f(share, 0)} % of the stock arm's time): ranking predicted "
+                         f"{order[0]}, measured {order[1]}: agrees {agrees}; every workload ratio within "
+                         f"{100 * WITHIN:g} %: {'-' if r['all_within'] is None else 'yes' if r['all_within'] else 'no'}; "
+                         f"noise (rerun / stock) {_f(r['noise'], 3)}")
+    return lines
 
 
 def _f(x: Any, nd: int) -> str:
@@ -1601,25 +1884,35 @@ ARM_FILE = re.compile(r"context-((?:(?:%s)-)?[a-z]+(?:-tail\d+)?(?:-chunks)?(?:-
                       % "|".join(re.escape(s) for s in CONFIG["speculators"] if s != "dspark"))
 
 
+def local_table(summary: dict[str, Any], results: str) -> str | None:
+    """The copy of the arm's table in the run folder (run.sh puts it there), or None; ValueError when the
+    copy is another table than the arm loaded."""
+    info = summary.get("table") or {}
+    local = os.path.join(results, os.path.basename(info["path"])) if info.get("path") else None
+    if not (local and os.path.isfile(local)):
+        return None
+    got = _table_info(local).get("hash")
+    if info.get("hash") and got != info["hash"]:
+        raise ValueError(f"{local} has hash {got}, the arm loaded {info['hash']}")
+    return local
+
+
 def run_report(args: argparse.Namespace) -> int:
-    arms = {}
+    arms, folders = {}, {}
     for d in args.results:
         for name in sorted(os.listdir(d)):
             m = ARM_FILE.fullmatch(name)
             if m:
                 with open(os.path.join(d, name)) as fh:
                     arms[m.group(1)] = json.load(fh)
+                folders[m.group(1)] = d
                 observed = os.path.join(d, f"context-{m.group(1)}-observed.parquet")
-                table = (arms[m.group(1)].get("table") or {}).get("path")
-                local = os.path.join(d, os.path.basename(table)) if table else None
-                want = (arms[m.group(1)].get("table") or {}).get("hash")
-                if os.path.isfile(observed) and local and os.path.isfile(local):
+                if os.path.isfile(observed):
                     try:  # one bad file costs its own rows, not the report
-                        got = _table_info(local).get("hash")
-                        if want and got != want:
-                            raise ValueError(f"{local} has hash {got}, the arm loaded {want}")
-                        arms[m.group(1)]["revalidated"] = revalidate(local, observed,
-                                                                     list(arms[m.group(1)].get("workloads", {})))
+                        local = local_table(arms[m.group(1)], d)
+                        if local:
+                            arms[m.group(1)]["revalidated"] = revalidate(local, observed,
+                                                                         list(arms[m.group(1)].get("workloads", {})))
                     except Exception as exc:  # noqa: BLE001
                         print(f"re-validation of {observed} skipped: {type(exc).__name__}: {exc}"[:300])
     if not arms:
@@ -1627,6 +1920,7 @@ def run_report(args: argparse.Namespace) -> int:
         return 1
     rep = build_report(arms)
     rep["revalidated_with"] = {"git": _git_rev(), "arms": {a: arms[a].get("revalidated") for a in arms}}
+    rep["advice"] = advise_report(arms, folders)
     _write_json(args.json, rep)
     md = markdown(rep)
     with open(args.md, "w") as fh:

@@ -595,6 +595,11 @@ def advise_cmd(
                                                  "most 2^30 / (4 V) logits a step, as vLLM's rejection sampler "
                                                  "(default: no limit modelled).")] = None,
     all_fixed: Annotated[bool, typer.Option("--all", help="A column for every fixed K.")] = False,
+    steps_from: Annotated[Optional[List[str]], typer.Option(
+        "--steps-from", metavar="OBSERVED",
+        help="Observe-mode files (repeatable; a directory stands for its observed-*.parquet files) whose decode "
+             "steps to model instead of the grid: each option's goodput over those steps, each at its batch "
+             "size and mean context.")] = None,
     as_json: JsonOpt = False,
     plot: PlotOpt = None,
     force: ForceOpt = False,
@@ -604,12 +609,17 @@ def advise_cmd(
     Offline (no GPU, no torch, no vLLM).
     """
     from dspark_calib.cli.paths import plot_path, refuse_duplicate_inputs
-    from dspark_calib.observe.file import observed_paths
+    from dspark_calib.observe.file import observed_paths, read_observed
 
     if (acceptance is None) == (not observed):
         raise CalibError("give the acceptance either as --acceptance RATES or as observe files, one of the two")
+    if steps_from and (context or max_num_seqs or all_fixed or plot):
+        raise CalibError("--steps-from models the observed steps; --context, --max-num-seqs, --all and --plot "
+                         "shape the grid of batch sizes and contexts: give one or the other")
     files = observed_paths(observed or [])
     refuse_duplicate_inputs(files, "observe file")
+    step_files = observed_paths(steps_from or [])
+    refuse_duplicate_inputs(step_files, "--steps-from file")
     plot = plot_path(plot, [table, *files], force=force)  # before any work
     from dspark_calib.advise import Acceptance, advise, check_schedule, observed_acceptance, parse_rates
     from dspark_calib.table.file import read_table
@@ -619,9 +629,16 @@ def advise_cmd(
     if acceptance is not None:
         given = Acceptance(check_schedule(parse_rates(acceptance), k), "given")
     else:
-        from dspark_calib.observe.file import read_observed
-
         given = observed_acceptance(t, read_observed(files))
+    if steps_from:
+        from dspark_calib.advise import predict_observed
+        from dspark_calib.errors import display_path
+        from dspark_calib.render.advice import render_step_mix
+
+        mix = predict_observed(t, given, read_observed(step_files), vocab_size=vocab_size)
+        _report({**mix.to_dict(), "steps_from": [display_path(f) for f in step_files]} if as_json else {}, None,
+                as_json, lambda c: render_step_mix(mix, c))
+        return
     result = advise(t, given, contexts=context, max_num_seqs=max_num_seqs, vocab_size=vocab_size)
     if plot:
         from dspark_calib.render import plot_advice

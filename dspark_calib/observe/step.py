@@ -248,6 +248,12 @@ def meta_problem(raw: Mapping[str, Any]) -> str | None:
     return None
 
 
+def decode_steps(c: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Which steps are decode-shaped (one non-draft token per request, no prefill chunk): the shape
+    vLLM profiles, priced by the decode tables and modelled by advise."""
+    return c["num_target_tokens"] - c["draft_budget"] == c["num_reqs"]
+
+
 def column_problem(c: dict[str, np.ndarray]) -> str | None:
     """Vectorised row_problem over whole columns: the first bad row, named."""
     checks: list[tuple[np.ndarray, str]] = []

@@ -647,3 +647,152 @@ def test_a_pinned_arm_dry_runs_pinned_from_the_start(sc, tmp_path):
     seen = read_observed([tmp_path / "context-draft-stock-pinned-observed.parquet"])
     refits = np.asarray(seen["estimator_refits"], dtype=float)
     assert set(refits[refits >= 0]) == {0}  # written once (negative: absent, no new refit)
+
+
+# -- advise's prediction beside the arms ----------------------------------------------------------
+def test_the_enforced_schedule_is_the_rates_or_vllms_minimum_variance_schedule(sc):
+    spec = {"rejection_sample_method": "synthetic", "num_speculative_tokens": 7}
+    assert sc.enforced_schedule({**spec, "synthetic_acceptance_rates": [0.9, 0.5] + [0.1] * 5}) == [0.9, 0.5] + [0.1] * 5
+    assert sc.enforced_schedule({**spec, "synthetic_acceptance_length": 4.0}) == [1.0] * 3 + [0.0] * 4
+    assert sc.enforced_schedule({**spec, "synthetic_acceptance_length": 3.5}) == [1.0, 1.0, 0.5] + [0.0] * 4
+    assert sc.enforced_schedule({**spec, "synthetic_acceptance_length": 8.0}) == [1.0] * 7
+    assert sc.enforced_schedule({"rejection_sample_method": "standard", "num_speculative_tokens": 7}) is None
+
+
+@pytest.mark.parametrize("length", [1.0, 2.25, 4.0, 5.5, 8.0])
+def test_the_minimum_variance_schedule_is_vllms_own(sc, length):
+    config = pytest.importorskip("vllm.config.speculative")
+    spec = {"rejection_sample_method": "synthetic", "num_speculative_tokens": 7, "synthetic_acceptance_length": length}
+    assert sc.enforced_schedule(spec) == config.SpeculativeConfig._acceptance_length_to_rates(length, 7)
+
+
+def test_a_ranking_groups_values_within_the_tie_and_agrees_on_the_pairs_it_orders(sc):
+    assert sc.ranking({"a": 1.0, "b": 1.2, "c": 1.005}, 0.01) == [["b"], ["c", "a"]]
+    assert sc.ranking({"a": 1.0, "b": 1.2, "c": 1.005}) == [["b"], ["c"], ["a"]]
+    predicted = {"a": 1.0, "b": 1.2, "c": 1.005}
+    # b above a and c by more than the tie: measured so -> agrees, whichever of a and c is ahead
+    assert sc.rank_agrees(predicted, {"a": 1.01, "b": 1.1, "c": 1.0}, 0.01, None)
+    assert not sc.rank_agrees(predicted, {"a": 1.2, "b": 1.1, "c": 1.0}, 0.01, None)
+    # a and c predicted equal: measured 3 % apart is a tie within a 4 % noise, not within a 2 % one
+    assert sc.rank_agrees(predicted, {"a": 1.03, "b": 1.1, "c": 1.0}, 0.01, 0.04)
+    assert not sc.rank_agrees(predicted, {"a": 1.03, "b": 1.1, "c": 1.0}, 0.01, 0.02)
+    assert sc.rank_agrees(predicted, {"a": 1.03, "b": 1.1, "c": 1.0}, 0.01, None)  # no rerun: no noise known
+    # nothing to check: every pair predicted equal and no noise known, or one arm
+    assert sc.rank_agrees({"a": 1.0, "c": 1.005}, {"a": 1.2, "c": 1.0}, 0.01, None) is None
+    assert sc.rank_agrees({"a": 1.0, "c": 1.005}, {"a": 1.2, "c": 1.0}, 0.01, 0.05) is False
+    assert sc.rank_agrees({"a": 1.0}, {"a": 1.2}, 0.01, 0.05) is None
+
+
+def _summary(arm, pricing, tok_s, k=7):
+    """tok/s per workload; TPOT p50 1 ms per 1000 tok/s (its ratio to stock's is the tok/s ratio)."""
+    return {"arm": arm, "pricing": pricing, "engine": {"speculative_config": {"num_speculative_tokens": k}},
+            "workloads": {w: {"output_tok_s": v, "tpot_p50_ms": 1000.0 / v} for w, v in tok_s.items()}}
+
+
+def _mix(goodputs, requests=10):
+    return {"requests": requests, "acceptance": {"rates": [0.5]},
+            "options": [{"name": n, "goodput_per_ms": g, "drafts": 7.0 * requests} for n, g in goodputs.items()]}
+
+
+def test_the_prediction_beside_the_arms_by_hand(sc):
+    """stock's decode steps took 300 ms, its other steps 100: fixed K=7 modelled 1.10 x stock's decode
+    goodput -> 400 / (100 + 300 / 1.1) = 1.0732 for the workload, measured 1.10 (within 5 %); aware 1.05 ->
+    1.0370, measured 1.05. On w2 aware is measured below stock: the ranking disagrees."""
+    arms = {"draft-stock": _summary("draft-stock", "stock", {"w": 1000.0, "w2": 1000.0}),
+            "draft-stock-rerun": _summary("draft-stock-rerun", "stock", {"w": 1020.0, "w2": 990.0}),
+            "draft-fixed": _summary("draft-fixed", "fixed", {"w": 1100.0, "w2": 1100.0}),
+            "draft-aware-tail20-chunks": _summary("draft-aware-tail20-chunks", "aware", {"w": 1050.0, "w2": 900.0}),
+            "stock": _summary("stock", "stock", {"w": 5.0})}  # another speculator's arm: not in this comparison
+    mix = _mix({"K=7": 1.1, "adaptive": 1.05, "adaptive@8192": 1.0})
+    work = {"decode_steps": 30, "other_steps": 10, "decode_ms": 300.0, "other_ms": 100.0, "mix": {"schedule": mix}}
+    advice = {"one_context": 8192, "workloads": {"w": work, "w2": work}}
+    rows = sc.compare_advice(arms, "draft-stock", advice)
+    assert [(r["workload"], r["acceptance"]) for r in rows] == [("w", "schedule"), ("w2", "schedule")]
+    w, w2 = rows
+    got = {a["arm"]: a for a in w["arms"]}
+    assert list(got) == ["draft-stock", "draft-aware-tail20-chunks", "draft-fixed"]
+    assert [got[a]["option"] for a in got] == ["adaptive@8192", "adaptive", "K=7"]
+    fixed, aware = got["draft-fixed"], got["draft-aware-tail20-chunks"]
+    assert fixed["predicted_decode_ratio"] == 1.1 and fixed["predicted_ratio"] == pytest.approx(400 / (100 + 300 / 1.1), abs=1e-4)
+    assert fixed["measured_ratio"] == 1.1 and fixed["measured_ratio_stock_mean"] == pytest.approx(1100 / 1010, abs=1e-4)
+    assert fixed["predicted_tok_s"] == 1100.0 and fixed["predicted_drafts_per_request"] == 7.0
+    # the decode ratio against the steady decode: 1.10 against 1.10, 1.05 against 1.05
+    assert fixed["measured_tpot_ratio"] == 1.1 and fixed["within_tpot"] and got["draft-aware-tail20-chunks"]["within_tpot"]
+    assert aware["predicted_ratio"] == pytest.approx(400 / (100 + 300 / 1.05), abs=1e-4) and aware["within"]
+    assert fixed["within"] and got["draft-stock"]["predicted_ratio"] == 1.0 and got["draft-stock"]["within"]
+    assert w["rank_predicted"] == [["draft-fixed"], ["draft-aware-tail20-chunks"], ["draft-stock"]]
+    assert w["rank_agrees"] and w["all_within"] and w["noise"] == 1.02 and w["other_time_share"] == 0.25
+    assert w2["rank_measured"] == [["draft-fixed"], ["draft-stock"], ["draft-aware-tail20-chunks"]]
+    assert w2["rank_agrees"] is False and w2["all_within"] is False and w2["noise"] == 0.99
+    assert not {a["arm"]: a for a in w2["arms"]}["draft-aware-tail20-chunks"]["within"]  # 1.037 vs 0.9
+
+
+def test_advise_workloads_models_each_workloads_decode_steps(sc, tmp_path):
+    """The stock arm's observe file, segmented by markers: each workload's decode steps (not the one
+    carrying a prefill chunk, whose time is the workload's other time) go to advise.predict_steps, once per
+    acceptance; files without an engine give no observed acceptance (a note, the schedule still predicts)."""
+    from dspark_calib.advise import Acceptance, predict_steps
+    from dspark_calib.table.file import read_table
+    from tests.helpers import SHIPPED
+
+    import dataclasses
+
+    rows = _stream([(40, 64, 8300), (25, 32, 1000)])
+    rows[21] = dataclasses.replace(rows[21], num_target_tokens=rows[21].num_target_tokens + 500)  # a prefill chunk
+    _write(tmp_path / "obs", rows)
+    dst = str(tmp_path / "context-stock-observed.parquet")
+    sc.compact_observed(str(tmp_path / "obs"), dst)
+    spec = {"rejection_sample_method": "synthetic", "num_speculative_tokens": 7, "synthetic_acceptance_length": 4.0}
+    out = sc.advise_workloads(str(SHIPPED), dst, ["a", "b"], spec, one_context=8192, acceptance_files=[dst])
+    assert out["segmented"] == "ok" and list(out["workloads"]) == ["a", "b"] and out["vocab_size"] == 151936
+    assert "records no engine fingerprint" in out["notes"][0] and list(out["acceptance"]) == ["schedule"]
+    a = out["workloads"]["a"]
+    assert (a["decode_steps"], a["other_steps"]) == (38, 1)
+    assert a["decode_ms"] == pytest.approx(38 * 1.25) and a["other_ms"] == pytest.approx(1.25)
+    want = predict_steps(read_table(SHIPPED, samples=False), Acceptance((1.0,) * 3 + (0.0,) * 4, "given"),
+                         [64] * 38, [8300.0] * 38, one_context=8192, vocab_size=151936).to_dict()
+    assert a["mix"]["schedule"] == want and out["workloads"]["b"]["mix"]["schedule"]["requests"] == 24 * 32
+
+
+@pytest.mark.slow
+def test_the_report_puts_advises_prediction_beside_the_dry_run_arms(sc, tmp_path):
+    """draft-stock and draft-fixed on the fake engine, then the report: advise models ctx8k's decode steps
+    from draft-stock's observe file at the enforced schedule and at the acceptance both arms' files graded
+    (the fixed arm verifies every draft: 3 accepted, the 4th graded and rejected)."""
+    table = REPO / "benchmarks" / "results" / "h200" / "2026-12-01-2035-draft-model" / \
+        "qwen3-8b__qwen3-0.6b__tp1__nvidia-h200__bdfb1efec4b8.parquet"
+    common = ["--table", str(tmp_path / table.name), "--out", str(tmp_path), "--work", str(tmp_path / "w"),
+              "--dry-run", "--workloads", "ctx8k", "--waves", "1", "--acceptance-rates", "decaying"]
+    (tmp_path / table.name).write_bytes(table.read_bytes())  # run.sh's copy beside the results
+    assert sc.main(["arm", "draft-stock", *common]) == 0 and sc.main(["arm", "draft-fixed", *common]) == 0
+    assert json.loads((tmp_path / "context-draft-fixed.json").read_text())["budgets"]["share_full"] == 1.0
+    assert sc.main(["report", "--results", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serve_context.json").read_text())
+    assert [(r["arm"], r["vs_stock"] is not None) for r in report["rows"]] == [("draft-fixed", True),
+                                                                              ("draft-stock", True)]
+    (group,) = report["advice"]["groups"]
+    assert group["stock"] == "draft-stock" and group["arms"] == ["draft-stock", "draft-fixed"]
+    assert group["acceptance"]["schedule"]["rates"] == [0.9, 0.8, 0.7, 0.55, 0.4, 0.3, 0.2]
+    assert group["acceptance"]["observed"]["rates"] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert len(group["acceptance"]["observed"]["files"]) == 2 and group["notes"] == []
+    rows = report["advice"]["rows"]
+    assert [(r["workload"], r["acceptance"]) for r in rows] == [("ctx8k", "schedule"), ("ctx8k", "observed")]
+    for r in rows:
+        assert r["decode_steps"] > 0 and [a["option"] for a in r["arms"]] == ["adaptive@8192", "K=7"]
+        assert all(a["predicted_ratio"] and a["measured_ratio"] and a["within"] is not None for a in r["arms"])
+        assert sorted(sum(r["rank_predicted"], [])) == sorted(sum(r["rank_measured"], [])) == ["draft-fixed",
+                                                                                               "draft-stock"]
+        assert r["noise"] is None  # no rerun
+    md = (tmp_path / "serve_context.md").read_text()
+    assert "`dspark-calib advise`'s model beside the arms" in md and "| ctx8k | observed | draft-fixed | K=7 |" in md
+
+
+def test_each_speculators_arms_are_read_against_its_own_stock_arm(sc):
+    def arm(tok_s):
+        return {"workloads": {"w": {"workload": {"concurrency": 8}, "requests": 16, "output_tok_s": tok_s,
+                                    "tpot_p50_ms": 1.0, "tpot_p90_ms": 1.0}}}
+
+    rows = sc.build_report({"stock": arm(100.0), "aware": arm(110.0), "draft-stock": arm(50.0),
+                            "draft-fixed": arm(60.0)})["rows"]
+    assert {r["arm"]: r["vs_stock"] for r in rows} == {"stock": 1.0, "aware": 1.1, "draft-stock": 1.0,
+                                                       "draft-fixed": 1.2}

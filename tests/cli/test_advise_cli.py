@@ -92,3 +92,54 @@ def test_advise_is_light(tmp_path, shipped):
     assert_command_is_light("advise", str(SHIPPED), "--acceptance", DECAYING)
     d = observed_dir(tmp_path, shipped, [((4,) * 7, (4,) * 6 + (2,))])
     assert_command_is_light("advise", str(SHIPPED), str(d), "--json")
+
+
+def steps_dir(tmp_path, n=8, contexts=(1500, 1500, 9000)):
+    """Decode steps of n requests at these mean contexts, and one step carrying a prefill chunk."""
+    from dspark_calib.observe.file import ObservedWriter
+    from tests.core.test_observe import step
+
+    d = tmp_path / "steps"
+    with ObservedWriter(d, metadata={}, name="s") as w:
+        for i, c in enumerate(contexts):
+            w.append(step(i, num_reqs=n, context_mean=float(c), context_max=c, context_sum=n * c,
+                          num_target_tokens=n + 40))
+        w.append(step(len(contexts), context_mean=1500.0, context_max=1500, context_sum=12000))  # 64 tokens
+    return d
+
+
+def test_steps_from_gives_each_options_goodput_over_the_observed_steps(tmp_path, shipped):
+    from dspark_calib.advise import Acceptance, predict_steps
+
+    d = steps_dir(tmp_path)
+    r = invoke("advise", SHIPPED, "--acceptance", DECAYING, "--steps-from", d, "--vocab-size", 151936, "--json")
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    want = predict_steps(shipped, Acceptance(tuple(float(x) for x in DECAYING.split(",")), "given"), [8] * 3,
+                         [1500, 1500, 9000], vocab_size=151936).to_dict()
+    assert got == {**json.loads(json.dumps(want)), "steps_from": [str(d / "observed-s-000000.parquet")], "plot": None}
+    assert got["steps"] == 3 and [o["name"] for o in got["options"]][-2:] == ["adaptive", "adaptive@8192"]
+    text = invoke("advise", SHIPPED, "--acceptance", DECAYING, "--steps-from", d)
+    assert text.exit_code == 0, text.output
+    assert "over 3 observed decode steps (24 requests, mean context 4000)" in text.stdout
+    assert "best over these steps:" in text.stdout and "K=7" in text.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--context", "1024"], "--steps-from models the observed steps"),
+    (["--max-num-seqs", "8"], "--steps-from models the observed steps"),
+    (["--all"], "give one or the other"),
+])
+def test_steps_from_with_grid_options_is_one_line(tmp_path, args, fragment):
+    one_line_error(invoke("advise", SHIPPED, "--acceptance", DECAYING, "--steps-from", steps_dir(tmp_path), *args),
+                   fragment)
+
+
+def test_steps_from_without_decode_steps_is_one_line(tmp_path):
+    d = steps_dir(tmp_path, contexts=())
+    one_line_error(invoke("advise", SHIPPED, "--acceptance", DECAYING, "--steps-from", d),
+                   "record no decode step with drafts to model")
+
+
+def test_advise_over_steps_is_light(tmp_path):
+    assert_command_is_light("advise", str(SHIPPED), "--acceptance", DECAYING, "--steps-from", str(steps_dir(tmp_path)))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_calib.advise import Acceptance, advise, check_schedule, observed_acceptance, parse_rates
+from dspark_calib.advise import (Acceptance, advise, check_schedule, observed_acceptance, parse_rates, predict_observed,
+                                 predict_steps)
 from dspark_calib.errors import CalibError
 from dspark_calib.fingerprint import ENGINE_KEYS
 from dspark_calib.fit import Curve, CurvePair
@@ -168,3 +169,91 @@ def test_a_k_that_does_not_fit_the_token_budget_is_no_option(hand_table):
     c = advise(small, given(), contexts=[1024]).cell(1, 1024)
     assert c.fixed[2] is None and c.best_fixed.name == "K=2" and c.adaptive.drafts_per_request == 2
     assert advise(small, given(), contexts=[1024]).to_dict()["cells"][0]["fixed"][2] is None
+
+
+# -- goodput over a mix of decode steps ------------------------------------------------------
+STEPS = ([1, 1, 1], [1024, 1024, 8192])  # two steps at 1024, one at 8192
+
+
+def test_a_step_mix_sums_tokens_and_time_over_its_steps_by_hand(hand_table):
+    mix = predict_steps(hand_table, given(), *STEPS)
+    assert mix.steps == 3 and mix.requests == 3 and mix.context_mean == pytest.approx((2 * 1024 + 8192) / 3)
+    got = {o.name: (o.tokens, o.ms) for o in mix.options}
+    # fixed K: per step 1 + r1..rK tokens; 1024 costs 1 + (2 + K) ms, 8192 costs 2 + (1 + 4 (1 + K)) ms
+    assert got["K=1"] == pytest.approx((3 * 1.8, 4 + 4 + 11))
+    assert got["K=2"] == pytest.approx((3 * 2.3, 5 + 5 + 15))
+    assert got["K=3"] == pytest.approx((3 * 2.5, 6 + 6 + 19))
+    # adaptive: 2 drafts at 1024 (2.3 tokens, 5 ms), 1 at 8192 (1.8, 11 ms)
+    assert got["adaptive"] == pytest.approx((2.3 + 2.3 + 1.8, 5 + 5 + 11))
+    assert mix.option("adaptive").drafts == 5
+    # deciding with 8192's tables: 1 draft everywhere, each step paying its own context
+    assert got["adaptive@8192"] == pytest.approx((3 * 1.8, 4 + 4 + 11))
+    # the goodput is total tokens over total time, not the mean of the steps' goodputs
+    assert mix.option("adaptive").goodput == pytest.approx(6.4 / 21)
+    assert mix.ratio("adaptive") == pytest.approx((6.4 / 21) / (5.4 / 19))
+    assert mix.ratio("adaptive@8192") == 1.0 and mix.ratio("K=9") is None
+
+
+def test_the_one_context_adaptive_decides_with_is_a_setting(hand_table):
+    """Deciding with 1024's tables: 2 drafts everywhere, the 8192 step then paying 2 + 1 + 4 x 3 ms."""
+    mix = predict_steps(hand_table, given(), *STEPS, one_context=1024)
+    assert mix.one_context_name == "adaptive@1024"
+    assert (mix.option("adaptive@1024").tokens, mix.option("adaptive@1024").ms) == pytest.approx((6.9, 25))
+
+
+def test_one_step_is_advise_s_cell(hand_table):
+    cell = advise(hand_table, given(), contexts=[8192]).cell(1, 8192)
+    mix = predict_steps(hand_table, given(), [1], [8192])
+    for o in (*cell.fixed, cell.adaptive, cell.one_context):
+        assert mix.option(o.name).goodput == pytest.approx(o.goodput)
+
+
+def test_a_k_that_does_not_fit_some_step_is_no_option_of_the_mix(hand_table):
+    import dataclasses
+
+    small = dataclasses.replace(hand_table, fingerprint=hand_table.fingerprint.replace(max_num_batched_tokens=3))
+    mix = predict_steps(small, given(), *STEPS)
+    assert [o.name for o in mix.options] == ["K=1", "K=2", "adaptive", "adaptive@8192"]
+    d = mix.to_dict()
+    assert [o["name"] for o in d["options"]] == ["K=1", "K=2", "adaptive", "adaptive@8192"]
+    assert d["options"][3]["vs_one_context"] == 1.0 and d["goodput_unit"] == "tokens/ms"
+
+
+@pytest.mark.parametrize("steps, why", [(([1, 1], [1024]), "2 batch sizes and 1 contexts"),
+                                        (([], []), "no decode steps"),
+                                        (([2], [1024]), "a step of 2 requests: the table prices batches of 1..1"),
+                                        (([1], [float("nan")]), "finite and >= 0")])
+def test_steps_the_table_cannot_model_are_one_line(hand_table, steps, why):
+    with pytest.raises(CalibError, match=__import__("re").escape(why)):
+        predict_steps(hand_table, given(), *steps)
+
+
+def one_request(i, context, **kw):
+    """A decode step of the hand table's engine: one request, 3 drafts scheduled, 2 verified."""
+    return step(i, **{**dict(num_reqs=1, context_mean=float(context), context_max=context, context_sum=context,
+                             scheduled_drafts=3, draft_budget=2, num_target_tokens=3, budget_context_aware=2), **kw})
+
+
+def test_observed_steps_are_modelled_by_their_decode_steps(tmp_path, hand_table):
+    """Two decode steps at 1024, one at 8192, a step carrying a prefill chunk (4 tokens: 2 non-draft) and
+    one without drafts: the mix is STEPS' exactly."""
+    rows = [one_request(0, 1024), one_request(1, 8192), one_request(2, 1024),
+            one_request(3, 1024, num_target_tokens=4), one_request(4, 1024, scheduled_drafts=0, draft_budget=0,
+                                                                   num_target_tokens=1, budget_context_aware=0)]
+    with ObservedWriter(tmp_path / "o", metadata={"engine": engine_of(hand_table)}, name="o") as w:
+        for r in rows:
+            w.append(r)
+    mix = predict_observed(hand_table, given(), read_observed([tmp_path / "o"]))
+    assert mix.to_dict() == predict_steps(hand_table, given(), *STEPS).to_dict()
+
+
+def test_observed_steps_of_another_engine_or_without_decode_steps_are_refused(tmp_path, hand_table):
+    with ObservedWriter(tmp_path / "a", metadata={"engine": engine_of(hand_table, tensor_parallel_size=2)},
+                        name="a") as w:
+        w.append(one_request(0, 1024))
+    with pytest.raises(CalibError, match="observed on another engine"):
+        predict_observed(hand_table, given(), read_observed([tmp_path / "a"]))
+    with ObservedWriter(tmp_path / "b", metadata={}, name="b") as w:  # no engine recorded: steps still usable
+        w.append(one_request(0, 1024, num_target_tokens=4))
+    with pytest.raises(CalibError, match="record no decode step with drafts"):
+        predict_observed(hand_table, given(), read_observed([tmp_path / "b"]))
