@@ -1579,11 +1579,23 @@ def speculator_prefix(label: str) -> str:
     return next((f"{s}-" for s in CONFIG["speculators"] if s != "dspark" and label.startswith(f"{s}-")), "")
 
 
+def pinned(label: str) -> bool:
+    """An arm whose acceptance estimator is pinned to the enforced rates (arm_label's -pinned)."""
+    return bool(re.search(r"-pinned(-|$)", label))
+
+
+def same_family(arms: dict[str, dict[str, Any]], a: str, stock: str) -> bool:
+    """a is compared with stock: the same speculator, and the same estimator (learning or pinned) unless a
+    verifies every draft (fixed K: no estimator decides anything)."""
+    return speculator_prefix(a) == speculator_prefix(stock) and \
+        (arms[a].get("pricing") == "fixed" or pinned(a) == pinned(stock))
+
+
 def predicted_arms(arms: dict[str, dict[str, Any]], stock: str) -> list[str]:
-    """The arms of stock's speculator advise models (stock first): stock, static, aware and fixed, once each
+    """The arms of stock's family advise models (stock first): stock, static, aware and fixed, once each
     (not a rerun, a seeded arm or one with observe off: those are the same engine as one listed)."""
     prefix = speculator_prefix(stock)
-    same = [a for a in arms if speculator_prefix(a) == prefix and arms[a].get("pricing") in PREDICTED_AS
+    same = [a for a in arms if same_family(arms, a, stock) and arms[a].get("pricing") in PREDICTED_AS
             and not re.search(r"-(rerun|seed|noobs)(-|$)", a[len(prefix):])]
     return [stock] + sorted(a for a in same if a != stock)
 
@@ -1761,12 +1773,12 @@ def advise_report(arms: dict[str, dict[str, Any]], folders: dict[str, str]) -> d
     left in its run folder (folders: arm -> folder): the stock arm's observe file and summary, the table
     beside them; None without a stock arm that left them."""
     out: dict[str, Any] = {"groups": [], "rows": []}
-    for stock in sorted(a for a in arms if a == speculator_prefix(a) + "stock"):
+    for stock in sorted(a for a in arms if a in (speculator_prefix(a) + "stock", speculator_prefix(a) + "stock-pinned")):
         s = arms[stock]
         observed = os.path.join(folders[stock], f"context-{stock}-observed.parquet")
         spec = (s.get("engine") or {}).get("speculative_config") or {}
         group = predicted_arms(arms, stock)
-        files = [f for a in arms if speculator_prefix(a) == speculator_prefix(stock)
+        files = [f for a in arms if same_family(arms, a, stock)
                  for f in [os.path.join(folders[a], f"context-{a}-observed.parquet")] if os.path.isfile(f)]
         one = int((s.get("env") or {}).get("VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN", 8192))
         try:  # one bad file costs this prediction, not the report
@@ -1880,7 +1892,7 @@ def _git_rev() -> str | None:
 
 
 # an arm's summary file: context-LABEL.json, LABEL as arm_label makes it (the speculator's prefix when not DSpark)
-ARM_FILE = re.compile(r"context-((?:(?:%s)-)?[a-z]+(?:-tail\d+)?(?:-chunks)?(?:-noobs)?(?:-seed)?(?:-rerun)?)\.json"
+ARM_FILE = re.compile(r"context-((?:(?:%s)-)?[a-z]+(?:-tail\d+)?(?:-chunks)?(?:-noobs)?(?:-seed)?(?:-pinned)?(?:-rerun)?)\.json"
                       % "|".join(re.escape(s) for s in CONFIG["speculators"] if s != "dspark"))
 
 

@@ -614,6 +614,8 @@ def test_a_pinned_estimator_predicts_the_enforced_conditional_rates(sc):
     assert sc.arm_label("stock", 4, speculator="draft", estimator="pinned", rerun=True) == "draft-stock-pinned-rerun"
     runs = sc.CONFIG["comparisons"]["draft-goodput-pinned"]
     assert runs[0] == "draft-stock-pinned" and runs[-1] == "draft-stock-pinned-rerun" and "draft-fixed" in runs
+    for arm in runs:  # the report finds every arm's files
+        assert sc.ARM_FILE.fullmatch(f"context-{arm}.json").group(1) == arm
 
 
 @pytest.mark.parametrize("change", [{"speculator": "dspark"}, {"pricing": "fixed"}, {"estimator": "oracle"}])
