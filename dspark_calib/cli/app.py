@@ -642,8 +642,8 @@ def seed_cmd(
     as_json: JsonOpt = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing seed file.")] = False,
 ) -> None:
-    """A seed for vLLM's online acceptance estimator: the most-refitted coefficients observe mode recorded,
-    with the keys an engine must match (DSPARK_CALIB_ESTIMATOR_SEED=FILE starts the estimator there).
+    """A seed for vLLM's online acceptance estimator: the newest coefficients after a refit that observe mode
+    recorded, with the keys an engine must match (DSPARK_CALIB_ESTIMATOR_SEED=FILE starts the estimator there).
 
     Offline (no GPU, no torch, no vLLM).
     """
