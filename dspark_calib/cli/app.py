@@ -703,13 +703,14 @@ def profile_cmd(
         help="Most seconds to idle before each block but the first (0: off, at most 60; ends early once power "
              "and throttling are back to the first block's), so a block's smallest sizes do not run in the heat "
              "the previous block's largest steps left, which vLLM's own single pass never does.")] = 1.0,
-    load_format: Annotated[str, typer.Option(
-        "--load-format", help="dummy: random weights, only config.json is read (timings do not depend on "
-                              "weights); auto: real weights.")] = "dummy",
+    load_format: Annotated[Optional[str], typer.Option(
+        "--load-format", help="dummy (the default): random weights, only config.json is read (timings do not "
+                              "depend on weights); auto: real weights.")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="One of vLLM's model dtypes.")] = "auto",
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="One of vLLM's KV cache dtypes.")] = "auto",
     quantization: Annotated[Optional[str], typer.Option("--quantization")] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="In (0, 1].")] = 0.85,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(
+        "--gpu-memory-utilization", help="In (0, 1]; default 0.85.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(
         "--max-model-len", help="Default: vLLM's own (from the model config, as vllm serve). Checked on load: "
                               "serve with the same.")] = None,
