@@ -134,7 +134,7 @@ class TailFit:
     best_tail: float | None  # None: fewer than MIN_TAIL_STEPS mixed steps
     best_verify: ErrorStats | None
     best_draft: ErrorStats | None  # drafts of the same steps (full CUDA graph) at best_tail
-    tail_rule: str = TAIL_RULE  # the rule of `tail` (policy.TAIL_RULES: the files' or, with --tail, this release's)
+    tail_rule: str  # the rule of `tail` (policy.TAIL_RULES: the files' or, with --tail, this release's)
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "fitted": self.fitted, "tail": self.tail, "tail_rule": self.tail_rule,
@@ -378,8 +378,8 @@ def price_steps(table: Any, observed: ObservedSteps, *, single_context: int | No
     timed = c["forward_ms"] > 0
     steps = {"draft": c["full_cudagraph"] & (c["drafter_ms"] > 0), "verify": timed & decode,
              "verify_prefill": timed & ~decode}
-    return PricedSteps(costs, grid, single, tail, tail_rule, chunks, rule, as_recorded, priced, predicted, measured, sizes, steps,
-                       single_verify[num_tokens], aware_draft, aware_verify)
+    return PricedSteps(costs, grid, single, tail, tail_rule, chunks, rule, as_recorded, priced, predicted, measured,
+                       sizes, steps, single_verify[num_tokens], aware_draft, aware_verify)
 
 
 def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None, tail_milli: int | None = None,
