@@ -5,8 +5,8 @@ vLLM's estimator (the draft-model, EAGLE, MTP and DFlash speculators, and DSpark
 confidence head) predicts, per draft position k, p = sigmoid(slope x f + intercept_k), f being
 the top draft probability's log-odds; it starts from fixed defaults and refits every 100 steps.
 Observe mode records its coefficients (observe file schema 1.3); ``seed_from_observed`` takes the
-most-refitted reading of the files given, and the plugin (DSPARK_CALIB_ESTIMATOR_SEED) writes it
-into the estimator at start-up. The estimator keeps learning: a seed is its first coefficients,
+newest reading after a refit in the files given (what the estimator learned last), and the plugin
+(DSPARK_CALIB_ESTIMATOR_SEED) writes it into the estimator at start-up. The estimator keeps learning: a seed is its first coefficients,
 nothing more. Its refit carries nothing from one round to the next but the coefficients (each
 round's statistics are cleared, each Newton step damped by that round's own sample count,
 n / (n + 50)), so the seed is the estimator's whole learned state, and the first round moves
@@ -32,6 +32,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
@@ -184,16 +185,34 @@ def seed_mismatches(seed: EstimatorSeed, engine: Mapping[str, Any]) -> list[str]
 
 
 # -- made from observe files -----------------------------------------------------------------------
+ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")  # observe's created_at: sorts as text
+
+
+def _written_at(meta: Mapping[str, Any]) -> str:
+    """When an observe file was written (its created_at); '' (before any) when it records none."""
+    at = meta.get("created_at")
+    return at if isinstance(at, str) and ISO_UTC.fullmatch(at) else ""
+
+
 def seed_from_observed(paths: Iterable[str]) -> EstimatorSeed:
-    """The most-refitted reading (most refits, then most steps) of the estimator in these observe
-    files (schema 1.3), with the keys they record; every file must record the same keys."""
+    """The newest reading after a refit of the estimator in these observe files (schema 1.3), with
+    the keys they record; every file must record the same keys.
+
+    Newest: the reading of the file written last (its created_at; files written in the same second:
+    the reading with the most steps). Each engine start's estimator counts refits and steps from 0,
+    a seeded one too, so counts do not compare across starts: the longest-running start is not the
+    best fitted when a later start was seeded from it and refitted further, and a restart serves
+    the workload of now. Within a start a later reading is a later refit of the same estimator, so
+    the newest reading is that start's last. Readings before any refit (vLLM's defaults, or the
+    seed the start was given) are never taken."""
     from dspark_calib.observe.file import read_observed
     from dspark_calib.observe.step import ABSENT
 
     paths = list(paths)
     keys: dict[str, Any] | None = None
     keys_from = ""
-    best: tuple[tuple[int, int], EstimatorSeed] | None = None
+    best: tuple[tuple[str, int, int], EstimatorSeed] | None = None
+    unrefitted = -1  # the most steps of a reading before any refit (-1: no reading at all)
     for path in paths:
         steps = read_observed([path])
         meta = steps.metadata[0].raw
@@ -213,9 +232,13 @@ def seed_from_observed(paths: Iterable[str]) -> EstimatorSeed:
         k = keys["num_speculative_tokens"]
         if type(k) is not int or not 1 <= k <= MAX_POSITIONS:
             raise CalibError(f"records num_speculative_tokens {_shown(k)}", path=path)
+        written = _written_at(meta)
         refits, counted = steps["estimator_refits"], steps["estimator_steps"]
         for row in (i for i in range(len(steps)) if refits[i] != ABSENT):
-            rank = (int(refits[row]), int(counted[row]))
+            if refits[row] < 1:
+                unrefitted = max(unrefitted, int(counted[row]))
+                continue
+            rank = (written, int(counted[row]), int(refits[row]))
             if best is None or rank > best[0]:
                 intercepts = steps["estimator_intercepts"][row]
                 if len(intercepts) < k or (len(intercepts) > k and not all(map(math.isnan, intercepts[k:]))):
@@ -223,16 +246,17 @@ def seed_from_observed(paths: Iterable[str]) -> EstimatorSeed:
                                      path=path)
                 best = (rank, EstimatorSeed(
                     keys=keys, slope=float(steps["estimator_slope"][row]),
-                    intercepts=tuple(float(x) for x in intercepts[:k]), refits=rank[0], steps=rank[1],
+                    intercepts=tuple(float(x) for x in intercepts[:k]), refits=rank[2], steps=rank[1],
                     source={"file": os.path.basename(path), "host": escape(meta.get("host", ""), 80)}))
-    if best is None:
+    if best is None and unrefitted < 0:
         raise CalibError("no estimator reading in the observe files given (the estimator records itself on the "
                          "first sampled step and after each refit)")
-    (refit_count, step_count), seed = best
-    if refit_count < 1:
-        raise CalibError(f"the estimator never refitted in the observe files given ({step_count} steps; vLLM refits "
-                         "every 100): a seed of vLLM's own starting point seeds nothing")
+    if best is None:
+        raise CalibError(f"the estimator never refitted in the observe files given ({unrefitted} steps; vLLM refits "
+                         "every 100): its readings are its starting point (vLLM's defaults or its seed), nothing "
+                         "learned to seed")
+    seed = best[1]
     problem = coefficients_problem(seed.slope, list(seed.intercepts))
     if problem:
-        raise CalibError(f"the chosen reading (refit {refit_count}, {seed.source['file']}): {problem}")
+        raise CalibError(f"the chosen reading (refit {seed.refits}, {seed.source['file']}): {problem}")
     return replace(seed, source={**seed.source, "files": len(paths)})

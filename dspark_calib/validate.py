@@ -32,7 +32,9 @@ rests on, for the operator to set
 (DSPARK_CALIB_CONTEXT_TAIL). Context-aware pricing here uses the tail the files
 record (the engine's; 0 for a context-aware file from before the tail), the plugin's
 default for files of stock engines (what context-aware mode would have done), or
-``tail_milli``.
+``tail_milli``; by the rule the files record (observe schema 1.4's context_tail_rule:
+the linear rule for files from before it), or this release's with ``tail_milli``. The
+fitted steps (up to twice the mean) are priced alike by both rules.
 
 Prefill chunks (``PrefillCheck``): where the files record the chunks (observe schema
 1.1), the prefill-carrying steps' verify is priced both by the KV sum and by
@@ -55,7 +57,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dspark_calib.pricing.policy import (CHUNK_RULE, CONTEXT_AWARE, DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI,
-                                         MAX_TAIL_MILLI)
+                                         MAX_TAIL_MILLI, TAIL_RULE)
 from dspark_calib.pricing.grid import DEFAULT_TOLERANCE, ContextGrid
 from dspark_calib.pricing.costs import ContextCosts
 from dspark_calib.pricing.rules import prefill_context_sum, tail_context_sum
@@ -132,9 +134,11 @@ class TailFit:
     best_tail: float | None  # None: fewer than MIN_TAIL_STEPS mixed steps
     best_verify: ErrorStats | None
     best_draft: ErrorStats | None  # drafts of the same steps (full CUDA graph) at best_tail
+    tail_rule: str  # the rule of `tail` (policy.TAIL_RULES: the files' or, with --tail, this release's)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "fitted": self.fitted, "tail": self.tail, "verify": self.verify.to_dict(),
+        return {"steps": self.steps, "fitted": self.fitted, "tail": self.tail, "tail_rule": self.tail_rule,
+                "verify": self.verify.to_dict(),
                 "best_tail": self.best_tail,
                 "best_verify": self.best_verify and self.best_verify.to_dict(),
                 "best_draft": self.best_draft and self.best_draft.to_dict(), "spread": MIXED_SPREAD}
@@ -213,6 +217,7 @@ class PricedSteps:
     grid: ContextGrid
     single: int  # the single-context pricing's context
     tail: int  # thousandths
+    tail_rule: str  # policy.TAIL_RULES
     chunks: bool  # chunks priced by query-context pairs
     rule: str  # their pair price
     as_recorded: bool  # priced with the files' own settings (no option overrode them)
@@ -277,6 +282,12 @@ def recorded_tail(observed: ObservedSteps) -> int:
                              lambda v: f"{v / MAX_TAIL_MILLI:g}")
 
 
+def recorded_tail_rule(observed: ObservedSteps) -> str:
+    """The tail rule (policy.TAIL_RULES) of the context-aware engines that priced these files with a
+    tail; this release's when none did."""
+    return _recorded_setting(observed, "tail_rule", TAIL_RULE, "tail rules", "--tail", among=lambda p: p.tail_milli > 0)
+
+
 def recorded_chunks(observed: ObservedSteps) -> bool:
     """Did the context-aware engines that wrote these files price prefill chunks by their pairs?"""
     return _recorded_setting(observed, "chunks", DEFAULT_CONTEXT_CHUNKS, "chunk pricing", "--chunks or --no-chunks")
@@ -333,6 +344,7 @@ def price_steps(table: Any, observed: ObservedSteps, *, single_context: int | No
 
     num_reqs, num_tokens = c["num_reqs"], c["num_target_tokens"]
     tail = recorded_tail(observed) if tail_milli is None else int(tail_milli)
+    tail_rule = recorded_tail_rule(observed) if tail_milli is None else TAIL_RULE
     if not 0 <= tail <= MAX_TAIL_MILLI:
         raise CalibError(f"the tail must be between 0 and 1, got {tail / MAX_TAIL_MILLI:g}")
 
@@ -348,8 +360,8 @@ def price_steps(table: Any, observed: ObservedSteps, *, single_context: int | No
     def priced(t: int, by_pairs: bool = chunks) -> tuple[np.ndarray, np.ndarray]:
         """As the engine prices: drafts and verify at the KV sum raised by tail t, and with by_pairs
         a chunk step's verify at prefill_context_sum of it, at the pair price rule (N: the
-        non-draft tokens, as the first rule took)."""
-        s = tail_context_sum(c["context_sum"], c["context_max"], num_reqs, t)
+        non-draft tokens, as the first rule took); the tail by tail_rule."""
+        s = tail_context_sum(c["context_sum"], c["context_max"], num_reqs, t, tail_rule)
         v = None
         if by_pairs and chunked.any():
             ratio = costs.chunk_ratio(rule, non_draft)
@@ -366,8 +378,8 @@ def price_steps(table: Any, observed: ObservedSteps, *, single_context: int | No
     timed = c["forward_ms"] > 0
     steps = {"draft": c["full_cudagraph"] & (c["drafter_ms"] > 0), "verify": timed & decode,
              "verify_prefill": timed & ~decode}
-    return PricedSteps(costs, grid, single, tail, chunks, rule, as_recorded, priced, predicted, measured, sizes, steps,
-                       single_verify[num_tokens], aware_draft, aware_verify)
+    return PricedSteps(costs, grid, single, tail, tail_rule, chunks, rule, as_recorded, priced, predicted, measured,
+                       sizes, steps, single_verify[num_tokens], aware_draft, aware_verify)
 
 
 def validate(table: Any, observed: ObservedSteps, *, single_context: int | None = None, tail_milli: int | None = None,
@@ -406,7 +418,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     # t is the mixes' coefficient: fitted where it charges the whole gap (rules.tail_context_sum), not on
     # batches whose longest request is past twice the mean, where the rule only bounds what it charges
     near = mixed & (c["context_max"] * num_reqs <= 2 * c["context_sum"])
-    tail_fit = _fit_tail(priced, tail, now, int(mixed.sum()), near, near & steps["draft"], c)
+    tail_fit = _fit_tail(priced, tail, p.tail_rule, now, int(mixed.sum()), near, near & steps["draft"], c)
     prefill = _check_prefill(priced, tail, chunks, steps["verify_prefill"], p.single_verify, aware_verify, c,
                              rule)
 
@@ -452,8 +464,8 @@ def _check_prefill(priced: Any, tail: int, chunks: bool, steps: np.ndarray, sing
                         chunks, pair_rule)
 
 
-def _fit_tail(priced: Any, tail: int, now: ErrorStats, steps: int, mixed: np.ndarray, mixed_drafts: np.ndarray,
-              c: dict) -> TailFit:
+def _fit_tail(priced: Any, tail: int, rule: str, now: ErrorStats, steps: int, mixed: np.ndarray,
+              mixed_drafts: np.ndarray, c: dict) -> TailFit:
     """The tail (0, 0.05, ..., 1) with the smallest median verify error on the mixed decode steps
     given (now: the errors of every mixed decode step, steps of them, at the tail in use)."""
     def errors(t: int) -> tuple[ErrorStats, ErrorStats]:
@@ -463,10 +475,10 @@ def _fit_tail(priced: Any, tail: int, now: ErrorStats, steps: int, mixed: np.nda
 
     n = int(mixed.sum())
     if n < MIN_TAIL_STEPS:
-        return TailFit(steps, n, tail / MAX_TAIL_MILLI, now, None, None, None)
+        return TailFit(steps, n, tail / MAX_TAIL_MILLI, now, None, None, None, rule)
     fits = {t: errors(t) for t in range(0, MAX_TAIL_MILLI + 1, TAIL_STEP_MILLI)}
     best = min(fits, key=lambda t: (fits[t][0].median_pct, t))  # ties: the smaller tail
-    return TailFit(steps, n, tail / MAX_TAIL_MILLI, now, best / MAX_TAIL_MILLI, *fits[best])
+    return TailFit(steps, n, tail / MAX_TAIL_MILLI, now, best / MAX_TAIL_MILLI, *fits[best], rule)
 
 
 def max_error_exceeded(result: ValidationResult, pct: float, *, pricing: str = AWARE) -> bool:

@@ -91,8 +91,8 @@ def _runner(tables, rng, directory, every, grid=None):
         ca.install(runner.adaptive_verification, grid)
     if every:
         with mock.patch.dict(os.environ, {"DSPARK_CALIB_OBSERVE": directory, "DSPARK_CALIB_OBSERVE_EVERY": str(every)}):
-            om.maybe_observe(runner, event_factory=_events, writer_kwargs={"rows_per_file": 1 << 30,
-                                                                           "max_buffer_s": 1e9})
+            om.maybe_observe(runner, None, event_factory=_events, writer_kwargs={"rows_per_file": 1 << 30,
+                                                                                 "max_buffer_s": 1e9})
     return runner
 
 

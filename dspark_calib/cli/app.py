@@ -659,8 +659,8 @@ def seed_cmd(
     as_json: JsonOpt = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing seed file.")] = False,
 ) -> None:
-    """A seed for vLLM's online acceptance estimator: the most-refitted coefficients observe mode recorded,
-    with the keys an engine must match (DSPARK_CALIB_ESTIMATOR_SEED=FILE starts the estimator there).
+    """A seed for vLLM's online acceptance estimator: the newest coefficients after a refit that observe mode
+    recorded, with the keys an engine must match (DSPARK_CALIB_ESTIMATOR_SEED=FILE starts the estimator there).
 
     Offline (no GPU, no torch, no vLLM).
     """
@@ -720,13 +720,14 @@ def profile_cmd(
         help="Most seconds to idle before each block but the first (0: off, at most 60; ends early once power "
              "and throttling are back to the first block's), so a block's smallest sizes do not run in the heat "
              "the previous block's largest steps left, which vLLM's own single pass never does.")] = 1.0,
-    load_format: Annotated[str, typer.Option(
-        "--load-format", help="dummy: random weights, only config.json is read (timings do not depend on "
-                              "weights); auto: real weights.")] = "dummy",
+    load_format: Annotated[Optional[str], typer.Option(
+        "--load-format", help="dummy (the default): random weights, only config.json is read (timings do not "
+                              "depend on weights); auto: real weights.")] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="One of vLLM's model dtypes.")] = "auto",
     kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="One of vLLM's KV cache dtypes.")] = "auto",
     quantization: Annotated[Optional[str], typer.Option("--quantization")] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", help="In (0, 1].")] = 0.85,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(
+        "--gpu-memory-utilization", help="In (0, 1]; default 0.85.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(
         "--max-model-len", help="Default: vLLM's own (from the model config, as vllm serve). Checked on load: "
                               "serve with the same.")] = None,

@@ -134,16 +134,37 @@ def output_to(log_path: str) -> Iterator[None]:
             os.close(f)
 
 
+def refuse_engine_options(given: Sequence[tuple[str, bool]]) -> None:
+    """--from-capture starts no engine: an option only an engine uses, given, would be accepted and
+    do nothing (the table takes the run's load format and --engine-arg fields from the capture)."""
+    named = next((flag for flag, was_given in given if was_given), None)
+    if named is not None:
+        raise CalibError(f"{named}: only a run that starts the engine uses it, and --from-capture starts none (the "
+                         "table takes the GPU run's load format and --engine-arg fields from the capture); leave it out")
+
+
 def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative_tokens: int | None, max_num_seqs: int,
-         max_num_batched_tokens: int, context_len: Sequence[int], replays: int, warmup: int, load_format: str,
-         dtype: str, kv_cache_dtype: str, quantization: str | None, gpu_memory_utilization: float,
+         max_num_batched_tokens: int, context_len: Sequence[int], replays: int, warmup: int, load_format: str | None,
+         dtype: str, kv_cache_dtype: str, quantization: str | None, gpu_memory_utilization: float | None,
          max_model_len: int | None, distributed_executor_backend: str | None, out: str,
          keep_capture: str | None, engine_arg: Sequence[str], engine_args_json: str | None,
          strict_stability: bool = False, cooldown: float = 1.0, force: bool = False,
          from_capture: str | None = None) -> None:
     """The `profile` command: everything checkable first (options, the output path, the model
     configs, vLLM's presence and the GPUs, all without importing vllm or torch), then one
-    engine start. With `from_capture`, no engine: the table from that kept capture (rebuild)."""
+    engine start. With `from_capture`, no engine: the table from that kept capture (rebuild).
+    load_format / gpu_memory_utilization None: ProfileOptions' defaults."""
+    from dspark_calib.vllm.profile.plan import ProfileOptions
+
+    if from_capture is not None:
+        refuse_engine_options((("--load-format", load_format is not None),
+                               ("--gpu-memory-utilization", gpu_memory_utilization is not None),
+                               ("--distributed-executor-backend", distributed_executor_backend is not None),
+                               ("--engine-arg", bool(engine_arg)), ("--engine-args-json", engine_args_json is not None),
+                               ("--keep-capture", keep_capture is not None)))
+    load_format = ProfileOptions.load_format if load_format is None else load_format
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = ProfileOptions.gpu_memory_utilization
     check_ranges(context_len=context_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  gpu_memory_utilization=gpu_memory_utilization, replays=replays, warmup=warmup, tp=tp,
                  num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len,
@@ -154,14 +175,11 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
     check_model_dtype(dtype, "--dtype")
     extra = parse_engine_args(engine_arg, engine_args_json)
     from dspark_calib.vllm.profile import driver
-    from dspark_calib.vllm.profile.plan import ProfileOptions
 
     draft = speculator(method).drafter_or_target(draft, model)
     model_dir, model_id = driver.resolve_model(model, "--model")
     draft_dir, draft_id = driver.resolve_model(draft, "--draft") if draft != model else (model_dir, model_id)
     if from_capture is not None:
-        if keep_capture is not None:
-            raise CalibError("--keep-capture: nothing to keep with --from-capture (no engine runs)")
         target = table_out(out, [from_capture], force=force, fresh=True)
     else:
         check_keep_capture(keep_capture)

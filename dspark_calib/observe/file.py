@@ -31,10 +31,15 @@ Format history (OBSERVED_SCHEMA_VERSION, "major.minor"):
   ``estimator_keys`` (engines with the estimator): what a seed made from the file must match
   (seed.SEED_KEYS). Migration: a 1.2 file reads with the four null (ABSENT counts, NaN
   coefficients).
+* 1.4 (dspark-calib 0.1.0): the metadata key ``context_tail_rule``, how the engine's mixed-context
+  tail charged a batch's gap (pricing.policy.TAIL_RULES: ``bounded``, S + t min(G, S^2 / G), or
+  ``linear``, S + t G). No column. Migration: an older file reads as ``linear``
+  (policy.UNRECORDED_TAIL_RULE), the only rule engines had before the key, so ``validate`` and
+  ``calibrate`` price its steps as its engine did.
 
 Compatibility rules, as for tables: a reader accepts every minor of its major
-(columns a newer minor adds are ignored; a minor may only add columns); a newer
-major is refused naming both versions.
+(columns and metadata keys a newer minor adds are ignored; a minor may only add
+columns or metadata keys); a newer major is refused naming both versions.
 
 Writing: rows are buffered and written as one file per ``rows_per_file`` rows
 (or ``max_buffer_s`` seconds) through ``atomic.atomic_write`` (temp file, then
@@ -70,9 +75,10 @@ from dspark_calib.fileformat.version import Migrations, parse_version
 from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COEFFICIENTS, COLUMNS, ESTIMATOR, FLOAT, INT,
                                        NULLABLE, POSITIONS, PREFILL, ObservedStep, ObserveMeta, column_problem,
                                        meta_problem)
+from dspark_calib.pricing.policy import UNRECORDED_TAIL_RULE
 from dspark_calib.safe_open import open_local
 
-OBSERVED_SCHEMA_VERSION = "1.3"
+OBSERVED_SCHEMA_VERSION = "1.4"
 METADATA_KEY = b"dspark_calib_observed"
 FILE_PREFIX = "observed-"
 # Reading, as tables are read (fileformat.limits): a writer's file is rows_per_file rows (4096 by
@@ -242,7 +248,7 @@ def _concatenate(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=fill) for p in parts])
 
 
-# -- migrations: a minor only adds columns; an older minor's file reads them as ABSENT ------------
+# -- migrations: a minor adds columns (an older minor's file reads them as ABSENT) or metadata keys --
 MIGRATIONS = Migrations(OBSERVED_SCHEMA_VERSION)
 migration = MIGRATIONS.add
 
@@ -269,6 +275,12 @@ def _m_1_2_to_1_3(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np
     """1.3 added the acceptance estimator's coefficients: a 1.2 engine recorded none (seed refuses such files)."""
     rows = len(next(iter(cols.values()))) if cols else 0
     return {**cols, **null_estimator(rows)}, {**meta, "schema_version": "1.3"}
+
+
+@migration("1.3", "1.4")
+def _m_1_3_to_1_4(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """1.4 records the tail rule: every engine before it charged the whole gap (the linear rule)."""
+    return cols, {**meta, "context_tail_rule": UNRECORDED_TAIL_RULE, "schema_version": "1.4"}
 
 
 def null_estimator(rows: int) -> dict[str, np.ndarray]:

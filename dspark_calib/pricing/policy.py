@@ -22,6 +22,9 @@ MAX_EXTRAPOLATE_TO = MAX_CONTEXT_LEN  # far above any model's context; a bigger 
 CHUNK_RULE = "largest-step"  # a chunk's pair at R(N_max) / N_max KV tokens (docs/pricing.md)
 CHUNK_RULE_PER_STEP = "per-step"  # the first rule: R(N) / N at the step's own N
 CHUNK_RULES = (CHUNK_RULE, CHUNK_RULE_PER_STEP)
+TAIL_RULE = "bounded"  # S + t min(G, S^2 / G), G = n max - S (rules.tail_context_sum; docs/pricing.md)
+TAIL_RULE_LINEAR = "linear"  # the first rule: S + t G, whatever the gap
+TAIL_RULES = (TAIL_RULE, TAIL_RULE_LINEAR)
 
 # The plugin's defaults, chosen on served steps (docs/results): a tail of 0.2 for mixed-context
 # batches, and prefill chunks priced by their query-context pairs. Uniform batches are priced the
@@ -35,6 +38,7 @@ UNRECORDED_TAIL_MILLI = 0
 UNRECORDED_CHUNKS = False
 UNRECORDED_CHUNK_RULE = CHUNK_RULE_PER_STEP
 UNRECORDED_EXTRAPOLATE_TO = 0  # above the profiled range: the longest context's costs
+UNRECORDED_TAIL_RULE = TAIL_RULE_LINEAR  # observe files before schema 1.4 (observe.file's migration)
 
 
 def _int_in(value: Any, lo: int, hi: int) -> bool:
@@ -75,7 +79,7 @@ def coverage(contexts: Sequence[int], max_model_len: int | None) -> str:
 @dataclass(frozen=True)
 class PricingPolicy:
     """mode: STOCK / TABLE / CONTEXT_AWARE; static_context: the context of the static tables;
-    tail_milli, chunks, chunk_rule and extrapolate_to apply in context-aware mode only.
+    tail_milli, tail_rule, chunks, chunk_rule and extrapolate_to apply in context-aware mode only.
     extrapolate_to: costs above the longest profiled context follow the line through the two
     longest up to this context (the engine's max_model_len); 0: the longest context's costs."""
 
@@ -86,6 +90,7 @@ class PricingPolicy:
     chunk_rule: str = CHUNK_RULE
     extrapolate_to: int = 0
     contexts: tuple[int, ...] = ()  # the profiled contexts the engine prices (); (): all of the table's
+    tail_rule: str = TAIL_RULE  # how the tail charges a batch's gap (TAIL_RULES)
 
     @property
     def context_aware(self) -> bool:
@@ -94,7 +99,8 @@ class PricingPolicy:
     def metadata(self) -> dict[str, Any]:
         """The keys observe mode writes into each file's metadata (from_metadata reads them)."""
         meta: dict[str, Any] = {"mode": self.mode, "static_context": self.static_context,
-                                "context_tail_milli": self.tail_milli, "context_chunks": self.chunks}
+                                "context_tail_milli": self.tail_milli, "context_tail_rule": self.tail_rule,
+                                "context_chunks": self.chunks}
         if self.chunks:
             meta["context_chunk_rule"] = self.chunk_rule
         if self.extrapolate_to:
@@ -106,8 +112,9 @@ class PricingPolicy:
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "PricingPolicy":
         """The policy an observe file records; a key the file predates reads as what the engines
-        of that time did (UNRECORDED_*). Only context-aware files are checked for tail and chunks:
-        other modes price neither."""
+        of that time did (UNRECORDED_*; the tail rule: observe.file's migration writes it into every
+        file before schema 1.4, and every engine since records it). Only context-aware files are
+        checked for tail and chunks: other modes price neither."""
         mode = meta.get("mode", STOCK)
         static = meta.get("static_context")
         static = static if isinstance(static, int) and not isinstance(static, bool) else 0
@@ -116,6 +123,10 @@ class PricingPolicy:
         tail = meta.get("context_tail_milli", UNRECORDED_TAIL_MILLI)
         if not valid_tail(tail):
             raise CalibError(f"an observe file records context_tail_milli={tail!r} (want 0..{MAX_TAIL_MILLI})")
+        tail_rule = meta.get("context_tail_rule")
+        if tail_rule not in TAIL_RULES:
+            raise CalibError(f"an observe file records context_tail_rule={tail_rule!r} (want one of "
+                             f"{', '.join(TAIL_RULES)})")
         chunks = meta.get("context_chunks", UNRECORDED_CHUNKS)
         if not isinstance(chunks, bool):
             raise CalibError(f"an observe file records context_chunks={chunks!r} (want true or false)")
@@ -130,4 +141,4 @@ class PricingPolicy:
         if not (isinstance(priced, list) and len(priced) <= 64
                 and all(_int_in(c, 0, MAX_EXTRAPOLATE_TO) for c in priced)):
             raise CalibError(f"an observe file records context_priced={str(priced)[:80]} (want a list of contexts)")
-        return cls(CONTEXT_AWARE, static, tail, chunks, rule, far, tuple(sorted(priced)))
+        return cls(CONTEXT_AWARE, static, tail, chunks, rule, far, tuple(sorted(priced)), tail_rule)

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from dspark_calib.errors import CalibError
-from dspark_calib.pricing.policy import CHUNK_RULE, CHUNK_RULE_PER_STEP, CHUNK_RULES, MAX_TAIL_MILLI
+from dspark_calib.pricing.policy import (CHUNK_RULE, CHUNK_RULE_PER_STEP, CHUNK_RULES, MAX_TAIL_MILLI, TAIL_RULE,
+                                         TAIL_RULES)
 
 
 def profile_requests(num_tokens: int, max_num_reqs: int) -> int:
@@ -35,7 +36,7 @@ def verify_context(context_sum: int, num_tokens: int, max_num_reqs: int) -> int:
     return -(-int(context_sum) // max(1, profile_requests(num_tokens, max_num_reqs)))
 
 
-def tail_context_sum(context_sum: Any, context_max: Any, num_reqs: Any, tail_milli: int) -> Any:
+def tail_context_sum(context_sum: Any, context_max: Any, num_reqs: Any, tail_milli: int, rule: str = TAIL_RULE) -> Any:
     """The KV sum a step is priced at with the mixed-context tail: S + t min(G, S^2 / G), G = n max - S
     (the batch's gap to a uniform batch at its longest context), t = tail_milli / 1000, each division
     rounded down. In mean terms: mean + t min(g, mean^2 / g), g = max - mean.
@@ -45,17 +46,22 @@ def tail_context_sum(context_sum: Any, context_max: Any, num_reqs: Any, tail_mil
     mean / g: at most S / max requests can be that long, and one long request among many short
     ones is cut by the attention kernel into pieces run beside the short ones (FlashAttention's
     split of a request longer than an SM's share of the step), so it costs about its KV.
-    docs/pricing.md gives the measurements. Integers only (identical on every rank); scalars or
-    numpy arrays alike; tail_milli 0 returns S unchanged."""
+    docs/pricing.md gives the measurements. rule TAIL_RULE_LINEAR is the first rule, S + t G at
+    every gap: what engines before it priced with (their observe files record it), so validate and
+    calibrate price their steps as they were priced. Integers only (identical on every rank);
+    scalars or numpy arrays alike; tail_milli 0 returns S unchanged."""
     if not tail_milli:
         return context_sum
     gap = context_max * num_reqs - context_sum
     if not isinstance(gap, np.ndarray):  # the engine's plain integers, once per step: no numpy call
-        return context_sum + (tail_milli * (gap if gap <= context_sum else context_sum * context_sum // gap)
-                              ) // MAX_TAIL_MILLI
+        if gap > context_sum and rule == TAIL_RULE:  # (the engine's rule is TAIL_RULE: install checks it)
+            gap = context_sum * context_sum // gap
+        return context_sum + (tail_milli * gap) // MAX_TAIL_MILLI
+    if rule not in TAIL_RULES:
+        raise CalibError(f"unknown tail rule {rule!r} (known: {', '.join(TAIL_RULES)})")
     total, gap = np.broadcast_arrays(np.asarray(context_sum, dtype=np.int64), gap)
     charged = gap.copy()
-    far = gap > total
+    far = (gap > total) if rule == TAIL_RULE else np.zeros(gap.shape, dtype=bool)
     if far.any():  # S^2 can pass int64's range: Python's integers, exact as the engine's
         s = total[far].astype(object)
         charged[far] = (s * s // gap[far].astype(object)).astype(np.int64)

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dspark_calib.atomic import atomic_write
-from dspark_calib.pricing.policy import CHUNK_RULE
+from dspark_calib.pricing.policy import CHUNK_RULE, TAIL_RULE
 from dspark_calib.env import CONTEXT_CHUNKS, CONTEXT_TAIL  # standard library only
 from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS
 from dspark_calib.validate import (AWARE, KINDS, MIN_TAIL_STEPS, MIXED_SPREAD, PRICINGS, SINGLE, VERDICT_KINDS,
@@ -88,6 +88,8 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
         line = (f"mixed-context decode steps (longest >= {MIXED_SPREAD:g} x mean): {fit.steps}; context-aware verify "
                 f"median {_pct(fit.verify.median_pct)} (bias {_signed(fit.verify.median_signed_pct)}) at tail "
                 f"{fit.tail:g}")
+        if fit.tail and fit.tail_rule != TAIL_RULE:  # an older engine's rule: say it, the numbers are its
+            line += f" by the {fit.tail_rule} rule the files record (this release's: {TAIL_RULE})"
         if fit.best_tail is None:
             line += f"; too few up to 2 x mean to fit a tail ({fit.fitted}, under {MIN_TAIL_STEPS})"
         else:

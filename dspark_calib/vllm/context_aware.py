@@ -38,7 +38,7 @@ from dspark_calib.errors import PREFIX, exception_line
 from dspark_calib.pricing.grid import DEFAULT_MAX_BYTES, DEFAULT_TOLERANCE, ContextGrid, StepBuffer
 from dspark_calib.pricing.policy import MAX_TAIL_MILLI
 from dspark_calib.pricing.costs import ContextCosts, curves_for_broadcast
-from dspark_calib.pricing.policy import CONTEXT_AWARE, PricingPolicy
+from dspark_calib.pricing.policy import CONTEXT_AWARE, TAIL_RULE, PricingPolicy
 from dspark_calib.pricing.rules import prefill_context_sum, tail_context_sum
 from dspark_calib.vllm.runtime import peek_state, state_of
 
@@ -267,6 +267,8 @@ def install(manager: Any, grid: ContextGrid, policy: PricingPolicy | None = None
     policy = policy or PricingPolicy(CONTEXT_AWARE)
     if not 0 <= int(policy.tail_milli) <= MAX_TAIL_MILLI:
         raise ValueError(f"tail_milli must be between 0 and {MAX_TAIL_MILLI}, got {policy.tail_milli}")
+    if policy.tail_rule != TAIL_RULE:  # the step prices by this release's rule only; the policy must say so
+        raise ValueError(f"the engine prices the tail by the {TAIL_RULE} rule, not {policy.tail_rule!r}")
     state = installed_state(manager)
     if state is not None:
         state.grid, state.buffer, state.policy = grid, StepBuffer(grid), policy

@@ -157,15 +157,15 @@ def apply(est: Any, seed: Any) -> None:
         est.intercepts.copy_(torch.tensor(seed.intercepts, dtype=est.intercepts.dtype))
 
 
-def seed_runner(runner: Any) -> SeedDecision | None:
-    """Seed this runner's estimator when DSPARK_CALIB_ESTIMATOR_SEED is set, once per estimator;
-    the decision (None when unset). Raises RuntimeError only to refuse (strict): on every rank
-    when the engine has an estimator; without one only rank 0 decides, so only rank 0 refuses
-    (the executor then fails the start)."""
+def seed_runner(runner: Any, est: Any) -> SeedDecision | None:
+    """Seed this runner's estimator est (estimator_of's reading, taken once per start by the caller;
+    None: none) when DSPARK_CALIB_ESTIMATOR_SEED is set, once per estimator; the decision (None
+    when unset). Raises RuntimeError only to refuse (strict): on every rank when the engine has an
+    estimator; without one only rank 0 decides, so only rank 0 refuses (the executor then fails
+    the start)."""
     path = E.estimator_seed()
     if not path:
         return None
-    est = estimator_of(runner)
     if est is not None and est in _seeded:
         return None  # a later initialize_kv_cache: the estimator has learned since
     from dspark_calib.vllm.engine_info import broadcast_from_rank0, tp_rank_and_size

@@ -79,7 +79,7 @@ class Observer:
 
     def __init__(self, manager: Any, directory: str, *, every: int, event_factory: Callable[[], Any],
                  pricing: Callable[[Any], Pricing], metadata: dict | None = None, max_pending: int = 256,
-                 name: str | None = None, writer_kwargs: dict | None = None):
+                 name: str | None = None, writer_kwargs: dict | None = None, estimator: Any = None):
         from dspark_calib.observe.step import PendingSteps
 
         self.manager, self.directory, self.every = manager, directory, every
@@ -93,7 +93,7 @@ class Observer:
         self.pricing: Pricing | None = None
         self.writer: Any = None
         self.at_exit: Callable[[], None] | None = None
-        self.estimator: Any = None  # vLLM's acceptance estimator, when the speculator has one
+        self.estimator = estimator  # vLLM's acceptance estimator, when the speculator has one
         self.estimator_written: int | None = None  # refits of the last reading written
 
     # -- call points ---------------------------------------------------------------------
@@ -308,9 +308,6 @@ def attach(runner: Any, obs: Observer) -> Observer:
     _wrap(runner.speculator, "propose", propose)
     if callable(getattr(runner, "shutdown", None)):
         _wrap(runner, "shutdown", shutdown)
-    from dspark_calib.vllm.estimator import estimator_of
-
-    obs.estimator = estimator_of(runner)
     state_of(runner).observer = obs
     obs.at_exit = functools.partial(_close_if_alive, weakref.ref(obs))  # exit flushes; never keeps obs alive
     atexit.register(obs.at_exit)
@@ -388,10 +385,11 @@ def prepare_dir(directory: str) -> str:
     return ""
 
 
-def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None,
+def maybe_observe(runner: Any, estimator: Any, *, event_factory: Callable[[], Any] | None = None,
                   writer_kwargs: dict | None = None) -> Observer | None:
     """Observe this runner's serving steps when DSPARK_CALIB_OBSERVE is set; never raises
-    (an engine that would start without observe starts with it, at worst unobserved)."""
+    (an engine that would start without observe starts with it, at worst unobserved). estimator:
+    its speculator's acceptance estimator as estimator.estimator_of read it (None: none)."""
     directory = E.observe_dir()
     if not directory:
         return None
@@ -446,15 +444,16 @@ def maybe_observe(runner: Any, *, event_factory: Callable[[], Any] | None = None
         # advise can refuse files of another engine than its table's
         meta["engine"] = describe_engine(manager, [], getattr(runner, "vllm_config", None))
         meta["host"] = socket.gethostname()  # calibrate records which hosts its steps were served on
-        from dspark_calib.vllm.estimator import estimator_of, seed_keys
+        from dspark_calib.vllm.estimator import seed_keys
 
-        if estimator_of(runner) is not None:  # what `dspark-calib seed` writes into a seed made of these files
+        if estimator is not None:  # what `dspark-calib seed` writes into a seed made of these files
             meta["estimator_keys"] = seed_keys(getattr(runner, "vllm_config", None), manager)
         from dspark_calib.vllm.step_capture import pricing_for, stock_context
 
         obs = Observer(manager, directory, every=every, event_factory=event_factory,
                        pricing=pricing_for(stock_context(runner)), metadata=meta,
-                       name=f"dp{dp}-{os.getpid()}-e{next(_engines)}", writer_kwargs=writer_kwargs)
+                       name=f"dp{dp}-{os.getpid()}-e{next(_engines)}", writer_kwargs=writer_kwargs,
+                       estimator=estimator)
         attach(runner, obs)
     except Exception as exc:  # noqa: BLE001 - an optional mode must not stop an engine
         log_once(logging.WARNING, PREFIX + f"observe off ({exception_line(exc)})")
@@ -483,10 +482,12 @@ def hook_runner(model_runner: Any) -> None:
         # With CUDA graphs on, vLLM first builds a throwaway KV cache (and manager) to measure
         # graph memory (initialize_kv_cache(..., is_profiling=True)), then the real one.
         if not kwargs.get("is_profiling", args[1] if len(args) > 1 else False):
-            from dspark_calib.vllm.estimator import seed_runner
+            from dspark_calib.vllm.estimator import estimator_of, seed_runner
 
-            seed_runner(self)  # raises only to refuse a start (strict), as load mode does
-            maybe_observe(self)
+            # read once for both (its shape check logs when it refuses), and only when one asks
+            estimator = estimator_of(self) if E.estimator_seed() or E.observe_dir() else None
+            seed_runner(self, estimator)  # raises only to refuse a start (strict), as load mode does
+            maybe_observe(self, estimator)
         return out
 
     setattr(initialize_kv_cache, MARK, orig)

@@ -226,3 +226,44 @@ def test_a_rebuild_with_another_engine_limit_is_refused_naming_the_key(tmp_path)
     one_line_error(r, "h200-tp1-draft-ctx1k8k-samples-rank0.json: max_num_seqs: the options give 128, the capture "
                       "recorded 256; rebuild with the options of the GPU run")
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--load-format", "dummy"], "--load-format"),  # the default, given: refused all the same
+    (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization"),
+    (["--distributed-executor-backend", "mp"], "--distributed-executor-backend"),
+    (["--engine-arg", "block_size=32"], "--engine-arg"),
+    (["--engine-args-json", '{"block_size": 32}'], "--engine-args-json"),
+    (["--keep-capture", "kept"], "--keep-capture"),
+])
+def test_a_rebuild_refuses_the_options_only_an_engine_uses(tmp_path, args, flag):
+    """A rebuild starts no engine: an engine's option given to it would be accepted and do nothing
+    (or, as --load-format and --engine-arg were, be recorded as the GPU run's)."""
+    r = CliRunner().invoke(app, _draft_model_rebuild(*args, "--out", str(tmp_path / "t.parquet")))
+    one_line_error(r, f"{flag}: only a run that starts the engine uses it, and --from-capture starts none")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rebuild_records_the_load_format_and_engine_args_the_capture_recorded(tmp_path):
+    """The capture's launch (what the driver started the engine with), not the rebuild's defaults; a
+    capture from before the driver recorded it says so."""
+    from dspark_calib.table.file import read_table
+    from tests.helpers import DRAFT_MODEL_CAPTURE
+
+    capture = json.loads(DRAFT_MODEL_CAPTURE.read_text())
+    assert "launch" not in capture
+    r = CliRunner().invoke(app, _draft_model_rebuild("--out", str(tmp_path / "old.parquet")))
+    assert r.exit_code == 0, r.output
+    extra = read_table(tmp_path / "old.parquet").fingerprint.extra
+    assert extra["load_format"] == "unrecorded" and "engine_args" not in extra
+    launched = tmp_path / "launched.json"
+    launched.write_text(json.dumps({**capture, "launch": {"load_format": "auto", "engine_args": {"block_size": 32}}}))
+    args = _draft_model_rebuild("--out", str(tmp_path / "new.parquet"))
+    args[args.index("--from-capture") + 1] = str(launched)
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    extra = read_table(tmp_path / "new.parquet").fingerprint.extra
+    assert extra["load_format"] == "auto" and extra["engine_args"] == {"block_size": 32}
+    launched.write_text(json.dumps({**capture, "launch": {"load_format": 1, "engine_args": {}}}))
+    args[args.index("--out") + 1] = str(tmp_path / "bad.parquet")
+    one_line_error(CliRunner().invoke(app, args), "launch is not a load_format and engine_args")

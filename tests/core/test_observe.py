@@ -74,6 +74,26 @@ def test_a_12_file_reads_with_no_estimator_recorded(tmp_path):
     assert got["position_graded"].tolist() == [list(GRADED)]
 
 
+def test_a_13_file_reads_as_priced_by_the_linear_tail_rule_and_a_14_file_as_it_records(tmp_path):
+    """The 1.3 -> 1.4 migration: every engine before the tail rule was recorded charged the whole
+    gap (the linear rule); a 1.4 file's own rule stays."""
+    from dspark_calib.pricing.policy import CONTEXT_AWARE, PricingPolicy
+
+    meta = PricingPolicy(CONTEXT_AWARE, 8192, tail_milli=200).metadata()
+    with ObservedWriter(tmp_path, metadata=meta) as w:
+        w.append(step(0))
+    (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
+    assert read_observed([path]).metadata[0].policy().tail_rule == "bounded"
+    t = pq.read_table(path)
+    written = json.loads(t.schema.metadata[observe.METADATA_KEY])
+    assert written["schema_version"] == "1.4" and written["context_tail_rule"] == "bounded"
+    old = {k: v for k, v in written.items() if k != "context_tail_rule"}
+    pq.write_table(t.replace_schema_metadata({observe.METADATA_KEY: json.dumps({**old, "schema_version": "1.3"}).encode()}),
+                   path)
+    got = read_observed([path]).metadata[0]
+    assert got.schema_version == "1.4" and got.policy() == PricingPolicy(CONTEXT_AWARE, 8192, 200, tail_rule="linear")
+
+
 def test_rolling_files_are_bounded_and_keep_the_newest(tmp_path):
     w = ObservedWriter(tmp_path, rows_per_file=3, max_files=2)
     written = [w.append(step(i)) for i in range(10)]

@@ -1,4 +1,4 @@
-"""The estimator seed (seed.py): made from observe files (the most-refitted reading), written and read
+"""The estimator seed (seed.py): made from observe files (the newest reading after a refit), written and read
 back, matched against an engine's keys; every bad file or set of files refused in one line."""
 
 from __future__ import annotations
@@ -45,6 +45,33 @@ def test_the_seed_is_the_most_refitted_reading_with_the_files_keys(tmp_path):
     assert (seed.refits, seed.steps, seed.slope) == (2, 200, 0.7)
     assert seed.intercepts == tuple(2.0 - 0.25 * i for i in range(7))
     assert seed.keys == KEYS and seed.source == {"file": os.path.basename(a), "host": "h200-a", "files": 2}
+
+
+def written_at(monkeypatch, when):
+    """Observe files written from now on record created_at `when` (UTC)."""
+    from dspark_calib.observe import file as observe_file
+
+    monkeypatch.setattr(observe_file, "_utc_now", lambda: when)
+
+
+def test_across_engine_starts_the_newest_reading_after_a_refit_is_the_seed(tmp_path, monkeypatch):
+    """Start A ran long (5 refits); start B, seeded from A and started after it, refitted twice more
+    from there: its counts restart at 0, so the most-refitted reading is A's, yet B's last one is
+    what the estimator learned last. Start C, newest, has not refitted: its reading is its seed."""
+    written_at(monkeypatch, "2026-12-01T10:00:00Z")
+    a = observed(tmp_path / "a", [reading(0, 3), reading(3, 301, 0.6, 1.0), reading(5, 512, 0.65, 1.5)], name="a")
+    written_at(monkeypatch, "2026-12-01T11:00:00Z")
+    b = observed(tmp_path / "b", [reading(0, 2, 0.65, 1.5), reading(1, 104, 0.7, 2.0), reading(2, 208, 0.75, 2.5),
+                                  None], name="b")
+    written_at(monkeypatch, "2026-12-01T12:00:00Z")
+    c = observed(tmp_path / "c", [reading(0, 2, 0.75, 2.5), None], name="c")
+    for files in ([a, b, c], [c, b, a]):  # whatever the order given
+        seed = seed_from_observed(files)
+        assert (seed.refits, seed.steps, seed.slope, seed.source["file"]) == (2, 208, 0.75, os.path.basename(b))
+    # files written in the same second: the reading with the most steps
+    written_at(monkeypatch, "2026-12-01T11:00:00Z")
+    d = observed(tmp_path / "d", [reading(1, 150, 0.9, 3.0)], name="d")
+    assert seed_from_observed([b, d]).slope == 0.75 and seed_from_observed([d, b]).slope == 0.75
 
 
 def test_a_seed_round_trips_through_its_file(tmp_path):

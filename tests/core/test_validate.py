@@ -20,8 +20,9 @@ from dspark_calib.observe.file import ObservedSteps, ObservedWriter, read_observ
 from dspark_calib.render.validation import plot_validation, render_validation
 from dspark_calib.validate import (AWARE, SINGLE, max_error_exceeded, pow2_bucket, recorded_chunks, recorded_tail,
                                    validate)
-from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI
+from dspark_calib.pricing.policy import CONTEXT_AWARE, DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI, TAIL_RULE
 
+ENGINE = {"mode": CONTEXT_AWARE, "context_tail_rule": TAIL_RULE}  # what every context-aware engine records
 NOISE = 0.002  # 0.2 % multiplicative noise: the repeat spread of an H200 profile
 
 
@@ -206,7 +207,7 @@ def test_engine_sizes_recorded_in_the_files_size_the_tables(reference_table, tmp
 def test_the_contexts_an_engine_priced_are_the_ones_validate_prices_with(reference_table, tmp_path):
     """An engine whose probe left 1024 out of its grid records the contexts it priced; validate
     builds its grid from those, as the engine did (a grid over all three prices otherwise)."""
-    meta = {"mode": "context-aware", "context_tail_milli": 0, "context_chunks": False, "context_priced": [8192, 16384]}
+    meta = {**ENGINE, "context_tail_milli": 0, "context_chunks": False, "context_priced": [8192, 16384]}
     with ObservedWriter(tmp_path / "two", metadata=meta) as w:
         for s in synthetic_steps(reference_table, (8192,), per_context=5):
             w.append(s)
@@ -278,7 +279,7 @@ def test_stock_files_are_priced_with_the_plugins_defaults_and_old_aware_files_as
     for files in (write("stock", mode="stock"), write("none")):
         assert (recorded_tail(files), recorded_chunks(files)) == (DEFAULT_CONTEXT_TAIL_MILLI, DEFAULT_CONTEXT_CHUNKS)
         assert validate(reference_table, files).tail_fit.tail == DEFAULT_CONTEXT_TAIL_MILLI / 1000
-    old = write("old", mode="context-aware")
+    old = write("old", **ENGINE)
     assert (recorded_tail(old), recorded_chunks(old)) == (0, False)
     assert validate(reference_table, old).tail_fit.tail == 0
     assert (DEFAULT_CONTEXT_TAIL_MILLI, DEFAULT_CONTEXT_CHUNKS) == (200, True)
@@ -325,7 +326,7 @@ def test_the_tail_is_fitted_on_mixes_up_to_twice_the_mean_not_on_one_long_reques
 
 
 def test_tail_recorded_by_the_engine_is_used_and_few_mixed_steps_fit_nothing(reference_table, tmp_path):
-    with ObservedWriter(tmp_path, metadata={"mode": "context-aware", "context_tail_milli": 300}) as w:
+    with ObservedWriter(tmp_path, metadata={**ENGINE, "context_tail_milli": 300}) as w:
         for s in mixed_steps(reference_table, 300, 12) + synthetic_steps(reference_table, (8192,), per_context=30):
             w.append(s)
     res = validate(reference_table, read_observed([tmp_path]))
@@ -344,14 +345,14 @@ def test_files_from_engines_with_different_tails_are_refused_and_stock_files_rec
                 w.append(s)
         return tmp_path / d
 
-    a = write("a", {"mode": "context-aware", "context_tail_milli": 200})
-    b = write("b", {"mode": "context-aware", "context_tail_milli": 0})
+    a = write("a", {**ENGINE, "context_tail_milli": 200})
+    b = write("b", {**ENGINE, "context_tail_milli": 0})
     stock = write("stock", {"mode": "stock", "context_tail_milli": 0})
     with pytest.raises(CalibError, match=r"different tails \(0 in .*/b/observed-\S+, 0.2 in .*/a/observed-"):
         validate(reference_table, read_observed([a, b]))  # each tail named with a file that records it
     assert validate(reference_table, read_observed([a, b]), tail_milli=200).tail_fit.tail == 0.2  # --tail: one pricing
     assert validate(reference_table, read_observed([a, stock])).tail_fit.tail == 0.2  # stock prices no tail
-    bad = write("bad", {"mode": "context-aware", "context_tail_milli": 5000})
+    bad = write("bad", {**ENGINE, "context_tail_milli": 5000})
     with pytest.raises(CalibError, match="context_tail_milli=5000"):
         validate(reference_table, read_observed([bad]))
 
@@ -381,6 +382,67 @@ def test_a_long_request_among_many_short_ones_is_priced_about_at_its_kv_sum():
     raised = tail_context_sum(s, max(contexts), len(contexts), DEFAULT_CONTEXT_TAIL_MILLI)
     assert s < raised <= 1.02 * s
     assert tail_context_sum(np.array([s]), np.array([30000]), 64, DEFAULT_CONTEXT_TAIL_MILLI)[0] == raised
+
+
+def test_the_linear_rule_charges_the_whole_gap_as_engines_before_the_bound_did():
+    """TAIL_RULE_LINEAR: S + t G at every gap, scalars and arrays alike (exact past int64); up to
+    twice the mean both rules agree. An unknown rule in the arrays' path is one line."""
+    from dspark_calib.pricing.policy import TAIL_RULE_LINEAR
+    from dspark_calib.pricing.rules import tail_context_sum
+
+    # 1000, 1000, 16000: S 18000, G 30000 > S: linear 18000 + 0.25 x 30000, bounded 18000 + 0.25 x 10800
+    assert tail_context_sum(18000, 16000, 3, 250, TAIL_RULE_LINEAR) == 25500
+    assert tail_context_sum(18000, 16000, 3, 250, TAIL_RULE) == tail_context_sum(18000, 16000, 3, 250) == 20700
+    assert tail_context_sum(np.array([18000, 17000]), np.array([16000, 8000]), 3, 250, TAIL_RULE_LINEAR).tolist() \
+        == [25500, 18750]  # 1000, 8000, 8000: G <= S, the two rules agree
+    assert tail_context_sum(17000, 8000, 3, 250, TAIL_RULE_LINEAR) == tail_context_sum(17000, 8000, 3, 250) == 18750
+    with pytest.raises(CalibError, match="unknown tail rule 'square' \\(known: bounded, linear\\)"):
+        tail_context_sum(np.array([18000]), np.array([16000]), 3, 250, "square")
+
+
+SKEWED = "benchmarks/results/h200/2026-12-01-2043-skewed/aware-tail20-chunks/observed-dp0-2496-e0-000000.parquet"
+SHIPPED = "profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet"
+
+
+def test_a_file_from_before_the_bound_is_priced_by_the_linear_rule_its_engine_priced_with():
+    """The committed skewed arm (one 30000-token request beside 63 of 1024, tail 0.2, observe schema
+    1.2: before the tail rule was recorded) read by its engine's rule: validate's context-aware
+    pricing is the engine's own prediction on every step, and its mixed verifies are +106 % off
+    (summary.md's "tail 0.2 before"). Priced by the bounded rule (--tail 0.2) they read 6.64 %."""
+    import pathlib
+
+    from dspark_calib.table.file import read_table
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    observed = read_observed([repo / SKEWED])
+    assert observed.metadata[0].raw["schema_version"] == "1.4"  # migrated
+    assert observed.metadata[0].policy().tail_rule == "linear"
+    table = read_table(repo / SHIPPED)
+    res = validate(table, observed)
+    assert (res.tail_fit.tail, res.tail_fit.tail_rule, res.tail_fit.steps) == (0.2, "linear", 29)
+    assert round(res.tail_fit.verify.median_pct, 2) == 106.28
+    assert (res.engine.compared, res.engine.verify_equal, res.engine.draft_equal) == (47, 47, 47)
+    console = Console(record=True, width=400)
+    render_validation(res, console)
+    assert "at tail 0.2 by the linear rule the files record (this release's: bounded)" in console.export_text()
+    bounded = validate(table, observed, tail_milli=200)  # --tail: this release's rule
+    assert bounded.tail_fit.tail_rule == TAIL_RULE and round(bounded.tail_fit.verify.median_pct, 2) == 6.64
+
+
+def test_files_priced_by_different_tail_rules_are_refused_unless_no_tail_was_charged(reference_table, tmp_path):
+    def write(d, **meta):
+        with ObservedWriter(tmp_path / d, metadata={**ENGINE, **meta}) as w:
+            for s in mixed_steps(reference_table, 200, 5):
+                w.append(s)
+        return tmp_path / d
+
+    linear = write("linear", context_tail_milli=200, context_tail_rule="linear")
+    bounded = write("bounded", context_tail_milli=200)
+    with pytest.raises(CalibError, match=r"different tail rules \(bounded in .*, linear in .*\): validate them apart"):
+        validate(reference_table, read_observed([linear, bounded]))
+    untailed = write("untailed", context_tail_milli=0)  # a tail of 0 charges no gap: its rule is no matter
+    assert validate(reference_table, read_observed([linear, untailed]), tail_milli=200).tail_fit.tail_rule == TAIL_RULE
+    assert validate(reference_table, read_observed([untailed])).tail_fit.tail_rule == TAIL_RULE
 
 
 def test_mixes_up_to_twice_their_mean_are_priced_as_before_and_no_tail_passes_t_of_the_sum():
@@ -474,11 +536,11 @@ def test_chunk_pricing_follows_the_engines_and_the_option(reference_table, tmp_p
     def write(name, **meta):
         return write_steps(tmp_path / name, rows, **meta)
 
-    by_pairs = write("pairs", mode="context-aware", context_chunks=True, context_chunk_rule=CHUNK_RULE)
+    by_pairs = write("pairs", **ENGINE, context_chunks=True, context_chunk_rule=CHUNK_RULE)
     r = validate(reference_table, by_pairs)
     assert r.prefill.by_pairs and aware_prefill(r).median_pct == 0.0  # priced as that engine priced
     assert aware_prefill(validate(reference_table, by_pairs, chunks=False)).median_pct > 10
-    kv = write("kv", mode="context-aware")  # an engine without chunk pricing (context_chunks absent: off)
+    kv = write("kv", **ENGINE)  # an engine without chunk pricing (context_chunks absent: off)
     assert not validate(reference_table, kv).prefill.by_pairs
     assert aware_prefill(validate(reference_table, kv, chunks=True)).median_pct == 0.0
     # only context-aware engines price chunks: a stock engine's files get the plugin's default, whatever they say
@@ -487,7 +549,7 @@ def test_chunk_pricing_follows_the_engines_and_the_option(reference_table, tmp_p
     with pytest.raises(CalibError, match="different chunk pricing .*--chunks or --no-chunks"):
         validate(reference_table, read_observed([tmp_path / "pairs", tmp_path / "kv"]))
     with pytest.raises(CalibError, match="context_chunks='yes'"):
-        validate(reference_table, write("bad", mode="context-aware", context_chunks="yes"))
+        validate(reference_table, write("bad", **ENGINE, context_chunks="yes"))
     console = Console(record=True, width=400)
     render_validation(r, console)
     line = [ln for ln in console.export_text().splitlines() if ln.startswith("prefill-carrying")][0]
@@ -503,12 +565,12 @@ def test_chunk_pair_price_follows_the_rule_the_files_record(reference_table, tmp
     def write(name, rows, **meta):
         return write_steps(tmp_path / name, rows, **meta)
 
-    old = write("old", chunk_steps(reference_table, 30, per_step=True), mode="context-aware", context_chunks=True)
+    old = write("old", chunk_steps(reference_table, 30, per_step=True), **ENGINE, context_chunks=True)
     r = validate(reference_table, old)
     assert r.prefill.pair_rule == CHUNK_RULE_PER_STEP and aware_prefill(r).median_pct == 0.0
     now = validate(reference_table, old, chunks=True)
     assert now.prefill.pair_rule == CHUNK_RULE and aware_prefill(now).median_pct > 1  # the rules differ
-    new = write("new", chunk_steps(reference_table, 30), mode="context-aware", context_chunks=True,
+    new = write("new", chunk_steps(reference_table, 30), **ENGINE, context_chunks=True,
                 context_chunk_rule=CHUNK_RULE)
     assert aware_prefill(validate(reference_table, new)).median_pct == 0.0
     assert json.loads(json.dumps(validate(reference_table, new).to_dict()))["prefill"]["pair_rule"] == CHUNK_RULE
@@ -530,7 +592,7 @@ def test_chunk_pair_price_takes_n_max_from_the_table_not_the_files(reference_tab
 
     rows = [r for r in chunk_steps(reference_table, 30) if r.num_target_tokens <= 4096]
     assert len(rows) >= 10
-    small = write_steps(tmp_path / "small", rows, mode="context-aware", context_chunks=True,
+    small = write_steps(tmp_path / "small", rows, **ENGINE, context_chunks=True,
                         context_chunk_rule=CHUNK_RULE, max_num_batched_tokens=4096, max_num_reqs=256)
     r = validate(reference_table, small)
     assert aware_prefill(r).median_pct == 0.0 and aware_prefill(r).n == len(rows)

@@ -6,6 +6,7 @@ The manager is built with object.__new__ and the attributes get_num_tokens reads
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from unittest import mock
 
@@ -16,7 +17,6 @@ from hypothesis import strategies as st
 
 import vllm.v1.worker.gpu.spec_decode.adaptive_verification as av
 
-from dspark_calib.pricing.policy import CHUNK_RULE
 from dspark_calib.pricing.costs import ContextCosts
 from dspark_calib.pricing.grid import ContextGrid
 from dspark_calib.pricing.rules import ceil_mean, profile_requests, tail_context_sum, verify_context
@@ -207,6 +207,10 @@ def test_tail_is_checked_and_replaced_by_a_second_install(grid_3ctx):
     m = make_manager(grid_3ctx.tables_for(8192))
     with pytest.raises(ValueError, match="tail_milli"):
         ca.install(m, grid_3ctx, aware(1001))
+    # the step prices by this release's rule only: a policy naming the first would be written into
+    # observe files as what the engine priced with, and validate would price its steps by it
+    with pytest.raises(ValueError, match="by the bounded rule, not 'linear'"):
+        ca.install(m, grid_3ctx, dataclasses.replace(aware(200), tail_rule="linear"))
     assert ca.install(m, grid_3ctx, aware(250)).tail == 250
     assert ca.install(m, grid_3ctx).tail == 0
 
@@ -628,8 +632,7 @@ def test_chunk_pricing_of_the_engine_is_what_validate_reprices(grid_3ctx, refere
     cap = capture_step(m, num_tokens, draft_tokens, priced_context=state.last_context)
     assert cap.prefill_tokens == num_tokens[ids[0]] + num_tokens[ids[1]] + 4
     d = tmp_path_factory.mktemp("agree")
-    meta = {"mode": "context-aware", "context_chunks": True, "context_chunk_rule": CHUNK_RULE, "max_num_reqs": MAX_REQS,
-            "max_num_batched_tokens": MAX_TOKENS}
+    meta = {**state.policy.metadata(), "max_num_reqs": MAX_REQS, "max_num_batched_tokens": MAX_TOKENS}  # observe's
     with ObservedWriter(d, metadata=meta) as w:
         w.append(to_observed(cap, step=0, forward_ms=1.0, drafter_ms=0.5, num_target_tokens=total, full_cudagraph=True,
                              context_aware=True))

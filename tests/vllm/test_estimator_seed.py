@@ -237,7 +237,7 @@ def test_every_tp_rank_writes_rank_0s_decision(config, tmp_path, monkeypatch):
 
     monkeypatch.setattr(parallel_state, "get_tp_group", Rank1)
     runner = Runner(config, build_speculator(config))
-    decision = est_mode.seed_runner(runner)
+    decision = est_mode.seed_runner(runner, est_mode.estimator_of(runner))
     assert sent == [None] and decision.line == "line from rank 0"
     assert coefficients(runner.speculator.acceptance_estimator) == (0.75, pytest.approx(seed.intercepts))
 
@@ -251,7 +251,7 @@ def observed_engine(config, table, monkeypatch, tmp_path, *, every):
     runner = FakeRunner(make_manager(table.dense_tables(8192)), clock)
     runner.vllm_config = config
     est = runner.speculator.acceptance_estimator = build_speculator(config).acceptance_estimator
-    return runner, est, om.maybe_observe(runner, event_factory=events_factory(clock)), clock
+    return runner, est, om.maybe_observe(runner, est_mode.estimator_of(runner), event_factory=events_factory(clock)), clock
 
 
 def test_observe_records_the_estimator_on_refit_boundaries_without_a_sync(config, monkeypatch, tmp_path,
@@ -304,3 +304,38 @@ def test_observe_files_make_a_seed_that_starts_the_next_engine(config, hooked, m
     restarted.initialize_kv_cache("real")
     slope, intercepts = coefficients(restarted.speculator.acceptance_estimator)
     assert slope == 1.25 and intercepts == pytest.approx(tuple(torch.linspace(3.0, -1.0, 7).tolist()))
+
+
+def test_an_engine_start_reads_the_estimator_once_for_its_seed_and_observe(config, monkeypatch, tmp_path,
+                                                                           reference_table_8192):
+    """Seed and observe both on: the hook reads the estimator once (estimator_of: its shape check,
+    and the one line when it refuses) and both use that reading; the observed rows show the seed."""
+    path, seed = a_seed(config, tmp_path)
+    monkeypatch.setenv("DSPARK_CALIB_ESTIMATOR_SEED", path)
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
+    monkeypatch.setenv("DSPARK_CALIB_OBSERVE_EVERY", "1")
+    clock, tables = Clock(), reference_table_8192.dense_tables(8192)
+
+    class Engine(FakeRunner):
+        def initialize_kv_cache(self, kv_cache_config, is_profiling=False):
+            pass
+
+    reads, read = [], est_mode.estimator_of
+    monkeypatch.setattr(est_mode, "estimator_of", lambda runner: reads.append(runner) or read(runner))
+    observe = om.maybe_observe
+    monkeypatch.setattr(om, "maybe_observe", lambda runner, *a: observe(runner, *a, event_factory=events_factory(clock)))
+    module = SimpleNamespace(GPUModelRunner=Engine)
+    om.hook_runner(module)
+    runner = Engine(make_manager(tables), clock)
+    runner.vllm_config = config
+    est = runner.speculator.acceptance_estimator = build_speculator(config).acceptance_estimator
+    try:
+        runner.initialize_kv_cache("real")
+        assert reads == [runner]
+        assert om.observer_of(runner).estimator is est and coefficients(est) == (0.75, pytest.approx(seed.intercepts))
+        step(runner, 4)
+        runner.shutdown()
+        assert read_observed([tmp_path / "obs"])["estimator_slope"].tolist() == [0.75]
+    finally:
+        om.unhook_runner(module)
+        om.detach(runner)

@@ -157,7 +157,7 @@ def engine(monkeypatch, tmp_path, reference_table_8192):
 
 
 def start(runner, clock, **writer_kwargs):
-    return om.maybe_observe(runner, event_factory=events_factory(clock), writer_kwargs=writer_kwargs or None)
+    return om.maybe_observe(runner, None, event_factory=events_factory(clock), writer_kwargs=writer_kwargs or None)
 
 
 def step(runner, num_reqs, *, drafts=3, context=1000, drafter=True, full=True, rng=None):
@@ -375,7 +375,7 @@ def test_hook_starts_observe_after_initialize_kv_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("DSPARK_CALIB_OBSERVE", str(tmp_path / "obs"))
     seen = []
     fake_module = SimpleNamespace(GPUModelRunner=type("R", (), {"initialize_kv_cache": lambda self, c: seen.append(c)}))
-    monkeypatch.setattr(om, "maybe_observe", lambda runner: seen.append("observe"))
+    monkeypatch.setattr(om, "maybe_observe", lambda runner, estimator: seen.append("observe"))
     om.hook_runner(fake_module)
     om.hook_runner(fake_module)  # idempotent
     fake_module.GPUModelRunner().initialize_kv_cache("cfg")
@@ -402,7 +402,8 @@ def test_the_serving_manager_is_observed_not_the_graph_memory_profilings(monkeyp
 
     module = SimpleNamespace(GPUModelRunner=Runner)
     real = om.maybe_observe
-    monkeypatch.setattr(om, "maybe_observe", lambda runner: real(runner, event_factory=events_factory(clock)))
+    monkeypatch.setattr(om, "maybe_observe",
+                        lambda runner, estimator: real(runner, estimator, event_factory=events_factory(clock)))
     om.hook_runner(module)
     try:
         r = Runner(make_manager(tables), clock)

@@ -352,7 +352,8 @@ def test_fingerprint_records_resolved_engine_values():
     schedule = {"vllm_replays_per_block": 5, "warmup_blocks": 1, "timed_blocks": 4, "timed_replays_per_size": 20}
     fp = profile_table.fingerprint_from_capture(o, {"engine": engine, "hardware": HARDWARE, "cudagraph_limit": 4,
                                              "schedule": schedule, "cooldown": {"seconds": 1.0, "total_s": 1.75,
-                                                                                "pauses": 4, "early_exits": 3}})
+                                                                                "pauses": 4, "early_exits": 3},
+                                             "launch": driver.launch_of(o)})  # as run_engine adds it
     assert (fp.extra["cooldown_s"], fp.extra["cooldown_total_s"]) == (1.0, 1.75)
     assert (fp.replays, fp.warmup_replays) == (20, 5)  # what the worker ran: whole blocks of vLLM's 5
     assert fp.kv_block_size == 32 and fp.max_model_len == 32768 and fp.gpu_memory_mib == 143771
@@ -688,6 +689,9 @@ def test_a_table_rebuilt_from_the_kept_capture_is_the_profiles_own(engine_stand_
     assert source == {"file": "samples-rank0.json", "sha256": hashlib.sha256(kept.read_bytes()).hexdigest()}
     assert extra == live.fingerprint.extra and extra["hostname"] == os.uname().nodename  # the capture's host
     assert "engine_start_s" in extra  # kept with the capture
+    # what the driver started the engine with, kept with it too: the rebuild records the run's, not its own
+    assert json.loads(kept.read_text())["launch"] == {"load_format": "dummy", "engine_args": {}}
+    assert extra["load_format"] == "dummy" and "engine_args" not in extra
     same = dataclasses.replace(rebuilt, created_at=live.created_at, fingerprint=rebuilt.fingerprint.replace(extra=extra))
     assert same.content_hash == live.content_hash
 
@@ -747,5 +751,5 @@ def test_a_rebuild_refuses_what_is_no_rank_0_capture(tmp_path):
     (tmp_path / "rank1.json").write_text(json.dumps(rank1))
     one_line_error(rebuild(tmp_path / "rank1.json", "--out", tmp_path / "t.parquet"), "is TP rank 1's capture")
     res = rebuild(tmp_path / "rank1.json", "--out", tmp_path / "t.parquet", "--keep-capture", tmp_path / "k")
-    one_line_error(res, "--keep-capture: nothing to keep with --from-capture")
+    one_line_error(res, "--keep-capture: only a run that starts the engine uses it, and --from-capture starts none")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.json", "list.json", "plan.json", "rank1.json"]

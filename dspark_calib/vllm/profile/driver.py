@@ -443,6 +443,7 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
             raise CalibError("the engine started but the dspark_calib vLLM plugin captured nothing: is dspark-calib "
                              "installed in the Python environment vLLM runs in (VLLM_PLUGINS must allow dspark_calib)?")
         payload["engine_start_s"] = engine_start_s
+        payload["launch"] = launch_of(opts)
         return payload
     finally:
         stop.set()
@@ -456,9 +457,16 @@ def run_engine(opts: ProfileOptions, capture_dir: str, phase: Callable[[str], No
         _env_restore(saved)
 
 
+def launch_of(opts: ProfileOptions) -> dict[str, Any]:
+    """What the driver started the engine with and the engine does not report (its load format, the
+    --engine-arg fields as given): recorded in rank 0's capture, so a table rebuilt from a kept capture
+    (profile --from-capture) records the GPU run's, not the rebuild's."""
+    return {"load_format": opts.load_format, "engine_args": dict(opts.extra_engine_args)}
+
+
 def _keep(capture: CaptureDir, into: str, ranks: int, rank0: dict[str, Any]) -> None:
     """The capture directory's files; rank 0's as the table was built from it (the driver's
-    engine_start_s added), so `profile --from-capture` rebuilds the same table."""
+    engine_start_s and launch added), so `profile --from-capture` rebuilds the same table."""
     if not os.path.isdir(into):
         os.mkdir(into)  # its parent was checked before the run (cli.profile.check_keep_capture)
     for path in (capture.plan_path, capture.progress_path, capture.refusal_path,

@@ -4,7 +4,7 @@ resolved it and as the worker ran it, and the fit checked against vLLM's own cur
 The same path rebuilds a table from a kept capture file (`profile --from-capture`), without
 a GPU: the options must be the ones the GPU run had (checked against what the capture
 recorded), and the table says which file it was built from (its sha256) and keeps the GPU
-host the capture names, never the machine that rebuilt it.
+host, load format and --engine-arg fields the capture names, never the rebuild's.
 """
 
 from __future__ import annotations
@@ -69,17 +69,30 @@ def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) ->
         context_lens=tuple(opts.context_lens),
         replays=replays,
         warmup_replays=warmup,
-        extra={"load_format": opts.load_format, "profile_s": round(capture.get("profile_s", 0.0), 3),
+        extra={**launch_notes(capture), "profile_s": round(capture.get("profile_s", 0.0), 3),
                **({"engine_start_s": round(capture["engine_start_s"], 3)} if "engine_start_s" in capture else {}),
                "profile_batches": capture.get("num_batches"), "hostname": host_of(capture),
                "replays_asked": opts.replays, "warmup_asked": opts.warmup,
                "vllm_replays_per_block": int(capture["schedule"]["vllm_replays_per_block"]),
-               **_cooldown_of(capture),
-               **({"engine_args": opts.extra_engine_args} if opts.extra_engine_args else {})},
+               **_cooldown_of(capture)},
     )
 
 
 UNRECORDED = "unrecorded"
+
+
+def launch_notes(capture: dict[str, Any]) -> dict[str, Any]:
+    """The table's load_format and engine_args (the --engine-arg fields, when any) as the driver
+    started the engine: from the capture (driver.launch_of), never from the options of a rebuild,
+    which starts no engine. A capture from before the driver recorded them: load_format UNRECORDED."""
+    launch = capture.get("launch")
+    if launch is None:
+        return {"load_format": UNRECORDED}
+    if not (isinstance(launch, dict) and isinstance(launch.get("load_format"), str)
+            and isinstance(launch.get("engine_args"), dict)):
+        raise CalibError("not a profile capture rank 0 wrote (launch is not a load_format and engine_args)")
+    return {"load_format": launch["load_format"], **({"engine_args": launch["engine_args"]} if launch["engine_args"]
+                                                     else {})}
 
 
 def host_of(capture: dict[str, Any]) -> str:
