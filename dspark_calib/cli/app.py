@@ -20,7 +20,7 @@ import typer.core
 
 from dspark_calib import __version__
 from dspark_calib.env import is_decimal
-from dspark_calib.errors import PREFIX, CalibError
+from dspark_calib.errors import PREFIX, CalibError, first_line
 from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS, DEFAULT_CONTEXT_TAIL_MILLI  # standard library only
 
 PROG = "dspark-calib"
@@ -56,6 +56,9 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
         except typer.Abort:
             typer.echo(f"{PROG}: aborted", err=True)
             sys.exit(1)
+        except OSError as exc:  # --help, --version: they print before any command's handled()
+            typer.echo(stdout_lost(exc), err=True)
+            sys.exit(EXIT_ERROR)
         sys.exit(rv if isinstance(rv, int) else 0)  # typer returns an Exit's code when not standalone
 
 
@@ -98,6 +101,17 @@ def error_line(exc: BaseException) -> str:
     else:
         msg = str(exc) or type(exc).__name__
     return PREFIX + "error: " + " ".join(msg.split())
+
+
+def stdout_lost(exc: BaseException) -> str:
+    """The line for output that could not be written (`> /dev/full`). Standard output then goes to
+    os.devnull: the text still buffered is not tried again, and said again, at exit."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no file descriptor (CliRunner): nothing buffered there
+        pass
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc)
+    return error_line(CalibError(f"standard output could not be written: {why}"))
 
 
 def handled(func: F) -> F:
@@ -785,8 +799,12 @@ def main() -> None:
         try:
             if stream is not None:
                 stream.flush()
-        except (OSError, ValueError):  # a closed pipe: what could be said was said
+        except BrokenPipeError:  # `| head`: what could be said was said
             code = code or EXIT_ERROR
+        except (OSError, ValueError) as exc:  # the output is lost: said, when stderr still takes a line
+            if stream is sys.stdout and sys.stderr is not None:
+                print(stdout_lost(exc), file=sys.stderr)
+            code = EXIT_ERROR
     os._exit(code or 0)
 
 

@@ -100,7 +100,7 @@ class MissingEnvMode:
                                 "profiling at start-up as usual")
         from dspark_calib.vllm.load import agree_without_table
 
-        agree_without_table()  # data-parallel replicas that did receive a table must not wait on this one
+        agree_without_table(manager)  # data-parallel replicas that did receive a table must not wait on this one
         yield from vllm_batches
 
     def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
@@ -229,7 +229,7 @@ def patch(manager_cls: Any, model_runner: Any | None = None) -> None:
             if state.mode is None:
                 from dspark_calib.vllm.load import agree_without_table
 
-                agree_without_table()  # DP: a replica without a table setting votes too (raises to refuse)
+                agree_without_table(self)  # DP: a replica without a table setting votes too (raises to refuse)
                 yield from vllm_batches
             else:
                 yield from state.mode.batches(self, list(capture_sizes), vllm_batches)

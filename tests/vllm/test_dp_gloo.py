@@ -172,6 +172,7 @@ def test_a_replica_arriving_after_the_round_closed_follows_the_closure(monkeypat
     import torch.distributed as dist
     import vllm.distributed.parallel_state as parallel_state
     from torch.distributed import distributed_c10d
+    from vllm.config import ParallelConfig
 
     from dspark_calib.vllm import load
 
@@ -181,13 +182,12 @@ def test_a_replica_arriving_after_the_round_closed_follows_the_closure(monkeypat
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
-    monkeypatch.setattr(load, "_rounds", {})
-    vote = (True, "ab" * 32, False, True, "fallback", 6)
-    store.set(f"{load.AGREEMENT_KEY}/table/0/vote/0", json.dumps(list(vote)))
-    store.set(f"{load.AGREEMENT_KEY}/table/0/closed", "[1]")  # replica 0 closed it: rank 1 missing
-    votes = load.dp_votes("table", vote, timeout_s=60.0, rank0=True)
-    assert votes.missing == (1,) and votes.values == [vote]  # what replica 0 counted when it closed
     monkeypatch.setenv("DSPARK_CALIB_DP_TIMEOUT", "60")
-    monkeypatch.setattr(load, "_rounds", {"table": 0})  # the next round: both vote, nobody closed it yet
-    store.set(f"{load.AGREEMENT_KEY}/table/1/vote/0", json.dumps(list(vote)))
-    assert load.agree_across_dp("table", vote, True) == (True, "", [vote, vote])
+    parallel, key = ParallelConfig(), load.Layout(0, 2, 1).key  # DP 2 of one rank each
+    vote = (True, "ab" * 32, False, True, "fallback", 6)
+    store.set(f"{key}/table/0/vote/0", json.dumps(list(vote)))
+    store.set(f"{key}/table/0/closed", "[1]")  # replica 0 closed it: rank 1 missing
+    votes = load.dp_votes("table", vote, True, parallel)
+    assert votes.missing == (1,) and votes.values == [vote]  # what replica 0 counted when it closed
+    store.set(f"{key}/table/1/vote/0", json.dumps(list(vote)))  # the next round: both vote, nobody closed it yet
+    assert load.agree_across_dp("table", vote, True, parallel) == (True, "", [vote, vote])
