@@ -31,6 +31,11 @@ Format history (OBSERVED_SCHEMA_VERSION, "major.minor"):
   ``estimator_keys`` (engines with the estimator): what a seed made from the file must match
   (seed.SEED_KEYS). Migration: a 1.2 file reads with the four null (ABSENT counts, NaN
   coefficients).
+* 1.4 (dspark-calib 0.1.0): two nullable float64 columns at the end, the GPU's state as the step
+  was sampled: ``gpu_sm_mhz`` (SM clock) and ``gpu_power_w`` (board power), the latest reading of
+  a sampler thread that reads NVML a few times a second off the step's path (null without NVML,
+  or before its first reading); ``validate`` reports errors per SM-clock bucket by them.
+  Migration: a 1.3 file reads with both null (NaN).
 
 Compatibility rules, as for tables: a reader accepts every minor of its major
 (columns a newer minor adds are ignored; a minor may only add columns); a newer
@@ -67,12 +72,12 @@ from dspark_calib.errors import CalibError, display_path, first_line
 from dspark_calib.fileformat.arrow import column, list_column, list_lengths
 from dspark_calib.fileformat.limits import ReadLimits, load_json
 from dspark_calib.fileformat.version import Migrations, parse_version
-from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COEFFICIENTS, COLUMNS, ESTIMATOR, FLOAT, INT,
+from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COEFFICIENTS, COLUMNS, ESTIMATOR, FLOAT, GPU, INT,
                                        NULLABLE, POSITIONS, PREFILL, ObservedStep, ObserveMeta, column_problem,
                                        meta_problem)
 from dspark_calib.safe_open import open_local
 
-OBSERVED_SCHEMA_VERSION = "1.3"
+OBSERVED_SCHEMA_VERSION = "1.4"
 METADATA_KEY = b"dspark_calib_observed"
 FILE_PREFIX = "observed-"
 # Reading, as tables are read (fileformat.limits): a writer's file is rows_per_file rows (4096 by
@@ -269,6 +274,13 @@ def _m_1_2_to_1_3(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np
     """1.3 added the acceptance estimator's coefficients: a 1.2 engine recorded none (seed refuses such files)."""
     rows = len(next(iter(cols.values()))) if cols else 0
     return {**cols, **null_estimator(rows)}, {**meta, "schema_version": "1.3"}
+
+
+@migration("1.3", "1.4")
+def _m_1_3_to_1_4(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """1.4 added the GPU's SM clock and power per step: a 1.3 engine read none."""
+    rows = len(next(iter(cols.values()))) if cols else 0
+    return {**cols, **{name: np.full(rows, np.nan) for name in GPU}}, {**meta, "schema_version": "1.4"}
 
 
 def null_estimator(rows: int) -> dict[str, np.ndarray]:
