@@ -231,6 +231,28 @@ def _stored_as(table, path, change) -> Path:
     return path
 
 
+def _stored_with_key(table, tmp_path, version, key, value=None) -> Path:
+    """The table as a `version` writer would have written it, its fingerprint without `key`, or
+    with `value` for it (a 1.2 writer wrote no calibration key)."""
+    def change(meta):
+        meta["schema_version"] = version
+        if version == "1.2":
+            del meta["calibration"]
+        meta["fingerprint"].pop(key, None)
+        if value:
+            meta["fingerprint"][key] = value
+    return _stored_as(table, tmp_path / f"{version}-{key}-{value}.parquet", change)
+
+
+def _read_as(path, key, want):
+    """The metadata alone and the whole table read `key` as `want`, and the table verifies against
+    its metadata as stored; returns the metadata."""
+    meta, table = read_metadata(path), read_table(path)
+    assert getattr(meta.fingerprint, key) == getattr(table.fingerprint, key) == want, path.name
+    assert table.content_hash == meta.content_hash
+    return meta
+
+
 def test_the_method_of_an_older_table_is_its_formats_migration_not_a_default(reference_table, tmp_path):
     """speculative_method is filled by the 1.2 -> 1.3 migration alone: a 1.2 file without it is a
     DSpark table (the only kind then made), a 1.2 file that recorded one keeps it, and a 1.3 file
@@ -243,19 +265,10 @@ def test_the_method_of_an_older_table_is_its_formats_migration_not_a_default(ref
     assert Fingerprint.from_dict(bare).speculative_method is None
 
     def stored(version, method=None):
-        def change(meta):
-            meta["schema_version"] = version
-            if version == "1.2":
-                del meta["calibration"]  # as a 1.2 writer wrote it
-            del meta["fingerprint"]["speculative_method"]
-            if method:
-                meta["fingerprint"]["speculative_method"] = method
-        return _stored_as(reference_table, tmp_path / f"{version}-{method}.parquet", change)
+        return _stored_with_key(reference_table, tmp_path, version, "speculative_method", method)
 
     for path, method in ((stored("1.2"), "dspark"), (stored("1.2", "eagle3"), "eagle3"), (stored("1.3"), None)):
-        meta, table = read_metadata(path), read_table(path)
-        assert meta.fingerprint.speculative_method == table.fingerprint.speculative_method == method, path.name
-        assert table.content_hash == meta.content_hash  # verified against the metadata as stored
+        meta = _read_as(path, "speculative_method", method)
         assert "speculative_method" not in meta.raw["fingerprint"] or method == "eagle3"
     engine = {k: v for k, v in reference_table.fingerprint.to_dict().items() if k not in ("extra", "context_lens")}
     (tmp_path / "d").mkdir()
@@ -268,24 +281,13 @@ def test_the_method_of_an_older_table_is_its_formats_migration_not_a_default(ref
 def test_the_gpu_state_of_an_older_table_is_its_formats_migration_not_a_default(reference_table, tmp_path):
     """gpu_state is filled by the 1.3 -> 1.4 migration alone: a 1.3 file without it was profiled
     in the startup state (the only one then), a 1.3 file that holds one keeps it, and a 1.4 file
-    without it has not recorded it (None, shown as '-'). Each verifies against its metadata as stored."""
+    without it has not recorded it (None, shown as '-')."""
     from dspark_calib.fingerprint import Fingerprint
 
     bare = {k: v for k, v in reference_table.fingerprint.to_dict().items() if k != "gpu_state"}
     assert Fingerprint.from_dict(bare).gpu_state is None
-
-    def stored(version, state=None):
-        def change(meta):
-            meta["schema_version"] = version
-            meta["fingerprint"].pop("gpu_state", None)
-            if state:
-                meta["fingerprint"]["gpu_state"] = state
-        return _stored_as(reference_table, tmp_path / f"{version}-{state}.parquet", change)
-
-    for path, state in ((stored("1.3"), "startup"), (stored("1.3", "serving"), "serving"), (stored("1.4"), None)):
-        meta, table = read_metadata(path), read_table(path)
-        assert meta.fingerprint.gpu_state == table.fingerprint.gpu_state == state, path.name
-        assert table.content_hash == meta.content_hash
+    for version, state, want in (("1.3", None, "startup"), ("1.3", "serving", "serving"), ("1.4", None, None)):
+        meta = _read_as(_stored_with_key(reference_table, tmp_path, version, "gpu_state", state), "gpu_state", want)
         assert "gpu_state" not in meta.raw["fingerprint"] or state == "serving"
 
 

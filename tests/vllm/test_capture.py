@@ -340,20 +340,31 @@ def test_a_draft_model_batch_clamped_by_vllm_is_still_its_batch(monkeypatch, tmp
 
 
 # -- tensor parallel 4, stubbed group calls -------------------------------------------------
-def test_tp4_rank0_plan_to_every_rank_same_batches(monkeypatch, tmp_path):
+def run_tp4(monkeypatch, tmp_path, plan, run_rank):
+    """Four TP ranks one after the other (rank 0's broadcasts replayed to the others): rank 0 in
+    the directory holding the plan, the others in their node's view of it (no plan.json there:
+    they must not read one). run_rank(manager, rank) runs one rank's capture.
+    Returns (rank 0's directory, the others', the broadcasts, each rank's result)."""
     rank0_dir, other_dir = tmp_path / "rank0", tmp_path / "node"
     rank0_dir.mkdir()
-    other_dir.mkdir()  # other ranks' view: no plan.json there (they must not read one)
-    CaptureDir(rank0_dir).write_plan(Plan(context_lens=(1024, 4096), replays=6, warmup=2))
+    other_dir.mkdir()
+    CaptureDir(rank0_dir).write_plan(plan)
     bus: list = []
     runs = []
     for rank in range(4):
         use_group(monkeypatch, Group(rank, 4, bus))
         monkeypatch.setenv("DSPARK_CALIB_CAPTURE", str(rank0_dir if rank == 0 else other_dir))
         plugin.register()
-        m = make_manager()
-        batches, _ = run_capture(m, samples_for=lambda b, r=rank: random_samples(b, seed=r))
-        runs.append((batches, m))
+        runs.append(run_rank(make_manager(), rank))
+    return rank0_dir, other_dir, bus, runs
+
+
+def test_tp4_rank0_plan_to_every_rank_same_batches(monkeypatch, tmp_path):
+    def run_rank(m, rank):
+        return run_capture(m, samples_for=lambda b: random_samples(b, seed=rank))[0], m
+
+    rank0_dir, other_dir, bus, runs = run_tp4(monkeypatch, tmp_path, Plan(context_lens=(1024, 4096), replays=6,
+                                                                          warmup=2), run_rank)
     assert isinstance(bus[0], Plan) and bus[0].context_lens == (1024, 4096)
     assert all(batches == runs[0][0] for batches, _ in runs)
     assert len(runs[0][0]) == 2 * (1 + 2) * len(vllm_sequence())
@@ -500,21 +511,13 @@ def test_serving_state_settles_under_the_heaviest_step_before_every_block(monkey
 
 
 def test_serving_state_tp4_every_rank_runs_rank_0s_settle_steps(monkeypatch, tmp_path, fake_clock):
-    rank0_dir, other_dir = tmp_path / "rank0", tmp_path / "node"
-    rank0_dir.mkdir()
-    other_dir.mkdir()
-    CaptureDir(rank0_dir).write_plan(SERVING)
-    no_nvml(monkeypatch)
-    bus: list = []
-    runs = []
-    for rank in range(4):
-        use_group(monkeypatch, Group(rank, 4, bus))
-        monkeypatch.setenv("DSPARK_CALIB_CAPTURE", str(rank0_dir if rank == 0 else other_dir))
-        plugin.register()
-        m = make_manager()
+    def run_rank(m, rank):
         batches = steps_taking(m, fake_clock, 0.125 if rank == 0 else 1.0)  # only rank 0's clock decides
         m.set_initial_cost_curves(random_samples(batches, seed=rank))
-        runs.append(batches)
+        return batches
+
+    no_nvml(monkeypatch)
+    rank0_dir, other_dir, bus, runs = run_tp4(monkeypatch, tmp_path, SERVING, run_rank)
     assert all(r == runs[0] for r in runs) and len(runs[0]) == 6 * (4 + len(vllm_sequence()))
     decisions = ([True] * 4 + [False]) * 6
     assert bus[1:1 + len(decisions)] == decisions  # the plan, each settle step's decision, then vLLM's curves
