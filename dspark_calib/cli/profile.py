@@ -42,12 +42,12 @@ def check_ranges(*, context_len: Sequence[int], max_num_seqs: int, max_num_batch
             raise CalibError(f"{name} must be >= {low}, got {value}")
     if not 0 < gpu_memory_utilization <= 1:
         raise CalibError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-    found = between_blocks(gpu_state, cooldown, settle)
+    plan_seconds = between_blocks(gpu_state, cooldown, settle)
     if distributed_executor_backend not in (None, "mp", "ray"):
         raise CalibError(f"--distributed-executor-backend must be mp or ray, not {distributed_executor_backend!r}")
     if load_format not in ("dummy", "auto"):
         raise CalibError(f"--load-format must be dummy or auto, not {load_format!r}")
-    return found
+    return plan_seconds
 
 
 def between_blocks(gpu_state: str, cooldown: float | None, settle: float | None) -> tuple[float, float]:
@@ -163,11 +163,12 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
     """The `profile` command: everything checkable first (options, the output path, the model
     configs, vLLM's presence and the GPUs, all without importing vllm or torch), then one
     engine start. With `from_capture`, no engine: the table from that kept capture (rebuild)."""
-    cooldown_s, settle_s = check_ranges(context_len=context_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                 gpu_memory_utilization=gpu_memory_utilization, replays=replays, warmup=warmup, tp=tp,
-                 num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len,
-                 load_format=load_format, distributed_executor_backend=distributed_executor_backend,
-                 cooldown=cooldown, gpu_state=gpu_state, settle=settle)
+    cooldown_s, settle_s = check_ranges(
+        context_len=context_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        gpu_memory_utilization=gpu_memory_utilization, replays=replays, warmup=warmup, tp=tp,
+        num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len, load_format=load_format,
+        distributed_executor_backend=distributed_executor_backend, cooldown=cooldown, gpu_state=gpu_state,
+        settle=settle)
     from dspark_calib.fingerprint import check_model_dtype
 
     check_model_dtype(dtype, "--dtype")

@@ -236,7 +236,6 @@ class BatchTag:
     replay: int  # block x vLLM's replays of this size + k; < 0: warm-up or settle, timed by vLLM but discarded
     num_tokens: int
     block: int = 0  # < 0: a warm-up block
-    settle: bool = False  # a settle step before the block (serving state): load, never a sample
 
 
 @dataclass(frozen=True)
@@ -389,7 +388,7 @@ class CaptureMode:
         """The block's heaviest step, back to back, while rank 0 says so (every rank alike)."""
         run.settle.begin()
         while run.settle.more():
-            run.ran.append(BatchTag(batch["context_len"], -1, batch["num_tokens"], settle=True))
+            run.ran.append(BatchTag(batch["context_len"], -1, batch["num_tokens"]))  # load, never a sample
             yield batch
 
     def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:

@@ -116,7 +116,8 @@ class Observer:
             ctx = last_context(self.manager, static) if p.policy.context_aware else static
             capture = capture_step(self.manager, num_tokens_per_req, draft_tokens, priced_context=ctx,
                                    alt_tables=p.alt_tables)
-            self.current = _Step(self.priced, capture, self.clocks.latest if self.clocks is not None else (None, None))
+            gpu = self.clocks.latest if self.clocks is not None else (None, None)  # never an NVML call here
+            self.current = _Step(self.priced, capture, gpu)
         except Exception as exc:  # noqa: BLE001 - observing must never break serving
             self.fail(exc)
 
