@@ -177,7 +177,7 @@ def seed_mismatches(seed: EstimatorSeed, engine: Mapping[str, Any]) -> list[str]
 # -- made from observe files -----------------------------------------------------------------------
 def seed_from_observed(paths: Iterable[str]) -> EstimatorSeed:
     """The most-refitted reading (most refits, then most steps) of the estimator in these observe
-    files (schema 1.3 or later), with the keys they record; every file must record the same keys."""
+    files (schema 1.3), with the keys they record; every file must record the same keys."""
     from dspark_calib.observe.file import read_observed
     from dspark_calib.observe.step import ABSENT
 

@@ -636,7 +636,7 @@ def advise_cmd(
 @handled
 def seed_cmd(
     observed: Annotated[List[str], typer.Argument(
-        metavar="OBSERVED...", help="Observe-mode files of one engine (schema 1.3 or later); a directory stands for its "
+        metavar="OBSERVED...", help="Observe-mode files of one engine (schema 1.3); a directory stands for its "
                                     "observed-*.parquet files.")],
     out: Annotated[str, typer.Option("--out", metavar="FILE", help="The seed file (.json).")],
     as_json: JsonOpt = False,
