@@ -88,6 +88,7 @@ class Fingerprint:
     hf_overrides: str | None = None
     model_impl: str | None = None
     gpu_memory_mib: int | None = None
+    gpu_state: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes (host, command line)
 
     def __post_init__(self) -> None:
@@ -278,6 +279,9 @@ KEYS: tuple[Key, ...] = (
         "kernels may serve convolutions and attention ('none' without cuDNN)", optional=True),
     Key("flashinfer_version", _STR, EQUAL, True, "FlashInfer", "vLLM takes sampling, all-reduce fusion and "
         "attention kernels from it when installed ('none' when not)", optional=True),
+    Key("gpu_state", _STR, None, True, "GPU state", "the clocks and power each profile block started at "
+        "(`profile --gpu-state`): 'startup' (cooled down, as vLLM's start-up pass) or 'serving' (after sustained "
+        "load, as a loaded server); a choice of the run, not of the engine", optional=True),
     Key("context_lens", _INTS, None, False, "context lengths", "what this run profiled; the loader picks the "
         "curve nearest the context vLLM would profile"),
     Key("replays", _INT, None, False, "replays", "how many samples per point (merge adds them up)"),

@@ -23,6 +23,7 @@ from dspark_calib.safe_open import open_local, read_json_file
 from dspark_calib.samples import VLLM_SAMPLE_FIELDS, Sample
 from dspark_calib.speculators import DSPARK, speculator
 from dspark_calib.table.model import MAX_STEP_MS, CostTable
+from dspark_calib.telemetry import STARTUP
 
 
 # How torch.cuda.get_device_name() names a GPU ("NVIDIA H200", "AMD Instinct MI300X") and
@@ -208,6 +209,7 @@ def table_from_startup_json(
         context_lens=tuple(sorted({s.context_len for s in samples})),
         replays=replays,
         warmup_replays=0,
+        gpu_state=STARTUP,  # vLLM's own start-up pass
         extra={"source": [os.path.basename(p) for p in paths]},
     )
     try:

@@ -19,6 +19,13 @@ from typing import Any
 
 from dspark_calib.errors import CalibError
 
+# The GPU state a profile's blocks start in (the fingerprint's gpu_state; vllm/gpu_state.py sets
+# it): as vLLM's own start-up pass starts (after light work, cooled down between blocks), or
+# as a loaded server runs (after sustained load, at the power limit).
+STARTUP = "startup"
+SERVING = "serving"
+GPU_STATES = (STARTUP, SERVING)
+
 MAX_BLOCKS = 4096  # a real profile has tens; bounds what an untrusted file may make us build
 _FIELDS = ("sm_mhz", "mem_mhz", "temp_c", "power_w", "load1", "cpu_s", "read_ms")
 

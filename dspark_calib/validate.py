@@ -20,7 +20,9 @@ those well; they are reported apart and left out of --max-error (on the H200 a
 8192-token chunk over 1k contexts measured 25 % below the verify curve).
 Errors are absolute % of the measured cost, median and p90, per kind x
 size bucket x context bucket (powers of two), per kind x context bucket, and per
-kind. Also: the share of observed steps whose budget the two pricings choose
+kind; and per kind x SM-clock bucket (CLOCK_BUCKET_MHZ wide) where the files record the GPU's
+clock per step (observe schema 1.4), so a run can show whether the residuals follow the clock
+(a profile's clocks against serving's). Also: the share of observed steps whose budget the two pricings choose
 differently (from the engine's budget_static / budget_context_aware columns:
 a budget needs the step's draft confidences, which only the engine has).
 
@@ -74,6 +76,7 @@ ALL = "all"
 MIXED_SPREAD = 1.25  # a decode step is "mixed" when its longest context is >= 1.25 x its mean
 MIN_TAIL_STEPS = 20  # fewer mixed steps than this: no tail is suggested
 TAIL_STEP_MILLI = 50
+CLOCK_BUCKET_MHZ = 50  # an H200 serves at 1515-1575 MHz at its power limit, profiles at up to 1980
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,21 @@ class GroupErrors:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "size_bucket": self.size_bucket, "context_bucket": self.context_bucket,
+                **{p: s.to_dict() for p, s in self.errors.items()}}
+
+
+@dataclass(frozen=True)
+class ClockErrors:
+    """One kind's steps whose GPU SM clock, as sampled with the step, fell in one bucket."""
+
+    kind: str
+    clock_bucket: str  # "lo-hi" MHz
+    power_w: float  # the steps' median power (NaN: none recorded)
+    errors: dict[str, ErrorStats]  # pricing -> stats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "clock_bucket_mhz": self.clock_bucket,
+                "median_power_w": None if math.isnan(self.power_w) else self.power_w,
                 **{p: s.to_dict() for p, s in self.errors.items()}}
 
 
@@ -190,6 +208,8 @@ class ValidationResult:
     overall: tuple[GroupErrors, ...]  # per kind
     by_context: tuple[GroupErrors, ...]  # per kind x context bucket
     groups: tuple[GroupErrors, ...]  # per kind x size bucket x context bucket
+    clocked_steps: int  # steps whose SM clock the files record (observe schema >= 1.4, NVML)
+    by_clock: tuple[ClockErrors, ...]  # per kind x SM-clock bucket, over the clocked steps
     budget_change: BudgetChange
     tail_fit: TailFit
     prefill: PrefillCheck
@@ -204,6 +224,7 @@ class ValidationResult:
             "overall": [g.to_dict() for g in self.overall],
             "by_context": [g.to_dict() for g in self.by_context],
             "groups": [g.to_dict() for g in self.groups],
+            "clocked_steps": self.clocked_steps, "by_clock": [g.to_dict() for g in self.by_clock],
             "budget_change": self.budget_change.to_dict(), "tail_fit": self.tail_fit.to_dict(),
             "prefill": self.prefill.to_dict(), "engine_agreement": self.engine.to_dict(),
         }
@@ -393,8 +414,10 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     num_reqs, num_tokens = c["num_reqs"], c["num_target_tokens"]
     ctx = -(-c["context_sum"] // num_reqs)  # ceil(mean), exactly as context-aware mode prices drafts
     ctx_bucket = pow2_bucket(c["context_mean"].astype(np.int64), context_floor)
+    clocked = ~np.isnan(c["gpu_sm_mhz"])
+    clock_bucket = (np.nan_to_num(c["gpu_sm_mhz"]) // CLOCK_BUCKET_MHZ).astype(np.int64) * CLOCK_BUCKET_MHZ
 
-    overall, by_context, groups = [], [], []
+    overall, by_context, groups, by_clock = [], [], [], []
     for kind in KINDS:
         keep = steps[kind]
         size_bucket = pow2_bucket(sizes[kind])
@@ -412,6 +435,12 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
             for sb in np.unique(size_bucket[keep & (ctx_bucket == cb)]):
                 groups.append(GroupErrors(kind, bucket_label(int(sb), 1), label,
                                           stats((ctx_bucket == cb) & (size_bucket == sb))))
+        for lo in np.unique(clock_bucket[keep & clocked]):
+            sel = clocked & (clock_bucket == lo)
+            power = c["gpu_power_w"][keep & sel]
+            power = power[~np.isnan(power)]
+            by_clock.append(ClockErrors(kind, f"{lo}-{lo + CLOCK_BUCKET_MHZ - 1}",
+                                        float(np.median(power)) if len(power) else math.nan, stats(sel)))
 
     mixed = steps["verify"] & (c["context_max"] * num_reqs >= MIXED_SPREAD * c["context_sum"])
     now = ErrorStats.of(aware_verify[mixed], c["forward_ms"][mixed])  # the pricing above, not priced again
@@ -432,6 +461,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
         out_of_range_steps=int(((ctx < lo) | (ctx > hi)).sum()),
         verify_out_of_range_steps=int((steps["verify"] & ((vctx < lo) | (vctx > hi))).sum()), grid=grid.describe(),
         overall=tuple(overall), by_context=tuple(by_context), groups=tuple(groups),
+        clocked_steps=int(clocked.sum()), by_clock=tuple(by_clock),
         budget_change=BudgetChange(int(both.sum()), changed), tail_fit=tail_fit, prefill=prefill,
         engine=_agreement(observed, p.as_recorded, aware_draft, aware_verify),
     )

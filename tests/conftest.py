@@ -59,10 +59,10 @@ def table_files(tmp_path_factory, table_1024, table_16384, reference_table_8192,
 @pytest.fixture(autouse=True)
 def fake_clock(monkeypatch) -> FakeClock:
     """No test really sleeps through a profile's cool-downs (every capture takes them by default)."""
-    from dspark_calib.vllm import cooldown
+    from dspark_calib.vllm import gpu_state
 
     clock = FakeClock()
-    monkeypatch.setattr(cooldown, "CLOCK", cooldown.Clock(sleep=clock.sleep, now=clock.now))
+    monkeypatch.setattr(gpu_state, "CLOCK", gpu_state.Clock(sleep=clock.sleep, now=clock.now))
     return clock
 
 

@@ -729,11 +729,23 @@ def profile_cmd(
     warmup: Annotated[int, typer.Option(
         "--warmup", help="Warm-up samples per size and context, timed but discarded; rounded up to whole blocks "
                          "of 5 like --replays (0: none).")] = 2,
-    cooldown: Annotated[float, typer.Option(
+    gpu_state: Annotated[str, typer.Option(
+        "--gpu-state", metavar="startup|serving",
+        help="The GPU state each block starts in, recorded in the table (merge pools one state only). startup: "
+             "as vLLM's own start-up pass, after light work (cooled down between blocks, --cooldown). serving: as "
+             "a loaded server, at its power limit and clocks (settled under the block's heaviest step before "
+             "each block, --settle).")] = "startup",
+    cooldown: Annotated[Optional[float], typer.Option(
         "--cooldown", metavar="SECONDS",
-        help="Most seconds to idle before each block but the first (0: off, at most 60; ends early once power "
-             "and throttling are back to the first block's), so a block's smallest sizes do not run in the heat "
-             "the previous block's largest steps left, which vLLM's own single pass never does.")] = 1.0,
+        help="startup state: most seconds to idle before each block but the first (default 1; 0: off, at most "
+             "60; ends early once power and throttling are back to the first block's), so a block's smallest "
+             "sizes do not run in the heat the previous block's largest steps left, which vLLM's own single "
+             "pass never does.")] = None,
+    settle: Annotated[Optional[float], typer.Option(
+        "--settle", metavar="SECONDS",
+        help="serving state: most seconds of the block's heaviest step, back to back, before each block "
+             "(default 5; 0: none, at most 120; ends early, after at least 1 s, once the SM clock and power "
+             "have held still for 0.5 s).")] = None,
     load_format: Annotated[Optional[str], typer.Option(
         "--load-format", help="dummy (the default): random weights, only config.json is read (timings do not "
                               "depend on weights); auto: real weights.")] = None,

@@ -27,8 +27,10 @@ from dspark_calib.speculators import speculator
 def check_ranges(*, context_len: Sequence[int], max_num_seqs: int, max_num_batched_tokens: int,
                  gpu_memory_utilization: float, replays: int, warmup: int, tp: int,
                  num_speculative_tokens: int | None, max_model_len: int | None, load_format: str,
-                 distributed_executor_backend: str | None, cooldown: float) -> None:
-    """Options that can be wrong on their own: one line naming the option and the value."""
+                 distributed_executor_backend: str | None, cooldown: float | None = None,
+                 gpu_state: str = "startup", settle: float | None = None) -> tuple[float, float]:
+    """Options that can be wrong on their own: one line naming the option and the value. Returns
+    the plan's (cooldown_s, settle_s)."""
     for value in context_len:
         if value < 1:
             raise CalibError(f"--context-len must be >= 1, got {value}")
@@ -40,16 +42,33 @@ def check_ranges(*, context_len: Sequence[int], max_num_seqs: int, max_num_batch
             raise CalibError(f"{name} must be >= {low}, got {value}")
     if not 0 < gpu_memory_utilization <= 1:
         raise CalibError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-    from dspark_calib.vllm.cooldown import check_cooldown  # standard library only
-
-    try:
-        check_cooldown(cooldown, "--cooldown")
-    except ValueError as exc:
-        raise CalibError(str(exc)) from None
+    plan_seconds = between_blocks(gpu_state, cooldown, settle)
     if distributed_executor_backend not in (None, "mp", "ray"):
         raise CalibError(f"--distributed-executor-backend must be mp or ray, not {distributed_executor_backend!r}")
     if load_format not in ("dummy", "auto"):
         raise CalibError(f"--load-format must be dummy or auto, not {load_format!r}")
+    return plan_seconds
+
+
+def between_blocks(gpu_state: str, cooldown: float | None, settle: float | None) -> tuple[float, float]:
+    """(cooldown_s, settle_s) for the plan: each option belongs to one state, and giving it with the
+    other is one line (it would do nothing); left out, its default."""
+    from dspark_calib.telemetry import SERVING, STARTUP
+    from dspark_calib.vllm.gpu_state import (DEFAULT_COOLDOWN_S, DEFAULT_SETTLE_S, check_cooldown,  # stdlib only
+                                             check_settle, check_state)
+
+    try:
+        check_state(gpu_state, "--gpu-state")
+        cooldown_s = check_cooldown(DEFAULT_COOLDOWN_S if cooldown is None else cooldown, "--cooldown")
+        settle_s = check_settle(DEFAULT_SETTLE_S if settle is None else settle, "--settle")
+    except ValueError as exc:
+        raise CalibError(str(exc)) from None
+    if gpu_state == SERVING and cooldown is not None:
+        raise CalibError("--cooldown: the serving state settles under load before each block instead of cooling "
+                         "down (--settle SECONDS); --cooldown is for --gpu-state startup")
+    if gpu_state == STARTUP and settle is not None:
+        raise CalibError("--settle: only the serving state settles under load (--gpu-state serving)")
+    return cooldown_s, settle_s
 
 
 def check_keep_capture(keep: str | None) -> None:
@@ -148,8 +167,8 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
          dtype: str, kv_cache_dtype: str, quantization: str | None, gpu_memory_utilization: float | None,
          max_model_len: int | None, distributed_executor_backend: str | None, out: str,
          keep_capture: str | None, engine_arg: Sequence[str], engine_args_json: str | None,
-         strict_stability: bool = False, cooldown: float = 1.0, force: bool = False,
-         from_capture: str | None = None) -> None:
+         strict_stability: bool = False, cooldown: float | None = None, force: bool = False,
+         from_capture: str | None = None, gpu_state: str = "startup", settle: float | None = None) -> None:
     """The `profile` command: everything checkable first (options, the output path, the model
     configs, vLLM's presence and the GPUs, all without importing vllm or torch), then one
     engine start. With `from_capture`, no engine: the table from that kept capture (rebuild).
@@ -165,11 +184,12 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
     load_format = ProfileOptions.load_format if load_format is None else load_format
     if gpu_memory_utilization is None:
         gpu_memory_utilization = ProfileOptions.gpu_memory_utilization
-    check_ranges(context_len=context_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                 gpu_memory_utilization=gpu_memory_utilization, replays=replays, warmup=warmup, tp=tp,
-                 num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len,
-                 load_format=load_format, distributed_executor_backend=distributed_executor_backend,
-                 cooldown=cooldown)
+    cooldown_s, settle_s = check_ranges(
+        context_len=context_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        gpu_memory_utilization=gpu_memory_utilization, replays=replays, warmup=warmup, tp=tp,
+        num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len, load_format=load_format,
+        distributed_executor_backend=distributed_executor_backend, cooldown=cooldown, gpu_state=gpu_state,
+        settle=settle)
     from dspark_calib.fingerprint import check_model_dtype
 
     check_model_dtype(dtype, "--dtype")
@@ -187,8 +207,8 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
     opts = driver.resolve_options(ProfileOptions(
         model=model_dir, draft=draft_dir, method=method, tp=tp, num_speculative_tokens=num_speculative_tokens,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        context_lens=tuple(sorted(set(context_len))), replays=replays, warmup=warmup, cooldown_s=cooldown,
-        load_format=load_format,
+        context_lens=tuple(sorted(set(context_len))), replays=replays, warmup=warmup, gpu_state=gpu_state,
+        cooldown_s=cooldown_s, settle_s=settle_s, load_format=load_format,
         dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
         distributed_executor_backend=distributed_executor_backend, extra_engine_args=extra,

@@ -36,6 +36,11 @@ Format history (OBSERVED_SCHEMA_VERSION, "major.minor"):
   ``linear``, S + t G). No column. Migration: an older file reads as ``linear``
   (policy.UNRECORDED_TAIL_RULE), the only rule engines had before the key, so ``validate`` and
   ``calibrate`` price its steps as its engine did.
+* 1.5 (dspark-calib 0.1.0): two nullable float64 columns at the end, the GPU's state as the step
+  was sampled: ``gpu_sm_mhz`` (SM clock) and ``gpu_power_w`` (board power), the latest reading of
+  a sampler thread that reads NVML a few times a second off the step's path (null without NVML,
+  or before its first reading); ``validate`` reports errors per SM-clock bucket by them.
+  Migration: a 1.4 file reads with both null (NaN).
 
 Compatibility rules, as for tables: a reader accepts every minor of its major
 (columns and metadata keys a newer minor adds are ignored; a minor may only add
@@ -72,13 +77,13 @@ from dspark_calib.errors import CalibError, display_path, first_line
 from dspark_calib.fileformat.arrow import column, list_column, list_lengths
 from dspark_calib.fileformat.limits import ReadLimits, load_json
 from dspark_calib.fileformat.version import Migrations, parse_version
-from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COEFFICIENTS, COLUMNS, ESTIMATOR, FLOAT, INT,
+from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COEFFICIENTS, COLUMNS, ESTIMATOR, FLOAT, GPU, INT,
                                        NULLABLE, POSITIONS, PREFILL, ObservedStep, ObserveMeta, column_problem,
                                        meta_problem)
 from dspark_calib.pricing.policy import UNRECORDED_TAIL_RULE
 from dspark_calib.safe_open import open_local
 
-OBSERVED_SCHEMA_VERSION = "1.4"
+OBSERVED_SCHEMA_VERSION = "1.5"
 METADATA_KEY = b"dspark_calib_observed"
 FILE_PREFIX = "observed-"
 # Reading, as tables are read (fileformat.limits): a writer's file is rows_per_file rows (4096 by
@@ -281,6 +286,13 @@ def _m_1_2_to_1_3(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np
 def _m_1_3_to_1_4(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
     """1.4 records the tail rule: every engine before it charged the whole gap (the linear rule)."""
     return cols, {**meta, "context_tail_rule": UNRECORDED_TAIL_RULE, "schema_version": "1.4"}
+
+
+@migration("1.4", "1.5")
+def _m_1_4_to_1_5(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """1.5 added the GPU's SM clock and power per step: a 1.4 engine read none."""
+    rows = len(next(iter(cols.values()))) if cols else 0
+    return {**cols, **{name: np.full(rows, np.nan) for name in GPU}}, {**meta, "schema_version": "1.5"}
 
 
 def null_estimator(rows: int) -> dict[str, np.ndarray]:

@@ -56,12 +56,18 @@ COLUMNS: dict[str, str] = {
     "estimator_steps": INT,
     "estimator_slope": FLOAT,
     "estimator_intercepts": COEFFICIENTS,
+    # 1.5: the GPU's SM clock and power as a sampler thread last read them when the step was sampled
+    # (NVML, a few readings a second, never on the step's path; null: no NVML, or no reading yet)
+    "gpu_sm_mhz": FLOAT,
+    "gpu_power_w": FLOAT,
 }
 BUDGETS = ("budget_static", "budget_context_aware")
 PREFILL = ("prefill_tokens", "prefill_context_sum", "prefill_pairs")
 ACCEPTANCE = ("position_graded", "position_accepted")
 ESTIMATOR = ("estimator_refits", "estimator_steps", "estimator_slope", "estimator_intercepts")
-NULLABLE = frozenset(BUDGETS + PREFILL + ACCEPTANCE + ESTIMATOR)
+GPU = ("gpu_sm_mhz", "gpu_power_w")
+MAX_GPU_READING = 100_000.0  # MHz or W: far above any GPU; a larger value is damage, not a reading
+NULLABLE = frozenset(BUDGETS + PREFILL + ACCEPTANCE + ESTIMATOR + GPU)
 ABSENT = -1  # in memory, a null budget; a null acceptance row is ABSENT at every position
 # in memory, a null float (estimator_slope) is NaN, and a null estimator_intercepts row NaN at every position
 
@@ -95,6 +101,8 @@ class ObservedStep:
     estimator_steps: int | None = None
     estimator_slope: float | None = None
     estimator_intercepts: tuple[float, ...] | None = None
+    gpu_sm_mhz: float | None = None
+    gpu_power_w: float | None = None
 
     def __post_init__(self) -> None:
         problem = row_problem({f.name: getattr(self, f.name) for f in fields(self)})
@@ -144,6 +152,10 @@ def row_problem(r: dict[str, Any]) -> str | None:
         bad = acceptance_problem(np.array([graded]), np.array([accepted]), np.array([n]), np.array([r["draft_budget"]]))
         if bad is not None:
             return f"{bad[1]} (graded {list(graded)}, accepted {list(accepted)})"
+    for name in GPU:
+        v = r[name]
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= MAX_GPU_READING):
+            return f"{name} must be a number in (0, {MAX_GPU_READING:g}] or None, got {v!r}"
     return estimator_problem(*(r[name] for name in ESTIMATOR))
 
 
@@ -293,6 +305,9 @@ def column_problem(c: dict[str, np.ndarray]) -> str | None:
                    "estimator columns null in some, not all"))
     checks.append((read & ((refits < 0) | (steps < 0) | ~(slope >= 0) | ~np.isfinite(intercepts).all(axis=1)),
                    "estimator_refits or estimator_steps below 0, estimator_slope below 0 or an intercept not finite"))
+    for name in GPU:  # null: NaN
+        v = c[name]
+        checks.append((~np.isnan(v) & ~((v > 0) & (v <= MAX_GPU_READING)), f"{name} outside (0, {MAX_GPU_READING:g}]"))
     for bad, what in checks:
         if bad.any():
             row = int(np.flatnonzero(bad)[0])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -17,7 +17,7 @@ from dspark_calib.pricing.policy import CHUNK_RULE, TAIL_RULE
 from dspark_calib.env import CONTEXT_CHUNKS, CONTEXT_TAIL  # standard library only
 from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS
 from dspark_calib.validate import (AWARE, KINDS, MIN_TAIL_STEPS, MIXED_SPREAD, PRICINGS, SINGLE, VERDICT_KINDS,
-                                   GroupErrors, ValidationResult)
+                                   ValidationResult)
 
 LABEL = {SINGLE: "single-context", AWARE: "context-aware"}
 MAX_GROUP_ROWS = 60
@@ -37,12 +37,19 @@ def _style(value: float, limit: float | None) -> str:
     return "red" if value > limit else "green"
 
 
-def _errors_table(title: str, groups: tuple[GroupErrors, ...], *, limit: float | None, sizes: bool) -> Table:
+# The bucket columns of each errors table: (header, the group's cell).
+Columns = Sequence[tuple[str, Callable[[Any], str]]]
+CONTEXT: Columns = (("context", lambda g: g.context_bucket),)
+SIZE_CONTEXT: Columns = (("size", lambda g: g.size_bucket), *CONTEXT)
+CLOCK: Columns = (("SM clock MHz", lambda g: g.clock_bucket),
+                  ("power W", lambda g: "—" if math.isnan(g.power_w) else f"{g.power_w:.0f}"))
+
+
+def _errors_table(title: str, groups: Sequence[Any], *, limit: float | None, columns: Columns = CONTEXT) -> Table:
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     table.add_column("kind")
-    if sizes:
-        table.add_column("size", justify="right")
-    table.add_column("context", justify="right")
+    for header, _ in columns:
+        table.add_column(header, justify="right")
     table.add_column("steps", justify="right")
     for p in PRICINGS:
         table.add_column(f"{LABEL[p]} median", justify="right")
@@ -50,7 +57,7 @@ def _errors_table(title: str, groups: tuple[GroupErrors, ...], *, limit: float |
         table.add_column("bias", justify="right")
     for g in groups:
         s = g.errors[PRICINGS[0]]
-        cells: list[Any] = [g.kind] + ([g.size_bucket] if sizes else []) + [g.context_bucket, str(s.n)]
+        cells: list[Any] = [g.kind, *(cell(g) for _, cell in columns), str(s.n)]
         judged = limit if g.kind in VERDICT_KINDS else None  # --max-error judges these kinds only
         for p in PRICINGS:
             e = g.errors[p]
@@ -124,10 +131,15 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
             line = (f"prefill-carrying steps: {pre.steps}; their chunks are not recorded (observe files before "
                     f"schema 1.1), so they are priced by the KV sum only")
         console.print(line, markup=False)
-    console.print(_errors_table("absolute % error by kind", result.overall, limit=max_error, sizes=False))
-    console.print(_errors_table("by context", result.by_context, limit=max_error, sizes=False))
+    console.print(_errors_table("absolute % error by kind", result.overall, limit=max_error))
+    console.print(_errors_table("by context", result.by_context, limit=max_error))
+    if result.by_clock:
+        console.print(_errors_table(f"by GPU SM clock (as sampled with the step; {result.clocked_steps} of "
+                                    f"{result.num_steps} steps)", result.by_clock, limit=None, columns=CLOCK))
+    else:
+        console.print("by GPU SM clock: not recorded in these files (observe schema 1.5 with NVML records it)")
     groups = result.groups if all_groups else result.groups[:MAX_GROUP_ROWS]
-    console.print(_errors_table("by size and context", groups, limit=max_error, sizes=True))
+    console.print(_errors_table("by size and context", groups, limit=max_error, columns=SIZE_CONTEXT))
     if len(groups) < len(result.groups):
         console.print(f"({len(result.groups) - len(groups)} more groups: --all or --json)")
 

@@ -30,6 +30,11 @@ Format history (SCHEMA_VERSION, "major.minor"):
   recorded by every 1.3 writer; an older file without it migrates as "dspark", the only
   method then profiled or imported. Migrated keys never enter the hash check: a file verifies
   against its metadata as stored.
+* 1.4: the fingerprint's ``gpu_state`` (telemetry.GPU_STATES: the GPU state the profile's
+  blocks started in; `profile --gpu-state`) is recorded by every 1.4 writer. Same columns, same
+  metadata keys. An older file without it migrates as "startup", the only state then profiled
+  (and the state of vLLM's own start-up pass, which import-vllm reads); it keeps verifying
+  under its rule, against its metadata as stored.
 
 Compatibility rules: a reader accepts every minor version of its major. An older
 minor is migrated on read by ``MIGRATIONS`` (append-only; columns it lacked are filled
@@ -64,7 +69,7 @@ from dspark_calib.safe_open import open_fs, open_local
 from dspark_calib.table.calibration import Calibration
 from dspark_calib.table.identity import content_hash, hash_1_0, hash_1_1, meta_1_1
 from dspark_calib.table.model import SCHEMA_VERSION, CostTable
-from dspark_calib.telemetry import Telemetry
+from dspark_calib.telemetry import STARTUP, Telemetry
 from dspark_calib.fileformat.version import Migrations, parse_version
 from dspark_calib.fileformat.limits import ReadLimits, check_limit
 from dspark_calib.fileformat.parquet import open_bounded
@@ -126,6 +131,16 @@ def _m_1_2_to_1_3(arrow: pa.Table, meta: dict) -> tuple[pa.Table, dict]:
     if isinstance(fp, dict) and "speculative_method" not in fp:
         meta = {**meta, "fingerprint": {**fp, "speculative_method": DSPARK}}
     return arrow, {**meta, "schema_version": "1.3", "calibration": None}
+
+
+@migration("1.3", "1.4")
+def _m_1_3_to_1_4(arrow: pa.Table, meta: dict) -> tuple[pa.Table, dict]:
+    """1.4 writers record the fingerprint's gpu_state: an older table was profiled in the startup
+    state, the only one profile had (import-vllm reads vLLM's start-up pass, the same state)."""
+    fp = meta.get("fingerprint")
+    if isinstance(fp, dict) and "gpu_state" not in fp:
+        meta = {**meta, "fingerprint": {**fp, "gpu_state": STARTUP}}
+    return arrow, {**meta, "schema_version": "1.4"}
 
 
 def migrate(arrow: pa.Table, meta: dict, path: str) -> tuple[pa.Table, dict]:

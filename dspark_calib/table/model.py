@@ -29,7 +29,7 @@ from dspark_calib.telemetry import Telemetry
 if TYPE_CHECKING:
     from dspark_calib.pricing.costs import DenseTables
 
-SCHEMA_VERSION = "1.3"  # what write_table writes; file.py's header has the format history
+SCHEMA_VERSION = "1.4"  # what write_table writes; file.py's header has the format history
 DEFAULT_CONTEXT = 8192  # vLLM's default profiling context length
 # Physical bounds of one step (ms): below a microsecond or above a minute no GPU step is real.
 MIN_STEP_MS = 1e-3

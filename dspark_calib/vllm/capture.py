@@ -5,7 +5,8 @@ extend and collect it run there (loaded by the plugin) and hand the samples to
 the `profile` command through one directory, whose layout is owned by
 `CaptureDir` below (nobody else builds these paths):
 
-* plan.json (written by `profile`): context lengths, timed and warm-up replays per size, cool-down.
+* plan.json (written by `profile`): context lengths, timed and warm-up replays per size, the GPU
+  state blocks start in and its cool-down or settle time.
 * .lock (TP rank 0, for the whole capture): one engine per directory.
 * progress.json (TP rank 0, while profiling): batches done / total.
 * samples-rank{R}.json (every TP rank, atomically, when profiling ends): the tagged
@@ -18,8 +19,8 @@ The schedule runs replays the way vLLM runs them: vLLM's batches_to_profile
 yields each size _PROFILE_REPLAYS times back to back; we run that whole
 sequence, in vLLM's order and grouping, once per block (warm-up blocks first,
 discarded), for every context length, TP rank 0 cooling down before every block but
-the first (cooldown.py). A sample's replay index counts
-block x vLLM's replays of that size (negative: warm-up).
+the first, or every rank settling under load before every block (gpu_state.py). A sample's
+replay index counts block x vLLM's replays of that size (negative: warm-up and settle steps).
 
 Imports only the standard library at module level: the plugin may import this
 module in processes that never capture.
@@ -34,7 +35,7 @@ import math
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
 from dspark_calib.errors import PREFIX, CalibError
@@ -42,7 +43,9 @@ from dspark_calib.safe_open import open_lock_file
 from dspark_calib.speculators import is_clamped_batch
 from dspark_calib.atomic import atomic_write, atomic_write_json
 from dspark_calib import env as E
-from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S, Cooldown, check_cooldown
+from dspark_calib.telemetry import SERVING, STARTUP
+from dspark_calib.vllm.gpu_state import (DEFAULT_COOLDOWN_S, DEFAULT_SETTLE_S, Cooldown, Settle, check_cooldown,
+                                         check_settle, check_state, heaviest)
 
 PLAN_FILE = "plan.json"
 PROGRESS_FILE = "progress.json"
@@ -68,12 +71,16 @@ class CaptureError(RuntimeError):
 @dataclass(frozen=True)
 class Plan:
     """replays / warmup: samples wanted per size; rounded up to whole vLLM blocks (Schedule).
-    cooldown_s: the most rank 0 pauses before each block but the first (0: never)."""
+    gpu_state: the state blocks start in (gpu_state.py). cooldown_s: in the startup state, the
+    most rank 0 pauses before each block but the first (0: never). settle_s: in the serving
+    state, the most the settle steps before each block last (0: none)."""
 
     context_lens: tuple[int, ...]
     replays: int = DEFAULT_REPLAYS
     warmup: int = DEFAULT_WARMUP
     cooldown_s: float = DEFAULT_COOLDOWN_S
+    gpu_state: str = STARTUP
+    settle_s: float = DEFAULT_SETTLE_S
 
     def __post_init__(self) -> None:
         if not self.context_lens or any(int(c) <= 0 for c in self.context_lens):
@@ -82,6 +89,8 @@ class Plan:
             raise ValueError(f"need replays >= 1 and warmup >= 0, got {self.replays}, {self.warmup}")
         object.__setattr__(self, "context_lens", tuple(int(c) for c in self.context_lens))
         object.__setattr__(self, "cooldown_s", check_cooldown(self.cooldown_s))
+        object.__setattr__(self, "settle_s", check_settle(self.settle_s))
+        check_state(self.gpu_state)
 
 
 # Locks this process holds, by real path: an in-process engine (tp 1 without
@@ -132,7 +141,9 @@ class CaptureDir:
                 data = json.load(fh)
             return Plan(context_lens=tuple(data["context_lens"]), replays=int(data["replays"]),
                         warmup=int(data["warmup"]),  # an older plan.json has no cool-down: the default
-                        cooldown_s=float(data.get("cooldown_s", DEFAULT_COOLDOWN_S)))
+                        cooldown_s=float(data.get("cooldown_s", DEFAULT_COOLDOWN_S)),
+                        gpu_state=str(data.get("gpu_state", STARTUP)),
+                        settle_s=float(data.get("settle_s", DEFAULT_SETTLE_S)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CaptureError(PREFIX + f"{E.CAPTURE}={self.path}: no usable {PLAN_FILE} ({exc}); "
                                "capture mode is set by `dspark-calib profile` only") from None
@@ -222,7 +233,7 @@ class CaptureDir:
 @dataclass(frozen=True)
 class BatchTag:
     context_len: int
-    replay: int  # block x vLLM's replays of this size + k; < 0: warm-up, timed by vLLM but discarded
+    replay: int  # block x vLLM's replays of this size + k; < 0: warm-up or settle, timed by vLLM but discarded
     num_tokens: int
     block: int = 0  # < 0: a warm-up block
 
@@ -269,7 +280,9 @@ class CaptureRun:
     tp_size: int
     start: float
     recorder: Any = None  # gpu_readings.BlockRecorder on TP rank 0: conditions per block
-    cooldown: Cooldown | None = None  # TP rank 0's pauses between blocks
+    cooldown: Cooldown | None = None  # TP rank 0's pauses between blocks (startup state)
+    settle: Settle | None = None  # every rank's settle steps before each block (serving state)
+    ran: list[BatchTag] = field(default_factory=list)  # every step handed to vLLM, settle steps included
 
 
 def vllm_curves(vllm_set_initial_cost_curves: Callable, samples: list) -> tuple[list, list]:
@@ -331,33 +344,52 @@ class CaptureMode:
             if isinstance(plan_or_error, str):
                 raise CaptureError(plan_or_error)
             schedule = Schedule.build(plan_or_error, vllm_batches)
+        plan = plan_or_error
         recorder = block_recorder() if rank == 0 else None
-        cooler = Cooldown(plan_or_error.cooldown_s, recorder.reader) if recorder is not None else None
-        state_of(manager).run = CaptureRun(plan_or_error, schedule, list(capture_sizes), rank, tp_size,
-                                           time.perf_counter(), recorder, cooler)
-        yield from self._run(schedule, rank, recorder, cooler)
+        reader = recorder.reader if recorder is not None else None
+        cooler = Cooldown(plan.cooldown_s, reader) if reader is not None and plan.gpu_state == STARTUP else None
+        settle = Settle(plan.settle_s, reader, agree=broadcast_from_rank0) if plan.gpu_state == SERVING else None
+        run = CaptureRun(plan, schedule, list(capture_sizes), rank, tp_size, time.perf_counter(), recorder, cooler,
+                         settle)
+        state_of(manager).run = run
+        yield from self._run(run, vllm_batches)
 
-    def _run(self, schedule: Schedule, rank: int, recorder: Any, cooler: Cooldown | None = None) -> Iterator[dict]:
-        """Yield the schedule; telemetry is read and the cool-down taken at block boundaries, i.e.
-        between yields, after the previous step returned and before the next starts: never inside
-        a timed step. The start reading follows the pause: it shows the state the block starts in."""
+    def _run(self, run: CaptureRun, vllm_batches: list[dict]) -> Iterator[dict]:
+        """Yield the schedule; telemetry is read, the cool-down taken and the settle steps run at
+        block boundaries, i.e. between yields, after the previous step returned and before the
+        next starts: never inside a timed step. The start reading follows the pause or the
+        settle: it shows the state the block starts in. Every step handed out is in run.ran."""
+        schedule, recorder, cooler = run.schedule, run.recorder, run.cooldown
         total, last_report, current = len(schedule.tags), 0.0, None
+        settle_step = heaviest(vllm_batches)
         for i, (tag, batch) in enumerate(zip(schedule.tags, schedule.batches)):
-            if recorder is not None and (tag.context_len, tag.block) != current:
-                recorder.end()
+            if (tag.context_len, tag.block) != current:
+                if recorder is not None:
+                    recorder.end()
                 if cooler is not None and current is not None:
                     cooler.pause()
                 first, current = current is None, (tag.context_len, tag.block)
-                reading = recorder.start(*current)
+                if run.settle is not None:
+                    yield from self._settle(run, {**settle_step, "context_len": tag.context_len})
+                reading = recorder.start(*current) if recorder is not None else None
                 if cooler is not None and first:
                     cooler.baseline(reading)
             now = time.monotonic()
-            if rank == 0 and now - last_report > 0.5:
+            if run.rank == 0 and now - last_report > 0.5:
                 last_report = now
                 self.dir.write_progress(i, total, tag.context_len)
+            run.ran.append(tag)
             yield batch
         if recorder is not None:
             recorder.end()
+
+    @staticmethod
+    def _settle(run: CaptureRun, batch: dict) -> Iterator[dict]:
+        """The block's heaviest step, back to back, while rank 0 says so (every rank alike)."""
+        run.settle.begin()
+        while run.settle.more():
+            run.ran.append(BatchTag(batch["context_len"], -1, batch["num_tokens"]))  # load, never a sample
+            yield batch
 
     def install_curves(self, manager: Any, samples: list, original: Callable[[list], None]) -> None:
         from dspark_calib.vllm.runtime import state_of
@@ -376,7 +408,7 @@ class CaptureMode:
                 self.dir.unlock()
         # vLLM still needs cost curves to finish starting: its own rule, on the timed
         # samples of the profiled context nearest the one it would have profiled itself.
-        original([s for s, t in zip(samples, run.schedule.tags) if t.replay >= 0 and t.context_len == vllm_ctx])
+        original([s for s, t in zip(samples, run.ran) if t.replay >= 0 and t.context_len == vllm_ctx])
 
     @contextlib.contextmanager
     def _reported(self, rank: int) -> Iterator[None]:
@@ -396,7 +428,7 @@ class CaptureMode:
         from dspark_calib.table.model import nearest
         from dspark_calib.vllm.engine_info import current_context_len, describe_engine, hardware
 
-        tags = run.schedule.tags
+        tags = run.ran
         if len(samples) != len(tags):
             # Every dummy run reaches drafter_end in 0.33; if not, the pairing is lost.
             raise CaptureError(PREFIX + f"vLLM returned {len(samples)} step timings for {len(tags)} "
@@ -435,6 +467,7 @@ class CaptureMode:
             "vllm_curves": curves,
             **({"telemetry": run.recorder.telemetry().to_json()} if run.recorder is not None else {}),
             **({"cooldown": run.cooldown.to_json()} if run.cooldown is not None else {}),
+            **({"settle": run.settle.to_json()} if run.settle is not None and run.settle.reader is not None else {}),
             "samples": [Sample.from_vllm(s, context_len=t.context_len, replay=t.replay).to_dict() for s, t in timed],
         }
         return payload, nearest(run.plan.context_lens, current_context_len())

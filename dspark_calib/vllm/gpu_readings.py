@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import time
 from typing import Any, Callable
 
@@ -123,6 +124,45 @@ class BlockRecorder:
 
     def telemetry(self) -> Telemetry:
         return Telemetry(source=self.reader.source, blocks=tuple(self.blocks), note=self.reader.note)
+
+
+class ClockSampler:
+    """The GPU's SM clock and power for observe mode's rows, read off the step's path: a daemon
+    thread reads NVML every `period_s` (a few readings a second; about a millisecond each, all
+    in NVML's driver call) and keeps the latest; a step takes `latest`, a plain attribute read.
+    Only an NVML reader is sampled: nvidia-smi (a process per reading) is not worth it here."""
+
+    def __init__(self, reader: Any, period_s: float = 0.25):
+        self.reader, self.period_s = reader, period_s
+        self.latest: tuple[float | None, float | None] = (None, None)  # (SM MHz, W); replaced whole
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dspark-calib-gpu-clock", daemon=True)
+
+    def start(self) -> "ClockSampler":
+        self._thread.start()
+        return self
+
+    def sample(self) -> None:
+        r = self.reader.read()
+        self.latest = (r.sm_mhz, r.power_w)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sample()
+            except Exception:  # noqa: BLE001 - a lost reading leaves the last one; rows say None at worst
+                pass
+            self._stop.wait(self.period_s)
+
+    def stop(self) -> None:
+        """Never waits (it may be called on the step path): the thread ends within period_s."""
+        self._stop.set()
+
+
+def clock_sampler() -> ClockSampler | None:
+    """Rank 0's sampler on its own GPU, started; None without NVML (rows record no clock)."""
+    reader = GpuReader(nvml_index())
+    return ClockSampler(reader).start() if reader.source == "nvml" else None
 
 
 def first_visible_index() -> tuple[int, str]:

@@ -30,6 +30,9 @@ Why here, and how, in vLLM 0.33's V2 runner:
   step's drafts are ranked by, and lands before drafter_end, like the verdict. Reading the
   tensors directly would sync the device; this costs two tiny copies per refit (every 100
   steps), none on other steps. The counters (refits, steps) are host ints.
+* The GPU's SM clock and power per row: a sampler thread (gpu_readings.ClockSampler) reads NVML
+  a few times a second; a sampled step takes its latest reading (an attribute read), so no
+  NVML call is ever on the step's path. Without NVML the rows record none.
 * TP rank 0 only: other ranks install nothing (no collective, no work). Files
   ``observed-dp{D}-{pid}-e{N}-*.parquet``, rolling and bounded (ObservedWriter).
 * Any failure inside observe is one WARNING line and observe turns off; vLLM's
@@ -63,10 +66,10 @@ _engines = itertools.count()  # per process: a second engine start in one proces
 class _Step:
     """A sampled step in flight on the host (filled by the call points, in order)."""
 
-    __slots__ = ("index", "capture", "batch", "events", "forward_ended", "acceptance", "estimator")
+    __slots__ = ("index", "capture", "batch", "events", "forward_ended", "acceptance", "estimator", "gpu")
 
-    def __init__(self, index: int, capture: Any):
-        self.index, self.capture = index, capture
+    def __init__(self, index: int, capture: Any, gpu: tuple[float | None, float | None] = (None, None)):
+        self.index, self.capture, self.gpu = index, capture, gpu  # gpu: (SM MHz, W) as last sampled
         self.batch = None  # (full_cudagraph, num_target_tokens, num_reqs), as vLLM's record_batch
         self.events = None
         self.forward_ended = False
@@ -79,7 +82,8 @@ class Observer:
 
     def __init__(self, manager: Any, directory: str, *, every: int, event_factory: Callable[[], Any],
                  pricing: Callable[[Any], Pricing], metadata: dict | None = None, max_pending: int = 256,
-                 name: str | None = None, writer_kwargs: dict | None = None, estimator: Any = None):
+                 name: str | None = None, writer_kwargs: dict | None = None, estimator: Any = None,
+                 clocks: Any = None):
         from dspark_calib.observe.step import PendingSteps
 
         self.manager, self.directory, self.every = manager, directory, every
@@ -95,6 +99,7 @@ class Observer:
         self.at_exit: Callable[[], None] | None = None
         self.estimator = estimator  # vLLM's acceptance estimator, when the speculator has one
         self.estimator_written: int | None = None  # refits of the last reading written
+        self.clocks = clocks  # gpu_readings.ClockSampler (None: no NVML): its `latest` goes into each row
 
     # -- call points ---------------------------------------------------------------------
     def after_budget(self, num_tokens_per_req: Any, draft_tokens: Any) -> None:
@@ -112,7 +117,8 @@ class Observer:
             ctx = last_context(self.manager, static) if p.policy.context_aware else static
             capture = capture_step(self.manager, num_tokens_per_req, draft_tokens, priced_context=ctx,
                                    alt_tables=p.alt_tables)
-            self.current = _Step(self.priced, capture)
+            gpu = self.clocks.latest if self.clocks is not None else (None, None)  # never an NVML call here
+            self.current = _Step(self.priced, capture, gpu)
         except Exception as exc:  # noqa: BLE001 - observing must never break serving
             self.fail(exc)
 
@@ -199,7 +205,7 @@ class Observer:
                 self.estimator_written = refits
             writer.append(to_observed(step.capture, step=step.index, forward_ms=forward_ms, drafter_ms=drafter_ms,
                                       num_target_tokens=num_target_tokens, full_cudagraph=full_cudagraph,
-                                      context_aware=aware, acceptance=acceptance, estimator=estimator))
+                                      context_aware=aware, acceptance=acceptance, estimator=estimator, gpu=step.gpu))
         return len(done)
 
     def _open_writer(self) -> Any:
@@ -214,6 +220,7 @@ class Observer:
 
     def close(self) -> None:
         """Resolve what is done and write it (shutdown, atexit); idempotent, never raises."""
+        self._stop_clocks()
         if not self.on:
             return
         try:
@@ -223,8 +230,13 @@ class Observer:
         except Exception as exc:  # noqa: BLE001
             self.fail(exc)
 
+    def _stop_clocks(self) -> None:
+        if self.clocks is not None:
+            self.clocks.stop()
+
     def fail(self, exc: BaseException) -> None:
         self.on, self.current = False, None
+        self._stop_clocks()
         log_once(logging.WARNING, PREFIX + f"observe off ({exception_line(exc)}); "
                                   "serving continues unobserved")
 
@@ -448,12 +460,13 @@ def maybe_observe(runner: Any, estimator: Any, *, event_factory: Callable[[], An
 
         if estimator is not None:  # what `dspark-calib seed` writes into a seed made of these files
             meta["estimator_keys"] = seed_keys(getattr(runner, "vllm_config", None), manager)
+        from dspark_calib.vllm.gpu_readings import clock_sampler
         from dspark_calib.vllm.step_capture import pricing_for, stock_context
 
         obs = Observer(manager, directory, every=every, event_factory=event_factory,
                        pricing=pricing_for(stock_context(runner)), metadata=meta,
                        name=f"dp{dp}-{os.getpid()}-e{next(_engines)}", writer_kwargs=writer_kwargs,
-                       estimator=estimator)
+                       estimator=estimator, clocks=clock_sampler())
         attach(runner, obs)
     except Exception as exc:  # noqa: BLE001 - an optional mode must not stop an engine
         log_once(logging.WARNING, PREFIX + f"observe off ({exception_line(exc)})")

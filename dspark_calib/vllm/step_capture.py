@@ -104,11 +104,13 @@ def acceptance_counts(num_sampled: Any, num_rejected: Any, positions: int) -> tu
 def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_ms: float, num_target_tokens: int,
                 full_cudagraph: bool, context_aware: bool,
                 acceptance: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-                estimator: tuple[int, int, float, tuple[float, ...]] | None = None) -> ObservedStep:
+                estimator: tuple[int, int, float, tuple[float, ...]] | None = None,
+                gpu: tuple[float | None, float | None] = (None, None)) -> ObservedStep:
     """The observed record: the capture plus the step's resolved timings (vLLM's StepTimingSample
     fields). context_aware: the engine priced with the grid (the alternative is single-context).
     acceptance: acceptance_counts of the step's verification (None: not read). estimator: the
-    acceptance estimator's (refits, steps, slope, intercepts) at this step (None: not read)."""
+    acceptance estimator's (refits, steps, slope, intercepts) at this step (None: not read). gpu: the
+    GPU's (SM MHz, W) as last sampled when the step was (None: not read)."""
     chosen, alt = capture.draft_budget, capture.alt_budget
     return ObservedStep(
         step=step, forward_ms=float(forward_ms), drafter_ms=float(drafter_ms),
@@ -120,7 +122,7 @@ def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_m
         prefill_tokens=capture.prefill_tokens, prefill_context_sum=capture.prefill_context_sum,
         prefill_pairs=capture.prefill_pairs, position_graded=None if acceptance is None else acceptance[0],
         position_accepted=None if acceptance is None else acceptance[1],
-        **dict(zip(ESTIMATOR, estimator or (None,) * len(ESTIMATOR))))
+        **dict(zip(ESTIMATOR, estimator or (None,) * len(ESTIMATOR))), gpu_sm_mhz=gpu[0], gpu_power_w=gpu[1])
 
 
 # -- how the engine prices its steps (read once, at the first sampled step) ----------------------

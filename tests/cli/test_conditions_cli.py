@@ -52,7 +52,7 @@ def test_inspect_shows_conditions_per_block_and_flags(paths):
 
 def test_inspect_json_holds_the_same_objects(paths):
     data = json.loads(runner.invoke(app, ["inspect", "--json", paths["shifted"]]).output)
-    assert data["schema_version"] == "1.3"
+    assert data["schema_version"] == "1.4"
     assert [f["block"] for f in data["level_shifts"]] == [3] and data["level_shifts"][0]["offset_ms"] > 0.1
     rows = data["telemetry"]["blocks"]
     assert [r["block"] for r in rows] == [-1, 0, 1, 2, 3] and rows[-1]["throttle"] == ["sw_power_cap"]

@@ -159,6 +159,24 @@ def test_merge_refuses_different_engines(files, tmp_path):
     assert not (tmp_path / "m.parquet").exists()
 
 
+def test_the_gpu_state_shows_in_inspect_and_diff_and_keeps_merge_to_one_state(files, tmp_path):
+    """A table profiled in the serving state beside one in the startup state (import-vllm's: vLLM's
+    own start-up pass): inspect names the state, diff lists it as a change, merge refuses to pool
+    them in one line naming the key, writing nothing."""
+    startup = read_table(files["c8192"])
+    serving = dataclasses.replace(startup, fingerprint=startup.fingerprint.replace(gpu_state="serving"))
+    other = write_table(serving, tmp_path / "serving.parquet")
+    assert startup.fingerprint.gpu_state == "startup"
+    r = invoke("inspect", other)
+    assert r.exit_code == 0 and any(ln.split()[:3] == ["GPU", "state", "serving"] for ln in r.stdout.splitlines())
+    assert json.loads(invoke("inspect", other, "--json").stdout)["fingerprint"]["gpu_state"] == "serving"
+    d = json.loads(invoke("diff", files["c8192"], other, "--json").stdout)
+    assert {"key": "gpu_state", "old": "startup", "new": "serving"} in d["fingerprint_changes"]
+    r = invoke("merge", files["c1024"], other, "--out", tmp_path / "m.parquet")
+    assert_one_line_error(r, "gpu_state", "'startup'", "'serving'")
+    assert not (tmp_path / "m.parquet").exists()
+
+
 def test_bad_tables_are_one_line_errors(tmp_path):
     missing = tmp_path / "missing.parquet"
     assert_one_line_error(invoke("inspect", missing), f"{missing}: no such file")

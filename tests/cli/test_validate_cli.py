@@ -41,6 +41,33 @@ def test_report_on_the_shipped_table(shipped_observed):
     assert "single-context pricing at 8192" in r.stdout and "budget would change in 100 of 300 steps" in r.stdout
 
 
+def test_errors_by_sm_clock_beside_the_context_buckets(shipped_observed, tmp_path):
+    """Steps served at 1530 MHz ran 3 % slower than the table says, those at 1980 MHz as it says:
+    the SM-clock buckets show it (--json and text); files without clocks say none was recorded."""
+    import dataclasses
+
+    steps = synthetic_steps(read_table(SCHEMA10, samples=False), (1024, 16384), per_context=100)
+    hot = [dataclasses.replace(st, forward_ms=st.forward_ms * 1.03, drafter_ms=st.drafter_ms * 1.03,
+                               gpu_sm_mhz=1530.0, gpu_power_w=699.0) if st.step % 2 else
+           dataclasses.replace(st, gpu_sm_mhz=1980.0, gpu_power_w=310.0) for st in steps]
+    with ObservedWriter(tmp_path, metadata={"mode": "context_aware"}) as w:
+        for st in hot[:-20]:
+            w.append(st)
+        for st in hot[-20:]:  # no NVML on these
+            w.append(dataclasses.replace(st, gpu_sm_mhz=None, gpu_power_w=None))
+    d = json.loads(invoke("validate", SCHEMA10, tmp_path, "--json").stdout)
+    assert d["clocked_steps"] == 180
+    verify = {g["clock_bucket_mhz"]: g for g in d["by_clock"] if g["kind"] == "verify"}
+    assert set(verify) == {"1500-1549", "1950-1999"}
+    assert verify["1500-1549"]["median_power_w"] == 699.0 and verify["1950-1999"]["median_power_w"] == 310.0
+    slow, fast = (verify[b]["context_aware"]["median_signed_pct"] for b in ("1500-1549", "1950-1999"))
+    assert slow < -2.0 and abs(fast) < 1.0  # priced below what the lower clock measured
+    text = invoke("validate", SCHEMA10, tmp_path).stdout
+    assert "by GPU SM clock (as sampled with the step; 180 of 200 steps)" in text and "1500-1549" in text
+    assert "by GPU SM clock: not recorded" in invoke("validate", SCHEMA10, shipped_observed).stdout
+    assert json.loads(invoke("validate", SCHEMA10, shipped_observed, "--json").stdout)["by_clock"] == []
+
+
 def test_json_and_context(shipped_observed):
     d = json.loads(invoke("validate", SCHEMA10, shipped_observed, "--json", "--context", "1000").stdout)
     assert d["table_hash"].startswith("ad4ef3d97317") and d["num_steps"] == 300 and d["single_context"] == 1024

@@ -32,7 +32,7 @@ FULL = Fingerprint(
     max_model_len=32768, attention_backend="FLASH_ATTN", draft_attention_backend="FLASH_ATTN",
     cudagraph_mode="FULL_AND_PIECEWISE", compilation_hash="sha256:b9a78e5ef96755a6", kv_block_size=16,
     data_parallel_size=1, expert_parallel_size=1, decode_context_parallel_size=1, model_revision="main",
-    draft_revision="main", hf_overrides="none", model_impl="auto", gpu_memory_mib=143771,
+    draft_revision="main", hf_overrides="none", model_impl="auto", gpu_memory_mib=143771, gpu_state="startup",
     attention_config_hash="sha256:85ab606f0c1d2e3f", kernel_config_hash="sha256:fb6366b70c1d2e3f",
     offload_config_hash="sha256:ed6cbbe80c1d2e3f", kv_connector="none", additional_config_hash="none",
     cudnn_version="92400", flashinfer_version="0.7.2.post1",

@@ -14,7 +14,7 @@ from dspark_calib.observe import file as observe
 from dspark_calib.errors import CalibError
 import math
 
-from dspark_calib.observe.step import ABSENT, ACCEPTANCE, COLUMNS, ESTIMATOR, PREFILL, ObservedStep, PendingSteps
+from dspark_calib.observe.step import ABSENT, ACCEPTANCE, COLUMNS, ESTIMATOR, GPU, PREFILL, ObservedStep, PendingSteps
 from dspark_calib.observe.file import ObservedWriter, read_observed
 
 
@@ -39,7 +39,8 @@ def test_round_trip_keeps_every_value(tmp_path):
                   **(dict(prefill_tokens=3 * i, prefill_context_sum=100 * i, prefill_pairs=3 * i * (100 + 3 * i))
                      if i % 3 else {}),
                   **(dict(position_graded=GRADED, position_accepted=ACCEPTED) if i % 2 == 0 else {}),
-                  **(ESTIMATED if i % 3 == 1 else {}))
+                  **(ESTIMATED if i % 3 == 1 else {}),
+                  **(dict(gpu_sm_mhz=1515.0 + 15 * i, gpu_power_w=699.5) if i % 4 else {}))
              for i in range(7)]
     with ObservedWriter(tmp_path, metadata={"mode": "context_aware", "table_hash": "ab" * 32, "tp_rank": 1}) as w:
         for s in steps:
@@ -51,7 +52,7 @@ def test_round_trip_keeps_every_value(tmp_path):
     for name in COLUMNS:
         want = [getattr(s, name) for s in steps]
         absent = [ABSENT] * len(GRADED) if name in ACCEPTANCE else ABSENT
-        if name in ("estimator_slope", "estimator_intercepts"):  # null floats read as NaN
+        if name in ("estimator_slope", "estimator_intercepts", *GPU):  # null floats read as NaN
             absent = [math.nan] * len(GRADED) if name == "estimator_intercepts" else math.nan
         want = [absent if v is None else list(v) if isinstance(v, tuple) else v for v in want]
         assert json.dumps(got[name].tolist()) == json.dumps(want), name  # NaN == NaN as text
@@ -76,7 +77,7 @@ def test_a_12_file_reads_with_no_estimator_recorded(tmp_path):
 
 def test_a_13_file_reads_as_priced_by_the_linear_tail_rule_and_a_14_file_as_it_records(tmp_path):
     """The 1.3 -> 1.4 migration: every engine before the tail rule was recorded charged the whole
-    gap (the linear rule); a 1.4 file's own rule stays."""
+    gap (the linear rule); a newer file's own rule stays."""
     from dspark_calib.pricing.policy import CONTEXT_AWARE, PricingPolicy
 
     meta = PricingPolicy(CONTEXT_AWARE, 8192, tail_milli=200).metadata()
@@ -86,12 +87,43 @@ def test_a_13_file_reads_as_priced_by_the_linear_tail_rule_and_a_14_file_as_it_r
     assert read_observed([path]).metadata[0].policy().tail_rule == "bounded"
     t = pq.read_table(path)
     written = json.loads(t.schema.metadata[observe.METADATA_KEY])
-    assert written["schema_version"] == "1.4" and written["context_tail_rule"] == "bounded"
+    assert written["schema_version"] == "1.5" and written["context_tail_rule"] == "bounded"
     old = {k: v for k, v in written.items() if k != "context_tail_rule"}
     pq.write_table(t.replace_schema_metadata({observe.METADATA_KEY: json.dumps({**old, "schema_version": "1.3"}).encode()}),
                    path)
     got = read_observed([path]).metadata[0]
-    assert got.schema_version == "1.4" and got.policy() == PricingPolicy(CONTEXT_AWARE, 8192, 200, tail_rule="linear")
+    assert got.schema_version == "1.5" and got.policy() == PricingPolicy(CONTEXT_AWARE, 8192, 200, tail_rule="linear")
+
+
+def test_a_14_file_reads_with_no_gpu_clock_recorded(tmp_path):
+    """The 1.4 -> 1.5 migration: the SM clock and power read null (NaN)."""
+    with ObservedWriter(tmp_path) as w:
+        w.append(step(0, gpu_sm_mhz=1530.0, gpu_power_w=700.0))
+    (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
+    t = pq.read_table(path)
+    meta = json.loads(t.schema.metadata[observe.METADATA_KEY])
+    assert meta["schema_version"] == "1.5" and read_observed([path])["gpu_sm_mhz"].tolist() == [1530.0]
+    t = t.drop_columns(list(GPU)).replace_schema_metadata(
+        {observe.METADATA_KEY: json.dumps({**meta, "schema_version": "1.4"}).encode()})
+    pq.write_table(t, path)
+    got = read_observed([path])
+    assert math.isnan(got["gpu_sm_mhz"][0]) and math.isnan(got["gpu_power_w"][0])
+
+
+@pytest.mark.parametrize("name,value", [("gpu_sm_mhz", 0.0), ("gpu_sm_mhz", -1515.0), ("gpu_power_w", 1e9),
+                                        ("gpu_power_w", math.inf)])
+def test_an_impossible_gpu_reading_is_refused_in_a_row_and_in_a_file(tmp_path, name, value):
+    for bad in (value, True):
+        with pytest.raises(CalibError, match=f"bad observed step: {name} must be a number in"):
+            step(0, **{name: bad})
+    with ObservedWriter(tmp_path) as w:
+        w.append(step(0, gpu_sm_mhz=1530.0, gpu_power_w=700.0))
+    (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
+    t = pq.read_table(path)
+    t = t.set_column(t.schema.get_field_index(name), name, pa.array([float(value)]))
+    pq.write_table(t, path)
+    with pytest.raises(CalibError, match=f"row 0: {name} outside"):
+        read_observed([path])
 
 
 def test_rolling_files_are_bounded_and_keep_the_newest(tmp_path):

@@ -99,7 +99,7 @@ def test_plain_pandas_and_pyarrow_read_the_file(table_file, reference_table):
     assert arrow.schema.remove_metadata() == pa.schema(list(COLUMNS.items()))
     meta = json.loads(arrow.schema.metadata[METADATA_KEY])
     assert set(meta) >= {"schema_version", "tool_version", "created_at", "content_hash", "fingerprint"}
-    assert meta["schema_version"] == SCHEMA_VERSION == "1.3"
+    assert meta["schema_version"] == SCHEMA_VERSION == "1.4"
     assert meta["tool_version"] == __version__
     created = dt.datetime.fromisoformat(meta["created_at"].replace("Z", "+00:00"))
     assert meta["created_at"].endswith("Z") and created.utcoffset() == dt.timedelta(0)
@@ -221,14 +221,14 @@ def test_file_lacking_an_optional_column_reads_with_nulls(tmp_path, reference_ta
 def test_newer_minor_with_extra_column_and_fingerprint_key_is_accepted(tmp_path, reference_table_8192):
     """What a 1.x writer may add (optional columns, fingerprint keys) must not stop a 1.0 reader."""
     arrow, meta = arrow_and_meta(reference_table_8192)
-    meta["schema_version"] = "1.4"
+    meta["schema_version"] = "1.5"
     meta["fingerprint"]["nvlink_topology"] = "NV18"
     meta["future_note"] = {"anything": [1, 2]}
     meta["content_hash"] = hash_as_written(meta, reference_table_8192)
     arrow = arrow.append_column("power_limit_w", pa.array(np.full(arrow.num_rows, 700.0)))
     path = write_raw(tmp_path / "newer.parquet", arrow, meta)
     back = read_table(path)
-    assert back.schema_version == "1.4"
+    assert back.schema_version == "1.5"
     assert back.fingerprint.extra["nvlink_topology"] == "NV18"  # kept, not dropped
     for kind in CURVE_KINDS:
         assert back.curves[8192].curve(kind).as_vllm() == reference_table_8192.curves[8192].curve(kind).as_vllm()

@@ -77,7 +77,7 @@ def test_curves_come_first_in_their_own_row_group(path8192, t8192):
     pf = pq.ParquetFile(path8192)
     meta = json.loads(pf.schema_arrow.metadata[METADATA_KEY])
     n_curve = sum(len(t8192.curves[8192].curve(k)) for k in CURVE_KINDS)
-    assert meta["schema_version"] == SCHEMA_VERSION == "1.3" and meta["curve_rows"] == n_curve
+    assert meta["schema_version"] == SCHEMA_VERSION == "1.4" and meta["curve_rows"] == n_curve
     assert pf.metadata.num_row_groups >= 2 and pf.metadata.row_group(0).num_rows == n_curve
     assert set(pf.read_row_group(0, columns=["record"]).column(0).to_pylist()) == {"draft", "verify"}
     assert set(pf.read_row_group(1, columns=["record"]).column(0).to_pylist()) == {"sample"}
@@ -204,10 +204,13 @@ def test_1_0_hash_leaves_out_only_optional_keys_not_recorded():
 
     full = read_table(SCHEMA10, samples=False)
     stored = read_metadata(SCHEMA10).raw["fingerprint"]
-    absent = [k for k in KEYS if k.optional and k.name not in stored and k.name != "speculative_method"]
+    migrated = ("speculative_method", "gpu_state")
+    absent = [k for k in KEYS if k.optional and k.name not in stored and k.name not in migrated]
     assert len(absent) >= 10 and all(getattr(full.fingerprint, k.name) is None for k in absent)
-    # a table from before the method was recorded is a DSpark table (the only kind then made)
-    assert "speculative_method" not in stored and full.fingerprint.speculative_method == "dspark"
+    # a table from before the method was recorded is a DSpark table (the only kind then made),
+    # profiled in the startup state (the only one then)
+    assert not set(migrated) & set(stored)
+    assert (full.fingerprint.speculative_method, full.fingerprint.gpu_state) == ("dspark", "startup")
     assert full.fingerprint.max_model_len == stored["max_model_len"] == 32768  # recorded by 1.0: hashed
     assert full.content_hash == read_metadata(SCHEMA10).content_hash
     changed = dataclasses.replace(full, fingerprint=full.fingerprint.replace(kv_block_size=16))
@@ -230,6 +233,28 @@ def _stored_as(table, path, change) -> Path:
     return path
 
 
+def _stored_with_key(table, tmp_path, version, key, value=None) -> Path:
+    """The table as a `version` writer would have written it, its fingerprint without `key`, or
+    with `value` for it (a 1.2 writer wrote no calibration key)."""
+    def change(meta):
+        meta["schema_version"] = version
+        if version == "1.2":
+            del meta["calibration"]
+        meta["fingerprint"].pop(key, None)
+        if value:
+            meta["fingerprint"][key] = value
+    return _stored_as(table, tmp_path / f"{version}-{key}-{value}.parquet", change)
+
+
+def _read_as(path, key, want):
+    """The metadata alone and the whole table read `key` as `want`, and the table verifies against
+    its metadata as stored; returns the metadata."""
+    meta, table = read_metadata(path), read_table(path)
+    assert getattr(meta.fingerprint, key) == getattr(table.fingerprint, key) == want, path.name
+    assert table.content_hash == meta.content_hash
+    return meta
+
+
 def test_the_method_of_an_older_table_is_its_formats_migration_not_a_default(reference_table, tmp_path):
     """speculative_method is filled by the 1.2 -> 1.3 migration alone: a 1.2 file without it is a
     DSpark table (the only kind then made), a 1.2 file that recorded one keeps it, and a 1.3 file
@@ -242,19 +267,10 @@ def test_the_method_of_an_older_table_is_its_formats_migration_not_a_default(ref
     assert Fingerprint.from_dict(bare).speculative_method is None
 
     def stored(version, method=None):
-        def change(meta):
-            meta["schema_version"] = version
-            if version == "1.2":
-                del meta["calibration"]  # as a 1.2 writer wrote it
-            del meta["fingerprint"]["speculative_method"]
-            if method:
-                meta["fingerprint"]["speculative_method"] = method
-        return _stored_as(reference_table, tmp_path / f"{version}-{method}.parquet", change)
+        return _stored_with_key(reference_table, tmp_path, version, "speculative_method", method)
 
     for path, method in ((stored("1.2"), "dspark"), (stored("1.2", "eagle3"), "eagle3"), (stored("1.3"), None)):
-        meta, table = read_metadata(path), read_table(path)
-        assert meta.fingerprint.speculative_method == table.fingerprint.speculative_method == method, path.name
-        assert table.content_hash == meta.content_hash  # verified against the metadata as stored
+        meta = _read_as(path, "speculative_method", method)
         assert "speculative_method" not in meta.raw["fingerprint"] or method == "eagle3"
     engine = {k: v for k, v in reference_table.fingerprint.to_dict().items() if k not in ("extra", "context_lens")}
     (tmp_path / "d").mkdir()
@@ -264,13 +280,27 @@ def test_the_method_of_an_older_table_is_its_formats_migration_not_a_default(ref
     assert "loaded cost table" in line and "not recorded in the table: speculative_method" in line
 
 
+def test_the_gpu_state_of_an_older_table_is_its_formats_migration_not_a_default(reference_table, tmp_path):
+    """gpu_state is filled by the 1.3 -> 1.4 migration alone: a 1.3 file without it was profiled
+    in the startup state (the only one then), a 1.3 file that holds one keeps it, and a 1.4 file
+    without it has not recorded it (None, shown as '-')."""
+    from dspark_calib.fingerprint import Fingerprint
+
+    bare = {k: v for k, v in reference_table.fingerprint.to_dict().items() if k != "gpu_state"}
+    assert Fingerprint.from_dict(bare).gpu_state is None
+    for version, state, want in (("1.3", None, "startup"), ("1.3", "serving", "serving"), ("1.4", None, None)):
+        meta = _read_as(_stored_with_key(reference_table, tmp_path, version, "gpu_state", state), "gpu_state", want)
+        assert "gpu_state" not in meta.raw["fingerprint"] or state == "serving"
+
+
 @pytest.mark.parametrize("path", [SCHEMA10, *SHIPPED_DSPARK], ids=lambda p: p.name)
 def test_shipped_tables_read_as_dspark_with_the_hash_in_their_name(path):
-    """Every shipped DSpark table predates the key: read (metadata alone, or whole) as a DSpark
-    table, with the content hash its name carries."""
+    """Every shipped DSpark table predates the keys: read (metadata alone, or whole) as a DSpark
+    table profiled in the startup state, with the content hash its name carries."""
     meta, table = read_metadata(path), read_table(path)
-    assert "speculative_method" not in meta.raw["fingerprint"]
+    assert "speculative_method" not in meta.raw["fingerprint"] and "gpu_state" not in meta.raw["fingerprint"]
     assert meta.fingerprint.speculative_method == table.fingerprint.speculative_method == "dspark"
+    assert meta.fingerprint.gpu_state == table.fingerprint.gpu_state == "startup"
     assert meta.content_hash[:12] in path.name and table.content_hash == meta.content_hash
 
 
@@ -283,6 +313,7 @@ def test_shipped_tables_of_other_methods_record_theirs(path):
     assert method != "dspark" and meta.fingerprint.speculative_method == table.fingerprint.speculative_method == method
     assert f"__{meta.fingerprint.draft_model}__" in path.name and meta.schema_version >= "1.3"
     assert meta.content_hash[:12] in path.name and table.content_hash == meta.content_hash
+    assert meta.fingerprint.gpu_state == table.fingerprint.gpu_state == "startup"  # profiled before the key
 
 
 def test_a_non_dspark_table_ships():
@@ -322,9 +353,9 @@ def test_every_column_survives_every_migration_with_its_values(m):
 def test_the_survival_check_catches_a_migration_that_renames_a_column():
     registered = list(MIGRATIONS)
     try:
-        @migration("1.3", "1.4")
+        @migration("1.4", "1.5")
         def rename(arrow, meta):
-            return arrow.rename_columns(["mad" if c == "mad_ms" else c for c in arrow.column_names]), {**meta, "schema_version": "1.4"}
+            return arrow.rename_columns(["mad" if c == "mad_ms" else c for c in arrow.column_names]), {**meta, "schema_version": "1.5"}
         assert MIGRATIONS[-1].apply is rename  # the decorator appends
         with pytest.raises(AssertionError, match="dropped column mad_ms"):
             assert_every_column_survives(MIGRATIONS[-1])

@@ -35,7 +35,7 @@ def with_telemetry(reference_table_8192):
 
 def test_1_2_round_trips_telemetry(tmp_path, with_telemetry):
     back = read_table(write_table(with_telemetry, tmp_path / "t.parquet"))
-    assert back.schema_version == SCHEMA_VERSION == "1.3"
+    assert back.schema_version == SCHEMA_VERSION == "1.4"
     assert back.telemetry == with_telemetry.telemetry and back.content_hash == with_telemetry.content_hash
     assert read_table(tmp_path / "t.parquet", samples=False).telemetry == with_telemetry.telemetry
     s = back.telemetry.summary()

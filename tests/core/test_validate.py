@@ -16,7 +16,7 @@ from dspark_calib.pricing.grid import ContextGrid
 from dspark_calib.pricing.rules import verify_context
 from dspark_calib.errors import CalibError
 from dspark_calib.observe.step import ObservedStep, ObserveMeta
-from dspark_calib.observe.file import ObservedSteps, ObservedWriter, read_observed
+from dspark_calib.observe.file import OBSERVED_SCHEMA_VERSION, ObservedSteps, ObservedWriter, read_observed
 from dspark_calib.render.validation import plot_validation, render_validation
 from dspark_calib.validate import (AWARE, SINGLE, max_error_exceeded, pow2_bucket, recorded_chunks, recorded_tail,
                                    validate)
@@ -415,7 +415,7 @@ def test_a_file_from_before_the_bound_is_priced_by_the_linear_rule_its_engine_pr
 
     repo = pathlib.Path(__file__).resolve().parents[2]
     observed = read_observed([repo / SKEWED])
-    assert observed.metadata[0].raw["schema_version"] == "1.4"  # migrated
+    assert observed.metadata[0].raw["schema_version"] == OBSERVED_SCHEMA_VERSION  # migrated
     assert observed.metadata[0].policy().tail_rule == "linear"
     table = read_table(repo / SHIPPED)
     res = validate(table, observed)

@@ -24,7 +24,7 @@ from vllm.v1.worker.gpu.async_utils import StepTimingSample
 from dspark_calib.vllm import capture, plugin
 from dspark_calib.vllm import runtime
 from dspark_calib.vllm.capture import CaptureDir, CaptureError, Plan
-from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S
+from dspark_calib.vllm.gpu_state import DEFAULT_COOLDOWN_S
 from tests.helpers import DRAFT, MODEL, REPO
 
 ROOT = str(REPO)
@@ -340,20 +340,31 @@ def test_a_draft_model_batch_clamped_by_vllm_is_still_its_batch(monkeypatch, tmp
 
 
 # -- tensor parallel 4, stubbed group calls -------------------------------------------------
-def test_tp4_rank0_plan_to_every_rank_same_batches(monkeypatch, tmp_path):
+def run_tp4(monkeypatch, tmp_path, plan, run_rank):
+    """Four TP ranks one after the other (rank 0's broadcasts replayed to the others): rank 0 in
+    the directory holding the plan, the others in their node's view of it (no plan.json there:
+    they must not read one). run_rank(manager, rank) runs one rank's capture.
+    Returns (rank 0's directory, the others', the broadcasts, each rank's result)."""
     rank0_dir, other_dir = tmp_path / "rank0", tmp_path / "node"
     rank0_dir.mkdir()
-    other_dir.mkdir()  # other ranks' view: no plan.json there (they must not read one)
-    CaptureDir(rank0_dir).write_plan(Plan(context_lens=(1024, 4096), replays=6, warmup=2))
+    other_dir.mkdir()
+    CaptureDir(rank0_dir).write_plan(plan)
     bus: list = []
     runs = []
     for rank in range(4):
         use_group(monkeypatch, Group(rank, 4, bus))
         monkeypatch.setenv("DSPARK_CALIB_CAPTURE", str(rank0_dir if rank == 0 else other_dir))
         plugin.register()
-        m = make_manager()
-        batches, _ = run_capture(m, samples_for=lambda b, r=rank: random_samples(b, seed=r))
-        runs.append((batches, m))
+        runs.append(run_rank(make_manager(), rank))
+    return rank0_dir, other_dir, bus, runs
+
+
+def test_tp4_rank0_plan_to_every_rank_same_batches(monkeypatch, tmp_path):
+    def run_rank(m, rank):
+        return run_capture(m, samples_for=lambda b: random_samples(b, seed=rank))[0], m
+
+    rank0_dir, other_dir, bus, runs = run_tp4(monkeypatch, tmp_path, Plan(context_lens=(1024, 4096), replays=6,
+                                                                          warmup=2), run_rank)
     assert isinstance(bus[0], Plan) and bus[0].context_lens == (1024, 4096)
     assert all(batches == runs[0][0] for batches, _ in runs)
     assert len(runs[0][0]) == 2 * (1 + 2) * len(vllm_sequence())
@@ -458,6 +469,68 @@ def test_plan_json_carries_the_cooldown_and_an_older_one_reads_as_the_default(tm
     with pytest.raises(CaptureError) as err:
         d.read_plan()
     assert "cooldown_s must be between 0 and 60" in str(err.value) and "\n" not in str(err.value)
+
+
+# -- the serving state: settle steps before every block -----------------------------------------------
+def steps_taking(manager, clock, step_s=0.125):
+    """Every batch handed out, each moving the fake clock step_s (the GPU's work)."""
+    batches = []
+    for batch in manager.batches_to_profile(list(SIZES)):
+        clock.t += step_s
+        batches.append(batch)
+    return batches
+
+
+SERVING = Plan(context_lens=(1024, 4096), replays=10, warmup=5, gpu_state="serving", settle_s=0.5)
+
+
+def test_serving_state_settles_under_the_heaviest_step_before_every_block(monkeypatch, tmp_path, fake_clock):
+    """Before each block, the first included: the largest batch of vLLM's sequence at the block's
+    context, back to back for the settle time (no NVML: the whole of it), never a pause. vLLM
+    times those steps too; none of them is a sample, and vLLM's fallback fit sees timed ones only."""
+    no_nvml(monkeypatch)
+    start_capture(monkeypatch, tmp_path, SERVING)
+    m = make_manager()
+    batches = steps_taking(m, fake_clock)
+    seq = vllm_sequence()
+    heaviest = max(b["num_tokens"] for b in seq)
+    expected = [b for ctx in (1024, 4096) for _ in range(3)
+                for b in [{"num_tokens": heaviest, "context_len": ctx}] * 4 + [{**x, "context_len": ctx} for x in seq]]
+    assert batches == expected and fake_clock.sleeps == []
+    samples = random_samples(batches)
+    m.set_initial_cost_curves(samples)
+    payload = CaptureDir(tmp_path).read_samples(0)
+    assert payload["plan"]["gpu_state"] == "serving" and "cooldown" not in payload
+    assert payload["settle"] == {"seconds": 0.5, "total_s": 3.0, "settles": 6, "steps": 24, "early_exits": 0}
+    unit = 4 + len(seq)  # a block's settle steps, then the block (1 warm-up and 2 timed blocks per context)
+    timed = [i for i in range(len(batches)) if i % unit >= 4 and (i // unit) % 3 != 0]
+    assert [s["forward_ms"] for s in payload["samples"]] == [samples[i].forward_ms for i in timed]
+    at_4096 = [samples[i] for i in timed if batches[i]["context_len"] == 4096]
+    assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, vllm_fit(at_4096)))
+    assert payload["num_batches"] == len(batches)
+
+
+def test_serving_state_tp4_every_rank_runs_rank_0s_settle_steps(monkeypatch, tmp_path, fake_clock):
+    def run_rank(m, rank):
+        batches = steps_taking(m, fake_clock, 0.125 if rank == 0 else 1.0)  # only rank 0's clock decides
+        m.set_initial_cost_curves(random_samples(batches, seed=rank))
+        return batches
+
+    no_nvml(monkeypatch)
+    rank0_dir, other_dir, bus, runs = run_tp4(monkeypatch, tmp_path, SERVING, run_rank)
+    assert all(r == runs[0] for r in runs) and len(runs[0]) == 6 * (4 + len(vllm_sequence()))
+    decisions = ([True] * 4 + [False]) * 6
+    assert bus[1:1 + len(decisions)] == decisions  # the plan, each settle step's decision, then vLLM's curves
+    assert "settle" in CaptureDir(rank0_dir).read_samples(0)
+    assert "settle" not in CaptureDir(other_dir).read_samples(1)
+
+
+def test_plan_json_carries_the_gpu_state(tmp_path):
+    d = CaptureDir(tmp_path)
+    d.write_plan(SERVING)
+    assert d.read_plan() == SERVING
+    with pytest.raises(ValueError, match="^gpu_state must be one of startup, serving, got 'idle'$"):
+        Plan(context_lens=(1024,), gpu_state="idle")
 
 
 def test_no_batch_from_vllm_is_left_for_profile_in_the_capture_dir(monkeypatch, tmp_path):

@@ -1,5 +1,5 @@
 """Telemetry per profile block as the worker takes it: the GPU readings (fake NVML), the
-cool-downs between blocks, and the capture's reading points.
+cool-downs and settles between blocks, and the capture's reading points.
 
 The table's schema 1.2 telemetry metadata and the typed record: tests/core/test_telemetry.py."""
 
@@ -15,7 +15,7 @@ from tests.vllm.test_capture import clean, make_manager, start_capture, vllm_seq
 from dspark_calib.telemetry import Reading, Telemetry
 from dspark_calib.vllm import gpu_readings
 from dspark_calib.vllm.capture import CaptureDir, Plan
-from dspark_calib.vllm.cooldown import Cooldown
+from dspark_calib.vllm.gpu_state import POLL_S, SETTLE_MIN_S, Cooldown, Settle
 from dspark_calib.vllm.gpu_readings import GpuReader
 
 
@@ -208,3 +208,71 @@ def test_nvml_index_follows_the_workers_own_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,7")
     assert nvml_index() == 2
+
+
+# -- the settle (serving state): load until the readings are steady ----------------------------------
+class Drawn:
+    """A GpuReader stand-in whose k-th reading is reading(k)."""
+
+    def __init__(self, reading, source="nvml"):
+        self.source, self.reading, self.reads = source, reading, 0
+
+    def read(self) -> Reading:
+        self.reads += 1
+        return self.reading(self.reads - 1)
+
+
+def settle_steps(settle, clock, step_s):
+    """The settle steps one block gets, each taking step_s of the fake clock (the GPU's work)."""
+    settle.begin()
+    steps = 0
+    while settle.more():
+        steps += 1
+        clock.t += step_s
+    return steps
+
+
+def test_settle_ends_once_clock_and_power_hold_still_never_before_the_minimum(fake_clock):
+    """Constant readings are steady at once, but the load runs SETTLE_MIN_S first; readings are
+    taken at most every POLL_S however short the steps."""
+    reader = Drawn(lambda k: Reading(sm_mhz=1530.0, power_w=699.0))
+    s = Settle(5.0, reader)
+    steps = settle_steps(s, fake_clock, 0.02)
+    assert fake_clock.t == pytest.approx(SETTLE_MIN_S, abs=0.03) and steps == pytest.approx(SETTLE_MIN_S / 0.02, abs=2)
+    assert reader.reads <= fake_clock.t / POLL_S + 1 < steps
+    assert s.to_json() == {"seconds": 5.0, "total_s": round(s.settles[0].seconds, 3), "settles": 1, "steps": steps,
+                           "early_exits": 1}
+    assert fake_clock.sleeps == []  # load, never a pause
+
+
+@pytest.mark.parametrize("reading", [
+    lambda k: Reading(sm_mhz=1500.0 + 45 * (k % 2), power_w=699.0),  # the clock still hunting
+    lambda k: Reading(sm_mhz=1980.0 - min(k, 400), power_w=400.0 + 10 * k),  # still heating up
+    lambda k: Reading(sm_mhz=None, power_w=None),  # NVML said nothing
+])
+def test_settle_runs_its_whole_time_while_readings_move(fake_clock, reading):
+    s = Settle(2.0, Drawn(reading))
+    steps = settle_steps(s, fake_clock, 0.125)
+    assert steps == 16 and fake_clock.t == 2.0 and s.to_json()["early_exits"] == 0
+
+
+@pytest.mark.parametrize("source", ["nvidia-smi", "host"])
+def test_settle_without_nvml_is_the_full_time_and_reads_nothing(fake_clock, source):
+    reader = Drawn(lambda k: Reading(sm_mhz=1530.0, power_w=699.0), source=source)
+    s = Settle(1.5, reader)
+    assert settle_steps(s, fake_clock, 0.125) == 12 and reader.reads == 0
+
+
+def test_settle_0_runs_no_step_and_every_rank_follows_rank_0(fake_clock):
+    assert settle_steps(Settle(0.0, Drawn(lambda k: Reading())), fake_clock, 0.125) == 0
+    said = []  # rank 0's decisions, as the TP broadcast hands them on
+    rank0 = Settle(0.5, Drawn(lambda k: Reading()), agree=lambda d: said.append(d) or d)
+    heard = iter([True, True, False])
+    other = Settle(0.5, None, agree=lambda d: next(heard))
+    assert settle_steps(rank0, fake_clock, 0.125) == 4 and said == [True] * 4 + [False]
+    assert settle_steps(other, fake_clock, 0.125) == 2 and other.settles == []  # only rank 0 records
+
+
+def test_settle_range_is_one_value_error():
+    with pytest.raises(ValueError, match=r"^settle_s must be between 0 and 120 seconds, got 121$"):
+        Settle(121, None)

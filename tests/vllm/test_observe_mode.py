@@ -552,3 +552,68 @@ def test_acceptance_counts_by_hand():
 
     assert acceptance_counts([3, 1, 0, 8], [2, 0, 0, 0], 4) == ((2, 2, 2, 1), (2, 2, 1, 1))
     assert acceptance_counts([1, 1], [1, 3], 3) == ((2, 0, 0), (0, 0, 0))  # both rejected their first draft
+
+
+# -- the GPU's SM clock and power per row, sampled off the step's path -----------------------------
+class Sampled:
+    """gpu_readings.ClockSampler's stand-in: the test sets `latest`; a step only ever reads it."""
+
+    def __init__(self):
+        self.latest, self.stopped = (None, None), False
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_each_row_carries_the_clock_last_sampled_when_its_step_was(engine, monkeypatch):
+    from dspark_calib.vllm import gpu_readings
+
+    sampler = Sampled()
+    monkeypatch.setattr(gpu_readings, "clock_sampler", lambda: sampler)
+    runner, clock = engine
+    obs = start(runner, clock)
+    for n in range(1, 9):
+        sampler.latest = (None, None) if n <= 2 else (1500.0 + n, 650.0 + n)  # none before the first reading
+        step(runner, n)
+    runner.shutdown()
+    rows = read_observed([obs.directory])
+    assert list(rows["num_reqs"]) == [2, 4, 6, 8] and sampler.stopped
+    assert np.isnan(rows["gpu_sm_mhz"][0]) and np.isnan(rows["gpu_power_w"][0])
+    assert rows["gpu_sm_mhz"][1:].tolist() == [1504.0, 1506.0, 1508.0]
+    assert rows["gpu_power_w"][1:].tolist() == [654.0, 656.0, 658.0]
+
+
+def test_the_sampler_reads_nvml_on_its_own_thread_and_without_nvml_there_is_none(monkeypatch):
+    import sys
+    import threading
+
+    from dspark_calib.telemetry import Reading
+    from dspark_calib.vllm import gpu_readings
+
+    read_on = []
+
+    class Reader:
+        source = "nvml"
+
+        def read(self):
+            read_on.append(threading.current_thread().name)
+            return Reading(sm_mhz=1530.0, power_w=699.0)
+
+    sampler = gpu_readings.ClockSampler(Reader(), period_s=0.01).start()
+    try:
+        for _ in range(500):  # the thread's first reading; no timing asserted
+            if sampler.latest != (None, None):
+                break
+            threading.Event().wait(0.01)
+        assert sampler.latest == (1530.0, 699.0)
+        assert set(read_on) == {"dspark-calib-gpu-clock"}
+    finally:
+        sampler.stop()
+    sampler._thread.join(5)
+    assert not sampler._thread.is_alive()
+    import vllm.third_party
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # neither nvidia-ml-py nor vLLM's copy
+    monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", None)
+    monkeypatch.delattr(vllm.third_party, "pynvml", raising=False)
+    assert gpu_readings.clock_sampler() is None

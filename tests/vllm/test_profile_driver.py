@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -192,7 +193,10 @@ RANGES = dict(context_len=[8192], max_num_seqs=256, max_num_batched_tokens=8192,
     ({"warmup": -1}, "--warmup"), ({"tp": 0}, "--tp"), ({"num_speculative_tokens": 0}, "--num-speculative-tokens"),
     ({"max_model_len": 0}, "--max-model-len"), ({"load_format": "pt"}, "--load-format"),
     ({"distributed_executor_backend": "uni"}, "--distributed-executor-backend"), ({"cooldown": -0.1}, "--cooldown"),
-    ({"cooldown": 60.5}, "--cooldown"), ({"cooldown": float("nan")}, "--cooldown")])
+    ({"cooldown": 60.5}, "--cooldown"), ({"cooldown": float("nan")}, "--cooldown"),
+    ({"gpu_state": "idle"}, "--gpu-state"), ({"gpu_state": "serving", "settle": 120.5}, "--settle"),
+    ({"gpu_state": "serving"}, "--cooldown: the serving state settles"),  # RANGES gives --cooldown
+    ({"settle": 2.0}, "--settle: only the serving state")])
 def test_ranges_refused_naming_the_option(change, option):
     with pytest.raises(CalibError) as err:
         profile_cmd.check_ranges(**{**RANGES, **change})
@@ -200,6 +204,9 @@ def test_ranges_refused_naming_the_option(change, option):
     profile_cmd.check_ranges(**{**RANGES, "gpu_memory_utilization": 1.0, "warmup": 0})  # the edges are fine
     for edge in (0.0, 60.0):
         profile_cmd.check_ranges(**{**RANGES, "cooldown": edge})
+    for edge in (0.0, 120.0):
+        assert profile_cmd.check_ranges(**{**RANGES, "cooldown": None, "gpu_state": "serving", "settle": edge}) \
+            == (1.0, edge)  # the plan's (cooldown_s, settle_s); an option left out is its default
 
 
 def test_out_checked_at_once(tmp_path):
@@ -576,6 +583,61 @@ def test_estimate_includes_the_cooldown(tmp_path):
     assert on.schedule == off.schedule and off.cooldown_s == 0 and "cool-down" not in off.line(20)
     assert on.cooldown_s == 2.0 * (2 * 5 - 1)  # before every block but the capture's first, across contexts
     assert on.seconds == pytest.approx(off.seconds + on.cooldown_s) and "18 s of it cool-down" in on.line(20)
+
+
+def test_estimate_includes_the_settle_before_every_block():
+    import tests.vllm.test_capture as tc
+
+    from dspark_calib.vllm.profile.plan import expected
+
+    startup = expected(resolve_options(opts(context_lens=(1024, 8192), settle_s=2.0)), tc.SIZES)
+    serving = expected(resolve_options(opts(context_lens=(1024, 8192), gpu_state="serving", settle_s=2.0)), tc.SIZES)
+    assert serving.schedule == startup.schedule and startup.settle_s == 0 and serving.cooldown_s == 0
+    assert serving.settle_s == 2.0 * 2 * 5  # before every block, the capture's first included
+    assert serving.seconds == pytest.approx(startup.seconds - startup.cooldown_s + serving.settle_s)
+    line = serving.line(20)
+    assert "20 s of it settling under load before each block" in line and "cool-down" not in line
+
+
+class Ticking:
+    """gpu_state's clock for a whole engine run: each look at it is 0.125 s later (a heavy step)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self):
+        self.t += 0.125
+        return self.t
+
+
+@pytest.mark.slow
+def test_gpu_state_reaches_the_plan_and_the_table(engine_stand_in, tmp_path, monkeypatch):
+    """--gpu-state serving --settle through typer, profile_cmd and ProfileOptions; plan.json carries
+    them; the worker settles before each block; the table records the state in its fingerprint and
+    the settle in its extra; a rebuild with another state is refused naming the key."""
+    from typer.testing import CliRunner
+
+    from dspark_calib.cli.app import app
+    from dspark_calib.vllm import gpu_state
+
+    seen = []
+    monkeypatch.setattr(profile_cmd, "_run", lambda o, *a, **k: seen.append(o))
+    monkeypatch.setattr(driver, "check_before_import", lambda o: None)  # no GPU here
+    res = CliRunner().invoke(app, ["profile", "--model", MODEL, "--draft", DRAFT, "--out", str(tmp_path),
+                                   "--gpu-state", "serving", "--settle", "0.5"])
+    assert res.exit_code == 0 and (seen[0].gpu_state, seen[0].settle_s, seen[0].cooldown_s) == ("serving", 0.5, 1.0)
+    monkeypatch.setattr(gpu_state, "CLOCK", gpu_state.Clock(sleep=lambda s: None, now=Ticking().now))
+    o, cap, lines, _ = _profile_in_process(tmp_path, monkeypatch, replays=5, warmup=0, gpu_state="serving",
+                                           settle_s=0.5)
+    assert cap["plan"]["gpu_state"] == "serving" and "cooldown" not in cap
+    # begin() looks once, then one look a step: 3 steps reach 0.5 s
+    assert cap["settle"] == {"seconds": 0.5, "total_s": 1.0, "settles": 2, "steps": 6, "early_exits": 0}
+    assert "settling under load" in lines[0]
+    fp = profile_table.table_from_capture(o, cap).fingerprint
+    assert fp.gpu_state == "serving" and (fp.extra["settle_s"], fp.extra["settle_total_s"]) == (0.5, 1.0)
+    assert fp.extra["settle_steps"] == 6 and "cooldown_s" not in fp.extra
+    with pytest.raises(CalibError, match="^gpu_state: the options give 'startup', the capture recorded 'serving'"):
+        profile_table.check_capture_options(dataclasses.replace(o, gpu_state="startup"), cap)
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from dspark_calib.speculators import DSPARK, speculator
 from dspark_calib.table.model import CostTable
 from dspark_calib import env as E
 from dspark_calib.vllm.capture import CaptureDir, CaptureError
-from dspark_calib.vllm.cooldown import check_cooldown
+from dspark_calib.vllm.gpu_state import check_cooldown, check_settle, check_state
 from dspark_calib.vllm.plugin import RAY_EXTRA_PREFIXES, RAY_EXTRA_VARS
 from dspark_calib.vllm.profile.plan import ProfileOptions, default_contexts
 from dspark_calib.vllm.profile.table import table_from_capture
@@ -98,6 +98,8 @@ def resolve_options(opts: ProfileOptions) -> ProfileOptions:
     target, _, drafts = check_models(opts)
     try:  # the CLI checked it already; a library caller gets the same one line, as a CalibError
         check_cooldown(opts.cooldown_s)
+        check_settle(opts.settle_s)
+        check_state(opts.gpu_state)
     except ValueError as exc:
         raise CalibError(str(exc)) from None
     if opts.num_speculative_tokens is None:

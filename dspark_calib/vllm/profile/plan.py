@@ -15,7 +15,8 @@ from typing import Any
 
 from dspark_calib.speculators import DSPARK
 from dspark_calib.vllm.capture import Plan, Schedule
-from dspark_calib.vllm.cooldown import DEFAULT_COOLDOWN_S
+from dspark_calib.telemetry import SERVING, STARTUP
+from dspark_calib.vllm.gpu_state import DEFAULT_COOLDOWN_S, DEFAULT_SETTLE_S
 
 
 @dataclass
@@ -30,7 +31,9 @@ class ProfileOptions:
     context_lens: tuple[int, ...] = ()  # (): default_contexts, once max_model_len is known
     replays: int = 20
     warmup: int = 2
-    cooldown_s: float = DEFAULT_COOLDOWN_S  # the most rank 0 pauses before each block but the first
+    gpu_state: str = STARTUP  # the state blocks start in (vllm/gpu_state.py)
+    cooldown_s: float = DEFAULT_COOLDOWN_S  # startup: the most rank 0 pauses before each block but the first
+    settle_s: float = DEFAULT_SETTLE_S  # serving: the most the settle steps before each block last
     load_format: str = "dummy"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -75,7 +78,7 @@ MS_PER_1K_CONTEXT = 6.4  # and with the dummy requests' context length
 def plan_of(opts: Any) -> Plan:
     """The plan the driver writes for the worker, and the one the estimate is made from."""
     return Plan(context_lens=tuple(opts.context_lens), replays=opts.replays, warmup=opts.warmup,
-                cooldown_s=opts.cooldown_s)
+                cooldown_s=opts.cooldown_s, gpu_state=opts.gpu_state, settle_s=opts.settle_s)
 
 
 def default_capture_sizes(opts: Any) -> list[int]:
@@ -107,8 +110,9 @@ class Expected:
     schedule: Schedule
     contexts: int
     sizes: int
-    seconds: float  # steps and cool-downs together
+    seconds: float  # steps, cool-downs and settles together
     cooldown_s: float = 0.0  # the most the cool-downs take (they end early once the GPU is back)
+    settle_s: float = 0.0  # the most the settles take (they end early once the clocks are steady)
     method: str = DSPARK  # the step model above is DSpark's drafter
 
     @property
@@ -127,15 +131,18 @@ class Expected:
                 f"{s.vllm_replays} back-to-back replays ({s.timed_blocks} timed: {self.samples_per_size} samples per "
                 f"size{rounded}; {s.warmup_blocks} warm-up) = ~{len(s.tags)} steps; expected ~{_human(self.seconds)} "
                 f"of profiling once the engine is up (an estimate: ~{STEP_MS:g} ms a step + a cost growing with "
-                f"tokens and context; measured on one H200 with Qwen3-8B{self._cooldown_note()})"
+                f"tokens and context; measured on one H200 with Qwen3-8B{self._between_blocks_note()})"
                 + ("" if self.method == DSPARK else
                    f"; the step model is DSpark's one-pass drafter: a {self.method} drafter runs K passes a step, "
                    "each reading its own KV, and can cost several times more (docs/results)"))
 
-    def _cooldown_note(self) -> str:
-        if not self.cooldown_s:
-            return ""
-        return f"; up to {_human(self.cooldown_s)} of it cool-down between blocks, less once the GPU is back"
+    def _between_blocks_note(self) -> str:
+        if self.settle_s:
+            return (f"; up to {_human(self.settle_s)} of it settling under load before each block, less once "
+                    "the clocks are steady")
+        if self.cooldown_s:
+            return f"; up to {_human(self.cooldown_s)} of it cool-down between blocks, less once the GPU is back"
+        return ""
 
     def position(self, state: dict) -> dict:
         """progress.json plus where it is: block b of B in its context (warm-up or timed)."""
@@ -154,9 +161,11 @@ def expected(opts: Any, capture_sizes: list[int] | None = None) -> Expected:
     ms = sum(STEP_MS + MS_PER_1K_TOKENS * t.num_tokens / 1000 + MS_PER_1K_CONTEXT * t.context_len / 1000
              for t in schedule.tags)
     blocks = len(plan.context_lens) * (schedule.warmup_blocks + schedule.timed_blocks)
-    cooldown = plan.cooldown_s * (blocks - 1)  # before every block but the capture's first
-    return Expected(schedule, len(plan.context_lens), len({b["num_tokens"] for b in batches}), ms / 1000 + cooldown,
-                    cooldown, opts.method)
+    # startup: a cool-down before every block but the capture's first; serving: a settle before every block
+    cooldown = plan.cooldown_s * (blocks - 1) if plan.gpu_state == STARTUP else 0.0
+    settle = plan.settle_s * blocks if plan.gpu_state == SERVING else 0.0
+    return Expected(schedule, len(plan.context_lens), len({b["num_tokens"] for b in batches}),
+                    ms / 1000 + cooldown + settle, cooldown, settle, opts.method)
 
 
 def _human(seconds: float) -> str:

@@ -18,7 +18,7 @@ from dspark_calib.fingerprint import BACKEND_VLLM, ENGINE_KEYS, KEYS, RESOLVED_D
 from dspark_calib.safe_open import read_json_bytes
 from dspark_calib.samples import samples_from_dicts
 from dspark_calib.table.model import CostTable
-from dspark_calib.telemetry import Telemetry
+from dspark_calib.telemetry import STARTUP, Telemetry
 from dspark_calib.vllm.capture import CaptureError, check_same_curves
 from dspark_calib.vllm.profile.plan import ProfileOptions
 
@@ -34,12 +34,21 @@ def _schedule_of(capture: dict[str, Any]) -> tuple[int, int]:
                          "vLLM's environment?); no table written") from None
 
 
-def _cooldown_of(capture: dict[str, Any]) -> dict[str, Any]:
-    """The plan's cool-down and what rank 0 spent in it (none recorded: an older worker, no keys)."""
-    cool = capture.get("cooldown")
-    if not isinstance(cool, dict):
-        return {}
-    return {"cooldown_s": float(cool.get("seconds", 0.0)), "cooldown_total_s": float(cool.get("total_s", 0.0))}
+def _between_blocks_of(capture: dict[str, Any]) -> dict[str, Any]:
+    """The plan's cool-down (startup state) or settle (serving state) and what rank 0 spent in it
+    (none recorded: an older worker, no keys)."""
+    cool, settle = capture.get("cooldown"), capture.get("settle")
+    if isinstance(settle, dict):
+        return {"settle_s": float(settle.get("seconds", 0.0)), "settle_total_s": float(settle.get("total_s", 0.0)),
+                "settle_steps": int(settle.get("steps", 0))}
+    if isinstance(cool, dict):
+        return {"cooldown_s": float(cool.get("seconds", 0.0)), "cooldown_total_s": float(cool.get("total_s", 0.0))}
+    return {}
+
+
+def gpu_state_of(capture: dict[str, Any]) -> str:
+    """The state the worker's plan ran in; a capture from before the choice ran the startup state."""
+    return str(capture.get("plan", {}).get("gpu_state", STARTUP))
 
 
 def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) -> Fingerprint:
@@ -69,12 +78,13 @@ def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) ->
         context_lens=tuple(opts.context_lens),
         replays=replays,
         warmup_replays=warmup,
+        gpu_state=gpu_state_of(capture),
         extra={**launch_notes(capture), "profile_s": round(capture.get("profile_s", 0.0), 3),
                **({"engine_start_s": round(capture["engine_start_s"], 3)} if "engine_start_s" in capture else {}),
                "profile_batches": capture.get("num_batches"), "hostname": host_of(capture),
                "replays_asked": opts.replays, "warmup_asked": opts.warmup,
                "vllm_replays_per_block": int(capture["schedule"]["vllm_replays_per_block"]),
-               **_cooldown_of(capture)},
+               **_between_blocks_of(capture)},
     )
 
 
@@ -168,7 +178,9 @@ def recorded_options(opts: "ProfileOptions", capture: dict[str, Any]) -> list[tu
              ("context_lens", list(opts.context_lens), plan.get("context_lens")),
              ("replays", opts.replays, plan.get("replays")),
              ("warmup", opts.warmup, plan.get("warmup")),
-             ("cooldown_s", opts.cooldown_s, plan.get("cooldown_s"))]
+             ("gpu_state", opts.gpu_state, plan.get("gpu_state")),
+             ("cooldown_s", opts.cooldown_s, plan.get("cooldown_s")),
+             ("settle_s", opts.settle_s, plan.get("settle_s"))]
     return [(k, ours, theirs) for k, ours, theirs in pairs if ours is not None and theirs is not None]
 
 
