@@ -330,7 +330,9 @@ def _others(reports: list[CandidateReport], unread: int, limits: Limits) -> str:
     if not reports and not unread:
         return ""
     groups: dict[str, list[CandidateReport]] = {}
-    for r in reports:
+    # within a status, the newest table first (created_at, then the path): the same line on every
+    # host, whatever order the files' modification times put them in (a fresh checkout: all equal)
+    for r in sorted(sorted(reports, key=lambda r: r.path), key=lambda r: r.created_at, reverse=True):
         groups.setdefault(r.status, []).append(r)
     parts, named = [], 0
     for status, items in groups.items():

@@ -566,3 +566,16 @@ def test_env_numbers_are_ascii_digits(raw):
         with pytest.raises(E.CalibError, match=name):
             parse({name: raw})
     assert E.context_len({E.CONTEXT_LEN: " 4096 "}) == 4096 and E.load_timeout({E.LOAD_TIMEOUT: "2.5"}) == 2.5
+
+
+def test_the_skipped_files_are_named_newest_table_first_whatever_their_modification_times():
+    """A fresh checkout gives every file the same modification time: the line names the skipped
+    tables by their created_at (newest first), then path, so it reads the same on every host."""
+    from dspark_calib.selection import CandidateReport, Limits, _others
+
+    old = CandidateReport("shelf/a-tp2.parquet", "00d73c94a383", "2026-11-30T17:00:00Z", "mismatch", "tp")
+    new = CandidateReport("shelf/b-draft.parquet", "7e92b0bf0bee", "2026-12-02T00:05:23Z", "mismatch", "draft")
+    same = CandidateReport("shelf/0-same.parquet", "111111111111", "2026-12-02T00:05:23Z", "mismatch", "x")
+    for listed in ([old, new, same], [same, new, old], [new, old, same]):
+        line = _others(listed, 0, Limits())
+        assert line.index("0-same") < line.index("b-draft") < line.index("a-tp2"), line
