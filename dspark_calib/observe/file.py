@@ -34,8 +34,9 @@ Format history (OBSERVED_SCHEMA_VERSION, "major.minor"):
 * 1.4 (dspark-calib 0.1.0): the metadata key ``context_tail_rule``, how the engine's mixed-context
   tail charged a batch's gap (pricing.policy.TAIL_RULES: ``bounded``, S + t min(G, S^2 / G), or
   ``linear``, S + t G). No column. Migration: an older file reads as ``linear``
-  (policy.UNRECORDED_TAIL_RULE), the only rule engines had before the key, so ``validate`` and
-  ``calibrate`` price its steps as its engine did.
+  (policy.UNRECORDED_TAIL_RULE), the rule of every release engine before the key, so ``validate``
+  and ``calibrate`` price its steps as its engine did (a development build between the bound and
+  the key wrote 1.3 files priced bounded: those need ``--tail``).
 * 1.5 (dspark-calib 0.1.0): two nullable float64 columns at the end, the GPU's state as the step
   was sampled: ``gpu_sm_mhz`` (SM clock) and ``gpu_power_w`` (board power), the latest reading of
   a sampler thread that reads NVML a few times a second off the step's path (null without NVML,

@@ -352,13 +352,18 @@ def merged_replays(tables: Sequence[CostTable]) -> int:
     return min(per_context.values())
 
 
+# notes that say something of one run's own curves or its merge, never true of a refit of pooled
+# samples however many inputs say them (vLLM's fit was compared with each run's, not the merge's)
+RUN_CLAIMS = ("vllm_curves_equal", "merged_from", "merged_inputs")
+
+
 def merged_extra(tables: Sequence[CostTable]) -> dict[str, Any]:
     """The run notes every input shares, `merged_from` (the inputs' hashes), and per input the
     notes that differ (`merged_inputs`: a run's profile time, host, capture), so no input's own
     run reads as the merged table's."""
     extras = [t.fingerprint.extra for t in tables]
     shared = {k: v for k, v in extras[0].items()
-              if k not in ("merged_from", "merged_inputs") and all(k in e and e[k] == v for e in extras[1:])}
+              if k not in RUN_CLAIMS and all(k in e and e[k] == v for e in extras[1:])}
     own = {t.short_hash: {k: v for k, v in t.fingerprint.extra.items() if k not in shared}
            for t in tables}
     return {**shared, "merged_from": [t.short_hash for t in tables],

@@ -574,7 +574,7 @@ def test_the_skipped_files_are_named_newest_table_first_whatever_their_modificat
     from dspark_calib.selection import CandidateReport, Limits, _others
 
     old = CandidateReport("shelf/a-tp2.parquet", "00d73c94a383", "2026-11-30T17:00:00Z", "mismatch", "tp")
-    new = CandidateReport("shelf/b-draft.parquet", "7e92b0bf0bee", "2026-12-02T00:05:23Z", "mismatch", "draft")
+    new = CandidateReport("shelf/b-draft.parquet", "a9f289a525a3", "2026-12-02T00:05:23Z", "mismatch", "draft")
     same = CandidateReport("shelf/0-same.parquet", "111111111111", "2026-12-02T00:05:23Z", "mismatch", "x")
     for listed in ([old, new, same], [same, new, old], [new, old, same]):
         line = _others(listed, 0, Limits())

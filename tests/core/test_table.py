@@ -331,15 +331,19 @@ def test_a_merge_of_other_contexts_keeps_each_contexts_replays_and_each_runs_not
         t = build_reference_table([DATA_DIR / path])
         return dataclasses.replace(t, fingerprint=t.fingerprint.replace(replays=5, extra=notes))
 
-    a = run("qwen3-8b_dspark-block7_ctx1024.json", load_format="dummy", profile_s=261.4, from_capture={"file": "a"})
-    b = run("qwen3-8b_dspark-block7_ctx16384.json", load_format="dummy", profile_s=350.5)
+    a = run("qwen3-8b_dspark-block7_ctx1024.json", load_format="dummy", profile_s=261.4, from_capture={"file": "a"},
+            vllm_curves_equal=True)
+    b = run("qwen3-8b_dspark-block7_ctx16384.json", load_format="dummy", profile_s=350.5, vllm_curves_equal=True)
     merged = merge_tables([a, b])
     assert merged.fingerprint.replays == 5
     extra = merged.fingerprint.extra
     assert extra["load_format"] == "dummy" and "profile_s" not in extra and "from_capture" not in extra
+    # each run's curves equalled vLLM's fit of its own samples; the pooled refit was compared with none
+    assert "vllm_curves_equal" not in extra
     assert extra["merged_from"] == [a.short_hash, b.short_hash]
-    assert extra["merged_inputs"] == {a.short_hash: {"profile_s": 261.4, "from_capture": {"file": "a"}},
-                                      b.short_hash: {"profile_s": 350.5}}
+    assert extra["merged_inputs"] == {
+        a.short_hash: {"profile_s": 261.4, "from_capture": {"file": "a"}, "vllm_curves_equal": True},
+        b.short_hash: {"profile_s": 350.5, "vllm_curves_equal": True}}
     # a third run of 1024 pools with the first: 10 there, still 5 at 16384
     c = run("qwen3-8b_dspark-block7_ctx1024.json", load_format="dummy")
     c = CostTable.from_samples([dataclasses.replace(s, forward_ms=s.forward_ms * 1.01) for s in c.iter_samples()],
