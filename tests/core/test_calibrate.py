@@ -158,6 +158,22 @@ def test_the_load_line_and_checks_say_a_calibrated_table_is_calibrated(reference
         assert (said in line) == (table is calibrated), line
 
 
+def test_a_host_bound_drafter_at_half_its_profile_is_calibrated(reference_table, tmp_path):
+    """vLLM's draft_model drafter serves at 0.46x its profile steps (H200): a correction that
+    large is the profile's, not another engine's, and is fitted; a factor of 5 is refused."""
+    keep = {"mode": "context_aware", "table_hash": reference_table.content_hash}
+    with ObservedWriter(tmp_path / "half", metadata=keep, name="h") as w:
+        for s in synthetic_steps(reference_table, (1024, 8192, 16384), per_context=100):
+            w.append(dataclasses.replace(s, drafter_ms=s.drafter_ms * 0.46))
+    assert calibrate(reference_table, [str(tmp_path / "half")]).calibration.factors["draft"][WITHIN] == \
+        pytest.approx(0.46, rel=3e-3)
+    with ObservedWriter(tmp_path / "fifth", metadata=keep, name="f") as w:
+        for s in synthetic_steps(reference_table, (1024, 8192, 16384), per_context=100):
+            w.append(dataclasses.replace(s, drafter_ms=s.drafter_ms * 0.2))
+    with pytest.raises(CalibError, match=r"draft within_capture 0\.(2|19).* is outside \[0\.25, 4\]"):
+        calibrate(reference_table, [str(tmp_path / "fifth")])
+
+
 @pytest.mark.parametrize("raw,match", [({"parent": "x"}, "malformed"),
                                        ({"parent": "a" * 64, "capture_limit": 512, "steps": {"draft": 1, "verify": 1},
                                          "factors": {"draft": {WITHIN: 1, ABOVE: 1}, "verify": {WITHIN: 9, ABOVE: 1}}},
