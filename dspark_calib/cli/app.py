@@ -42,6 +42,7 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
             sys.exit(EXIT_ERROR)
         # typer >= 0.28 vendors click (typer._click); BadParameter's module is the one in use
         exceptions = sys.modules[typer.BadParameter.__module__]
+        stdout, sys.stdout = sys.stdout, _NamedStdout(sys.stdout)
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except exceptions.ClickException as exc:
@@ -59,6 +60,8 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
         except OSError as exc:  # --help, --version: they print before any command's handled()
             typer.echo(stdout_lost(exc), err=True)
             sys.exit(EXIT_ERROR)
+        finally:
+            sys.stdout = stdout
         sys.exit(rv if isinstance(rv, int) else 0)  # typer returns an Exit's code when not standalone
 
 
@@ -114,6 +117,38 @@ def stdout_lost(exc: BaseException) -> str:
     return error_line(CalibError(f"standard output could not be written: {why}"))
 
 
+class StdoutLost(OSError):
+    """A write to standard output failed (`> /dev/full`): the line names standard output, where
+    an OSError of the write itself names no file."""
+
+
+class _NamedStdout:
+    """Standard output, its write and flush failures raised as StdoutLost (a broken pipe stays
+    one: `| head` is no error). Everything else is the stream's own."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise StdoutLost(exc.errno, exc.strerror) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise StdoutLost(exc.errno, exc.strerror) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def handled(func: F) -> F:
     """Turn CalibError/OSError/ValueError (and RecursionError/MemoryError) into one stderr line and exit 2, never a traceback.
 
@@ -127,6 +162,9 @@ def handled(func: F) -> F:
             return func(*args, **kwargs)
         except BrokenPipeError:  # `dspark-calib inspect t | head`: not an error worth a line
             raise typer.Exit(0)
+        except StdoutLost as exc:
+            typer.echo(stdout_lost(exc), err=True)
+            raise typer.Exit(EXIT_ERROR)
         except (CalibError, OSError, ValueError) as exc:
             typer.echo(error_line(exc), err=True)
             raise typer.Exit(EXIT_ERROR)

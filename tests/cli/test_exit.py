@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, SHIPPED
 
 SCRIPT = textwrap.dedent("""
     import atexit, sys
@@ -47,11 +47,13 @@ FULL = "dspark-calib: error: standard output could not be written: No space left
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
 @pytest.mark.parametrize("args", [("light", "--version"), ("light", "--help"), ("light", "inspect", "-h"),
-                                  ("unflushed",)])
+                                  ("unflushed",), ("light", "inspect", "--json", "SHIPPED"),
+                                  ("light", "inspect", "SHIPPED")])
 def test_output_that_cannot_be_written_is_one_line_and_exit_2(args):
     """`> /dev/full`: what --version and --help print (before any command's own error handling) and
     what is still buffered at exit (flushed by main) fail with ENOSPC: one line, never a traceback
     or a silent exit 2."""
+    args = [str(SHIPPED) if a == "SHIPPED" else a for a in args]  # a command's own output, too
     with open("/dev/full", "w") as full:
         r = run(*args, stdout=full)
     assert (r.returncode, r.stderr) == (2, FULL)
