@@ -156,6 +156,13 @@ ARMS = ("stock", "static", "aware", "fixed")  # fixed: adaptive verification off
 MARKER_PROMPT, MARKER_TOKENS, MARKER_REQS = 17, 64, 3
 MARKER_MAX_CTX = 100  # a marker step's requests are all below this context
 WARMUP = dict(requests=8, prompt=1024, tokens=32)
+# Then a full batch: adaptive verification's draft-budget allocation is a torch.compile'd function
+# that vLLM's own warm-up never runs (adaptive verification off there), and it runs only on steps
+# whose budget binds; at MAX_NUM_SEQS requests of K drafts the rejection sampler's logits cap
+# (get_max_chunk_logits) always binds. Its first call compiles for seconds: inside a timed
+# workload that stall is spread over every request's TPOT. The prompt stays above
+# MARKER_MAX_CTX, so none of these steps reads as a marker's.
+FULL_BATCH_WARMUP = dict(requests=MAX_NUM_SEQS, prompt=128, tokens=16)
 CONTEXT_FLOOR = 1024  # validate's context buckets: [0,1024), [1024,2048), ...
 KILL_MARGIN_S = 65.0  # the engine child is stopped this long before the deadline: up to 35 s graceful
 # (AsyncLLM.shutdown(timeout=30) + 5 s, so observe's last file is written), 10 s of group kill,
@@ -753,14 +760,20 @@ async def estimator_state(engine: Any) -> Any:
 async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any]], None], *,
                 deadline: float, est_factor: float = 1.5, now: Callable[[], float] = time.time,
                 cold: dict[str, int] | None = None, track_estimator: bool = False) -> None:
-    """Warm-up, the estimator's cold phase when the speculator has one (timed and reported
+    """Warm-up (a few long requests, then a full batch of short ones: FULL_BATCH_WARMUP), the
+    estimator's cold phase when the speculator has one (timed and reported
     apart: an unfitted estimator trims almost every draft), then per workload: a marker, the
     workload, what the estimator has learned; a final marker. A workload that would end past the
     deadline (its estimate x est_factor) is skipped, and so is its marker."""
     recs, wall = await run_requests(engine, "warmup", [make_prompt("warmup", i, WARMUP["prompt"])
                                                        for i in range(WARMUP["requests"])],
                                     WARMUP["tokens"], WARMUP["requests"])
-    sink({"event": "warmup", "wall_s": round(wall, 3), "requests": len(recs)})
+    full = FULL_BATCH_WARMUP
+    full_recs, full_wall = await run_requests(engine, "warmup-full", [make_prompt("warmup-full", i, full["prompt"])
+                                                                      for i in range(full["requests"])],
+                                              full["tokens"], full["requests"])
+    sink({"event": "warmup", "wall_s": round(wall, 3), "requests": len(recs),
+          "full_batch_wall_s": round(full_wall, 3), "full_batch_requests": len(full_recs)})
     if cold:
         sink({"event": "estimator", "after": "warmup", "state": await estimator_state(engine)})
         recs, wall = await run_requests(engine, "cold", [make_prompt("cold", i, cold["prompt"])

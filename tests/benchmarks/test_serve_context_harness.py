@@ -318,6 +318,20 @@ def test_vllm_accepts_the_engine_config(sc):
         AsyncEngineArgs(**sc.engine_kwargs(draft))
 
 
+def test_the_full_batch_warm_up_makes_vllms_draft_budget_bind(sc):
+    """The compiled budget allocation runs only on steps whose budget binds: the full-batch warm-up
+    schedules more verify logits than vLLM's rejection sampler takes in one chunk (its cap), so the
+    first compile happens there, not inside a timed workload; its contexts are no marker's."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import get_max_chunk_logits
+
+    with open(os.path.join(sc.TARGET, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    full = sc.FULL_BATCH_WARMUP
+    assert full["requests"] == sc.MAX_NUM_SEQS and full["requests"] * (sc.K + 1) > get_max_chunk_logits(vocab)
+    assert full["prompt"] > sc.MARKER_MAX_CTX and full["tokens"] > 1
+
+
 def test_the_named_schedules_are_what_vllm_accepts(sc):
     pytest.importorskip("vllm")
     from vllm.config.speculative import SpeculativeConfig
@@ -349,6 +363,7 @@ def test_drive_skips_what_cannot_finish_and_segments(sc, tmp_path):
     eng.shutdown()
     kinds = [e["event"] for e in events]
     assert kinds == ["warmup", "start", "workload", "skipped", "start", "workload", "markers"]
+    assert events[0]["full_batch_requests"] == sc.MAX_NUM_SEQS  # the budget-binding warm-up ran
     assert events[-1]["count"] == 3 and events[3]["workload"] == "big"
     done = [e for e in events if e["event"] == "workload"]
     assert [d["summary"]["output_tokens"] for d in done] == [16 * 32, 8 * 24]
