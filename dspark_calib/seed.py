@@ -149,9 +149,9 @@ def coefficients_problem(slope: Any, intercepts: Any) -> str:
     if not (isinstance(intercepts, list) and 1 <= len(intercepts) <= MAX_POSITIONS
             and all(number(v) for v in intercepts)):
         return f"intercepts must be a list of 1 to {MAX_POSITIONS} finite numbers, got {escape(intercepts, 60)}"
-    worst = max([slope, *map(abs, intercepts)])
-    if worst > MAX_LOGIT:
-        return (f"the estimator's fit ran away (slope {slope:.4g}, intercepts up to {max(map(abs, intercepts)):.4g}; "
+    top = max(map(abs, intercepts))
+    if max(slope, top) > MAX_LOGIT:
+        return (f"the estimator's fit ran away (slope {slope:.4g}, intercepts up to {top:.4g}; "
                 f"a coefficient past {MAX_LOGIT:g} predicts certainties its refits cannot leave): not a seed")
     return ""
 
