@@ -619,15 +619,22 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
     return env
 
 
+# The suffixes of an arm's label, in their order, with the pattern each matches in a file name
+# (ARM_FILE reads labels back by the same list).
+LABEL_SUFFIXES = (("tail", r"-tail\d+"), ("chunks", "-chunks"), ("noobs", "-noobs"), ("seed", "-seed"),
+                  ("pinned", "-pinned"), ("rerun", "-rerun"))
+
+
 def arm_label(arm: str, observe_every: int, tail: float = 0.0, chunks: bool = False, rerun: bool = False,
               speculator: str = "dspark", seed: bool = False, estimator: str = "learn") -> str:
     """The files' and the report's name: the speculator when not DSpark (SPECULATOR-), the arm, -tailNN
     (the tail in hundredths), -chunks, -noobs, -seed (the acceptance estimator seeded at start), -pinned
     (the estimator pinned to the enforced acceptance), -rerun (the same arm again on the same host: the
     run-to-run spread the other differences are judged by)."""
-    return (("" if speculator == "dspark" else f"{speculator}-") + arm + (f"-tail{round(tail * 100)}" if tail else "") + ("-chunks" if chunks else "")
-            + ("" if observe_every > 0 else "-noobs") + ("-seed" if seed else "")
-            + ("-pinned" if estimator == "pinned" else "") + ("-rerun" if rerun else ""))
+    parts = {"tail": f"-tail{round(tail * 100)}" if tail else "", "chunks": "-chunks" if chunks else "",
+             "noobs": "" if observe_every > 0 else "-noobs", "seed": "-seed" if seed else "",
+             "pinned": "-pinned" if estimator == "pinned" else "", "rerun": "-rerun" if rerun else ""}
+    return ("" if speculator == "dspark" else f"{speculator}-") + arm + "".join(parts[k] for k, _ in LABEL_SUFFIXES)
 
 
 def conditional_rates(rates: list[float]) -> list[float]:
@@ -1905,8 +1912,9 @@ def _git_rev() -> str | None:
 
 
 # an arm's summary file: context-LABEL.json, LABEL as arm_label makes it (the speculator's prefix when not DSpark)
-ARM_FILE = re.compile(r"context-((?:(?:%s)-)?[a-z]+(?:-tail\d+)?(?:-chunks)?(?:-noobs)?(?:-seed)?(?:-pinned)?(?:-rerun)?)\.json"
-                      % "|".join(re.escape(s) for s in CONFIG["speculators"] if s != "dspark"))
+ARM_FILE = re.compile(r"context-((?:(?:%s)-)?[a-z]+%s)\.json"
+                      % ("|".join(re.escape(s) for s in CONFIG["speculators"] if s != "dspark"),
+                         "".join(f"(?:{pattern})?" for _, pattern in LABEL_SUFFIXES)))
 
 
 def local_table(summary: dict[str, Any], results: str) -> str | None:

@@ -580,6 +580,9 @@ def test_a_seeded_arm_is_named_and_served_with_its_seed(sc):
     assert "DSPARK_CALIB_ESTIMATOR_SEED" not in sc.arm_env("stock", None, "/o", base={"DSPARK_CALIB_ESTIMATOR_SEED": "x"})
     assert sc.ARM_FILE.fullmatch("context-draft-stock-seed.json").group(1) == "draft-stock-seed"
     assert sc.ARM_FILE.fullmatch("context-stock-requests.json") is None
+    everything = sc.arm_label("aware", 0, 0.2, True, True, speculator="draft", seed=True, estimator="pinned")
+    assert everything == "draft-aware-tail20-chunks-noobs-seed-pinned-rerun"
+    assert sc.ARM_FILE.fullmatch(f"context-{everything}.json").group(1) == everything  # read back by the same list
 
 
 def test_a_seeded_arm_without_a_seed_source_is_refused(sc, tmp_path):
