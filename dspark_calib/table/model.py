@@ -24,7 +24,7 @@ from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair, fit_c
 from dspark_calib.samples import SAMPLE_COLUMNS, Sample, Samples
 from dspark_calib.table.calibration import Calibration
 from dspark_calib.table.identity import content_hash
-from dspark_calib.telemetry import Telemetry
+from dspark_calib.telemetry import MAX_BLOCKS, Telemetry
 
 if TYPE_CHECKING:
     from dspark_calib.pricing.costs import DenseTables
@@ -336,9 +336,12 @@ def merged_telemetry(tables: Sequence[CostTable]) -> Telemetry | None:
     if not have:
         return None
     sources = sorted({t.source for t in have if t.source})
-    notes = [t.note for t in have if t.note]
-    return Telemetry(source=", ".join(sources)[:40], note="; ".join(dict.fromkeys(notes))[:200],
-                     blocks=tuple(b for t in have for b in t.blocks))
+    notes = list(dict.fromkeys(t.note for t in have if t.note))
+    blocks = tuple(b for t in have for b in t.blocks)
+    if len(blocks) > MAX_BLOCKS:  # what a reader takes: a merged file must read back
+        notes.insert(0, f"{len(blocks)} blocks merged, the first {MAX_BLOCKS} kept")
+        blocks = blocks[:MAX_BLOCKS]
+    return Telemetry(source=", ".join(sources)[:40], note="; ".join(notes)[:200], blocks=blocks)
 
 
 def merged_replays(tables: Sequence[CostTable]) -> int:

@@ -371,6 +371,28 @@ def test_a_merge_keeps_every_inputs_telemetry():
     assert merge_tables([dataclasses.replace(a, telemetry=None), bare]).telemetry is None
 
 
+def test_a_merge_of_more_blocks_than_a_reader_takes_reads_back(monkeypatch, tmp_path):
+    """A reader refuses telemetry past MAX_BLOCKS: the merge keeps the first ones and says so,
+    so its file reads back."""
+    import dspark_calib.table.model as model
+    import dspark_calib.telemetry as telemetry
+    from dspark_calib.telemetry import BlockTelemetry, Reading, Telemetry
+
+    monkeypatch.setattr(model, "MAX_BLOCKS", 3)
+    monkeypatch.setattr(telemetry, "MAX_BLOCKS", 3)
+
+    def run(path):
+        t = build_reference_table([DATA_DIR / path])
+        blocks = tuple(BlockTelemetry(t.context_lens()[0], i, Reading(sm_mhz=1980.0), Reading(sm_mhz=1980.0))
+                       for i in range(2))
+        return dataclasses.replace(t, telemetry=Telemetry(source="nvml", note="", blocks=blocks))
+
+    merged = merge_tables([run("qwen3-8b_dspark-block7_ctx1024.json"), run("qwen3-8b_dspark-block7_ctx16384.json")])
+    assert len(merged.telemetry.blocks) == 3 and merged.telemetry.note == "4 blocks merged, the first 3 kept"
+    write_table(merged, tmp_path / "m.parquet")
+    assert read_table(tmp_path / "m.parquet").telemetry.note == merged.telemetry.note
+
+
 @pytest.mark.parametrize("key,value", [
     ("gpu_name", "NVIDIA A100-SXM4-80GB"),
     ("vllm_version", "0.32.0"),
