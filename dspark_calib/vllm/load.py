@@ -401,7 +401,8 @@ class LoadRun:
 def probe_setup(manager: Any, decision: Any, vllm_batches: list[dict]) -> tuple[P.Plan | None, dict]:
     """(the probe's plan, the installed tables it judges against) on TP rank 0: the contexts the
     engine will price (every profiled one when context-aware mode will take the table, else the
-    chosen one), probe_sizes at each. (None, {}) when no probe runs; never raises."""
+    chosen one), probe_sizes at each, within a budget scaled by vLLM's start-up profile that load
+    mode skips (vllm_batches, priced by the table). (None, {}) when no probe runs; never raises."""
     if not (decision.load and decision.probe):
         return None, {}
     try:
@@ -417,8 +418,8 @@ def probe_setup(manager: Any, decision: Any, vllm_batches: list[dict]) -> tuple[
         rs, limit = manager.req_states, int(manager._cudagraph_limit)
         costs = ContextCosts({c: curves[c] for c in contexts}, rs.max_num_reqs, rs.max_num_batched_tokens, limit)
         installed = {c: costs.tables[c] for c in contexts}
-        sizes = probe_sizes([b["num_tokens"] for b in vllm_batches], limit)
-        return P.plan_probe(installed, chosen, sizes), installed
+        profiled = [b["num_tokens"] for b in vllm_batches]  # vLLM's start-up profile, replays included
+        return P.plan_probe(installed, chosen, probe_sizes(profiled, limit), profiled), installed
     except Exception as exc:  # noqa: BLE001 - said as a probe that could not run, under the policy
         return P.Plan(note=f"no probe plan ({exception_line(exc)})"), {}
 
@@ -511,9 +512,9 @@ class LoadMode:
             run.priced = plan.contexts
             if rank0:
                 # the load line's coverage was of every context that loads: said again of those priced
-                left = (f"; contexts {', '.join(map(str, plan.skipped))} over the probe's budget: left out of "
-                        f"the context-aware grid, which prices {coverage(plan.contexts, max_model_len(manager) or None)}"
-                        ) if plan.skipped else ""
+                priced = coverage(plan.contexts, max_model_len(manager) or None)
+                left = (f"; contexts {', '.join(map(str, plan.skipped))} over the probe's budget ({plan.budget}): "
+                        f"left out of the context-aware grid, which prices {priced}") if plan.skipped else ""
                 log.info(PREFIX + "%s%s; keeping %s", verdict.summary(), left, decision.chosen.label)
             return
         why = why or f"{verdict.summary()}: table {decision.chosen.label} does not match this GPU's measured costs"

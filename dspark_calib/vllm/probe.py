@@ -18,8 +18,10 @@ chosen one. Each step is compared with the installed cost, the dense table vLLM'
 builds from that context's curves (the running max over all points, so a forged point
 below the probed size shows; at a profiled context the grid's row is that table), and the
 table must have a point at every probed size (a curve without one is priced by points the
-probe never saw). The budget (MAX_PROBE_STEPS, PROBE_BUDGET_MS of the table's own predicted
-step time) bounds start-up; a context left out by it is left out of the grid.
+probe never saw). The budget bounds start-up: MAX_PROBE_STEPS steps, and a predicted time of
+them (the table's own costs) that scales with what the probe replaces (probe_budget_ms: a share
+of the table's predicted time of vLLM's start-up profile, between a floor and a cap); a context
+left out by it is left out of the grid.
 
 A probed cost passes when |measured / installed - 1| <= min(max(3 x IQR / median, 5 %), 15 %),
 the IQR being the table's own spread at that point: 5 % because host noise in the
@@ -51,11 +53,21 @@ IQR_FACTOR = 3.0
 # allow +/- 600 % and pass costs x1.3 (measured 0.74-0.77x on the H200). Real H200 spreads
 # are ~0.1-2 % of the median (3 x IQR <= ~6-12 %), so 15 % never fails a genuine table.
 MAX_TOLERANCE = 0.15
-# The probe's budget: at most this many timed steps, and the table's own predicted time of
-# them at most this (the shipped H200 table: 9 steps, about 1.1 s predicted at contexts 1024,
-# 8192 and 16384), against vLLM's 20 s profile. Contexts past the budget are left out of the grid.
+# The probe's budget: at most this many timed steps (6 contexts of two sizes), and the table's own
+# predicted time of them at most probe_budget_ms. Contexts past the budget are left out of the grid.
 MAX_PROBE_STEPS = 12
+# The budget's floor: a DSpark table's steps are fast (the shipped H200 table's plan, 6 steps at
+# contexts 1024, 8192 and 16384, is about 1.05 s predicted), and its start-up profile is ~20 s.
 PROBE_BUDGET_MS = 1500.0
+# The share of the skipped start-up profile's predicted time the probe may spend: load mode still
+# saves at least 95 % of it, and a slow speculator (a draft model: ~380 ms drafter steps at 256
+# requests, a ~97 s predicted profile at context 8192) gets every priced context probed (~3.6 s)
+# instead of single-context pricing.
+PROBE_SHARE = 0.05
+# The budget's cap, whatever the table claims: its costs are untrusted until the probe judges them,
+# and past 10 s the probe alone would cost half a DSpark engine's whole start-up profile; a table
+# slower still has contexts left out, and the probe's line says the budget.
+PROBE_BUDGET_CAP_MS = 10_000.0
 _MARK = "_dspark_calib_original"
 _active = threading.local()
 
@@ -142,6 +154,16 @@ class Plan:
     skipped: tuple[int, ...] = ()  # contexts the grid would price that the budget left out
     predicted_ms: float = 0.0  # the table's own cost of the steps (what the GPU should take)
     note: str = ""  # why no plan could be made
+    budget_ms: float = PROBE_BUDGET_MS  # the predicted step time the plan was allowed (probe_budget_ms)
+    profile_ms: float | None = None  # the table's predicted time of the skipped start-up profile
+
+    @property
+    def budget(self) -> str:
+        """The budget in words, for the line that names the contexts it left out."""
+        why = "" if self.profile_ms is None else (
+            f": {PROBE_SHARE:.0%} of its predicted {self.profile_ms / 1000:.1f} s start-up profile, "
+            f"kept within {PROBE_BUDGET_MS / 1000:g}-{PROBE_BUDGET_CAP_MS / 1000:g} s")
+        return f"{MAX_PROBE_STEPS} steps, {self.budget_ms / 1000:.2f} s of the table's predicted step time{why}"
 
 
 def step_cost(tables: Tables, num_tokens: int) -> float:
@@ -151,18 +173,38 @@ def step_cost(tables: Tables, num_tokens: int) -> float:
     return float(verify[min(num_tokens, len(verify) - 1)]) + float(draft[min(num_tokens, len(draft) - 1)])
 
 
-def plan_probe(installed: Mapping[int, Tables], chosen: int, sizes: Sequence[int]) -> Plan:
+def profile_ms(tables: Tables, profile_sizes: Sequence[int]) -> float | None:
+    """The table's own predicted time of the start-up profile load mode skips: vLLM's dummy runs
+    (every size as often as vLLM replays it), each priced as step_cost at one context. None when
+    there is no such run to price."""
+    return sum(step_cost(tables, n) for n in profile_sizes) if profile_sizes else None
+
+
+def probe_budget_ms(skipped_ms: float | None) -> float:
+    """The probe's budget of predicted step time: PROBE_SHARE of what it replaces, never below
+    PROBE_BUDGET_MS nor above PROBE_BUDGET_CAP_MS; PROBE_BUDGET_MS when that is unknown."""
+    if skipped_ms is None or not math.isfinite(skipped_ms):
+        return PROBE_BUDGET_MS
+    return min(max(PROBE_BUDGET_MS, PROBE_SHARE * skipped_ms), PROBE_BUDGET_CAP_MS)
+
+
+def plan_probe(installed: Mapping[int, Tables], chosen: int, sizes: Sequence[int],
+               profile_sizes: Sequence[int] = ()) -> Plan:
     """The chosen context's steps always; then the others, farthest from it first, while the plan
-    stays within MAX_PROBE_STEPS and PROBE_BUDGET_MS of the table's own predicted step time.
-    A context left out is left out of the grid too (the engine prices only what was judged)."""
+    stays within MAX_PROBE_STEPS and probe_budget_ms of the table's own predicted step time, the
+    profile the probe replaces being vLLM's dummy runs of `profile_sizes` priced at the chosen
+    context (the one vLLM's profile would have priced). A context left out is left out of the
+    grid too (the engine prices only what was judged)."""
     if not sizes:
         return Plan(note="no dummy-run size to probe (no captured graph, no tail size)")
+    skipped_profile = profile_ms(installed[chosen], profile_sizes)
+    budget = probe_budget_ms(skipped_profile)
     order = [chosen] + sorted((c for c in installed if c != chosen), key=lambda c: (-abs(c - chosen), -c))
     steps: list[Step] = []
     probed, skipped, predicted = [], [], 0.0
     for ctx in order:
         cost = sum(step_cost(installed[ctx], n) for n in sizes)
-        fits = len(steps) + len(sizes) <= MAX_PROBE_STEPS and predicted + cost <= PROBE_BUDGET_MS
+        fits = len(steps) + len(sizes) <= MAX_PROBE_STEPS and predicted + cost <= budget
         if ctx != chosen and not fits:
             skipped.append(ctx)
             continue
@@ -170,7 +212,8 @@ def plan_probe(installed: Mapping[int, Tables], chosen: int, sizes: Sequence[int
         predicted += cost
         steps += [Step(ctx, n) for n in sizes]
     steps.sort(key=lambda s: (s.context_len, s.num_tokens))
-    return Plan(tuple(steps), tuple(sorted(probed)), tuple(sorted(skipped)), predicted)
+    return Plan(tuple(steps), tuple(sorted(probed)), tuple(sorted(skipped)), predicted,
+                budget_ms=budget, profile_ms=skipped_profile)
 
 
 # -- judging ------------------------------------------------------------------------------

@@ -16,13 +16,15 @@ import pytest
 
 
 from dspark_calib.fit import Curve, CurvePair
+from dspark_calib.pricing.costs import ContextCosts
 from dspark_calib.selection import decide
-from dspark_calib.table.file import _write_parquet, to_arrow
+from dspark_calib.table.file import _write_parquet, read_table, to_arrow
 from dspark_calib.table.meta import METADATA_KEY
 from dspark_calib.telemetry import Reading
 from dspark_calib.vllm import load as loader
 from dspark_calib.vllm import probe as P
 from dspark_calib.vllm import context_aware as ca
+from tests.helpers import SHIPPED, SHIPPED_DRAFT_MODEL
 from tests.vllm.test_probe import LIMIT, OURS, PROBES, WARMUPS, load_env, make_manager, patched, run_engine  # noqa: F401
 
 PROBE_LINE = "probe "
@@ -167,6 +169,84 @@ def test_plan_probes_the_chosen_context_first_then_the_farthest_within_the_budge
     assert slow.contexts == (8192,) and slow.skipped == (1024, 16384)  # 1.2 s each: only the chosen one
     assert len(slow.steps) == 3
     assert P.plan_probe(installed, 8192, []).note  # nothing to probe: said, never a silent pass
+    assert slow.budget_ms == P.PROBE_BUDGET_MS and slow.profile_ms is None  # no profile to price: the floor
+
+
+def vllm_profile(table):
+    """The dummy-run sizes of vLLM's own start-up profile for the table's capture sizes, replays included."""
+    return [b["num_tokens"] for b in make_manager().batches_to_profile(sizes_of(table))]
+
+
+def installed_tables(table):
+    """What load mode judges against at every profiled context (probe_setup's installed)."""
+    costs = ContextCosts(table.curves, 256, 8192, LIMIT)
+    return {c: costs.tables[c] for c in table.context_lens()}
+
+
+def slow_drafter(ctx, kind, cols):
+    """A draft-model speculator's costs: the reference table's drafter 20x slower (about 220, 380
+    and 560 ms at 256 requests at contexts 1024, 8192 and 16384, as the shipped draft_model table)."""
+    if kind == "draft":
+        for k in ("cost_ms", "min_ms", "p25_ms", "p75_ms", "max_ms", "mad_ms"):
+            cols[k] = cols[k] * 20
+
+
+def test_a_table_of_slow_drafter_steps_has_every_context_probed(reference_table):
+    """Two steps at a context cost about 1 s here: a fixed 1.5 s budget priced context 8192 alone.
+    The budget is 5 % of the ~88 s start-up profile the probe replaces (4.4 s), so all three are probed."""
+    slow = forge(reference_table, slow_drafter)
+    installed = installed_tables(slow)
+    profile = vllm_profile(slow)
+    assert len(profile) == 56 * 5  # vLLM's 51 captured and 5 tail sizes, 5 replays each
+    plan = P.plan_probe(installed, 8192, [LIMIT, 8192], profile)
+    assert plan.contexts == (1024, 8192, 16384) and not plan.skipped and len(plan.steps) == 6
+    assert plan.predicted_ms > P.PROBE_BUDGET_MS and plan.budget_ms == pytest.approx(0.05 * plan.profile_ms)
+    assert plan.profile_ms == pytest.approx(sum(P.step_cost(installed[8192], n) for n in profile))
+
+
+def test_a_dspark_table_plan_is_the_one_of_the_fixed_budget(reference_table):
+    """A DSpark table's start-up profile (~20 s) sets no more than the floor: its plan is unchanged."""
+    installed = installed_tables(reference_table)
+    plan = P.plan_probe(installed, 8192, [LIMIT, 8192], vllm_profile(reference_table))
+    fixed = P.plan_probe(installed, 8192, [LIMIT, 8192])
+    assert (plan.steps, plan.contexts, plan.skipped) == (fixed.steps, fixed.contexts, fixed.skipped)
+    assert plan.contexts == (1024, 8192, 16384) and plan.budget_ms == P.PROBE_BUDGET_MS
+    assert P.PROBE_SHARE * plan.profile_ms < P.PROBE_BUDGET_MS
+
+
+def test_the_budget_is_capped_however_slow_the_table_says_it_is(reference_table):
+    """4 s per context and a 560 s predicted profile: 5 % would be 28 s; the cap keeps 10 s, two contexts."""
+    installed = {c: flat_tables(2000.0) for c in (1024, 8192, 16384)}
+    plan = P.plan_probe(installed, 8192, [LIMIT, 8192], vllm_profile(reference_table))
+    assert plan.profile_ms == pytest.approx(56 * 5 * 2000.0) and plan.budget_ms == P.PROBE_BUDGET_CAP_MS == 10_000
+    assert plan.contexts == (8192, 16384) and plan.skipped == (1024,) and plan.predicted_ms == pytest.approx(8000)
+    assert P.probe_budget_ms(1e12) == P.PROBE_BUDGET_CAP_MS and P.probe_budget_ms(None) == P.PROBE_BUDGET_MS
+    assert plan.budget == ("12 steps, 10.00 s of the table's predicted step time: 5% of its predicted 560.0 s "
+                           "start-up profile, kept within 1.5-10 s")  # docs/serving.md's example
+
+
+@pytest.mark.parametrize("path, profile_s, budget_s, predicted_s", [
+    (SHIPPED, 19.6, 1.5, 1.05),  # DSpark: the floor, the plan of the fixed budget
+    (SHIPPED_DRAFT_MODEL, 97.4, 4.87, 3.56),  # a fixed 1.5 s priced context 8192 alone
+])
+def test_the_shipped_tables_have_every_context_probed(path, profile_s, budget_s, predicted_s):
+    """docs/serving.md's figures: the shipped H200 tables on their own engine (256 requests,
+    8192 batched tokens, capture limit 512), at the chosen context 8192."""
+    table = read_table(path)
+    plan = P.plan_probe(installed_tables(table), 8192, [LIMIT, 8192], vllm_profile(table))
+    assert plan.contexts == (1024, 8192, 16384) and len(plan.steps) == 6
+    assert (round(plan.profile_ms / 1000, 1), round(plan.budget_ms / 1000, 2), round(plan.predicted_ms / 1000, 2)) \
+        == (profile_s, budget_s, predicted_s)
+
+
+def test_an_engine_of_a_slow_drafter_prices_every_context(monkeypatch, caplog, tmp_path, reference_table):
+    """Through load mode: the plan priced vLLM's own profile batches, so the grid keeps all three contexts."""
+    slow = forge(reference_table, slow_drafter)
+    m, batches, lines = start(monkeypatch, caplog, write_forgery(slow, tmp_path / "slow.parquet"), slow)
+    assert len(batches) == WARMUPS + PROBES and {b["context_len"] for b in batches[WARMUPS:]} == {1024, 8192, 16384}
+    probe = next(x for x in lines if x.startswith("dspark-calib: probe"))
+    assert "over the probe's budget" not in probe and "keeping" in probe, probe
+    assert ca.installed_state(m).grid.contexts == (1024, 8192, 16384)
 
 
 def test_flat_curves_that_keep_the_probed_points_are_not_caught():
@@ -201,7 +281,9 @@ def test_contexts_over_the_budget_are_left_out_of_the_grid(monkeypatch, caplog, 
     m, batches, lines = start(monkeypatch, caplog, write_table(reference_table, tmp_path), reference_table)
     assert len(batches) == WARMUPS + 4 and {b["context_len"] for b in batches[WARMUPS:]} == {8192, 16384}
     probe = next(x for x in lines if x.startswith("dspark-calib: probe"))
-    assert "contexts 1024 over the probe's budget: left out of the context-aware grid" in probe
+    assert ("contexts 1024 over the probe's budget (4 steps, 1.50 s of the table's predicted step time: 5% of its "
+            "predicted ") in probe and " s start-up profile, kept within 1.5-10 s): left out of the context-aware grid" \
+        in probe, probe  # the budget it used, said
     assert ca.installed_state(m).grid.contexts == (8192, 16384)
     # the load line's coverage named 1024 too: said again of what is priced
     assert "the context-aware grid, which prices contexts 8192, 16384" in probe, probe
