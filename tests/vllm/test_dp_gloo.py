@@ -174,7 +174,7 @@ def test_a_replica_arriving_after_the_round_closed_follows_the_closure(monkeypat
     from torch.distributed import distributed_c10d
     from vllm.config import ParallelConfig
 
-    from dspark_calib.vllm import load
+    from dspark_calib.vllm import dp_agreement
 
     store = dist.HashStore()
     monkeypatch.setattr(parallel_state, "get_dp_group", lambda: SimpleNamespace(world_size=2, cpu_group=None))
@@ -183,11 +183,11 @@ def test_a_replica_arriving_after_the_round_closed_follows_the_closure(monkeypat
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
     monkeypatch.setenv("DSPARK_CALIB_DP_TIMEOUT", "60")
-    parallel, key = ParallelConfig(), load.Layout(0, 2, 1).key  # DP 2 of one rank each
+    parallel, key = ParallelConfig(), dp_agreement.Layout(0, 2, 1).key  # DP 2 of one rank each
     vote = (True, "ab" * 32, False, True, "fallback", 6)
     store.set(f"{key}/table/0/vote/0", json.dumps(list(vote)))
     store.set(f"{key}/table/0/closed", "[1]")  # replica 0 closed it: rank 1 missing
-    votes = load.dp_votes("table", vote, True, parallel)
+    votes = dp_agreement.dp_votes("table", vote, True, parallel)
     assert votes.missing == (1,) and votes.values == [vote]  # what replica 0 counted when it closed
     store.set(f"{key}/table/1/vote/0", json.dumps(list(vote)))  # the next round: both vote, nobody closed it yet
-    assert load.agree_across_dp("table", vote, True, parallel) == (True, "", [vote, vote])
+    assert dp_agreement.agree_across_dp("table", vote, True, parallel) == (True, "", [vote, vote])

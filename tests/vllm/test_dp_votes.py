@@ -24,7 +24,7 @@ from torch.distributed import distributed_c10d  # noqa: E402
 from vllm.config import EPLBConfig, ParallelConfig  # noqa: E402
 
 from dspark_calib.vllm import engine_args as EA  # noqa: E402
-from dspark_calib.vllm import load  # noqa: E402
+from dspark_calib.vllm import dp_agreement  # noqa: E402
 from tests.vllm.test_check_engine import HARDWARE  # noqa: E402
 
 VOTE = (True, "ab" * 32, False, True, "fallback", 6)
@@ -88,7 +88,7 @@ class World:
 
         def run(rank):
             self.local.rank = rank
-            out[rank] = load.agree_across_dp(what, vote, rank == min(ranks), parallel)
+            out[rank] = dp_agreement.agree_across_dp(what, vote, rank == min(ranks), parallel)
 
         threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
         for t in threads:
@@ -130,7 +130,7 @@ def test_the_external_launcher_engine_of_the_whole_world_agrees_as_before(monkey
     configs = {r: external_launcher(monkeypatch, r) for r in range(4)}
     assert [c.data_parallel_rank for c in configs.values()] == [0, 0, 1, 1]
     groups = {r: vllm_dp_group(monkeypatch, configs[r], 4, r) for r in range(4)}
-    assert load.replica_layout(configs[3], 4, 3, groups[3].ranks) == load.Layout(0, 2, 2)
+    assert dp_agreement.replica_layout(configs[3], 4, 3, groups[3].ranks) == dp_agreement.Layout(0, 2, 2)
     assert World(monkeypatch, 4, groups).agree(range(4), configs[0]) == {r: (True, "", [VOTE, VOTE]) for r in range(4)}
 
 
@@ -140,8 +140,8 @@ def test_a_dp_group_not_where_the_config_puts_it_is_refused_naming_the_settings(
     built = external_launcher(monkeypatch, 1)
     group = vllm_dp_group(monkeypatch, built, 4, 1)
     told = ParallelConfig(data_parallel_size=2)
-    with pytest.raises(load.NoAgreement) as exc:
-        load.replica_layout(told, 4, 1, group.ranks)
+    with pytest.raises(dp_agreement.NoAgreement) as exc:
+        dp_agreement.replica_layout(told, 4, 1, group.ranks)
     assert str(exc.value) == ("vLLM's DP group (ranks 1, 3) is not where distributed_executor_backend=mp, "
                               "data_parallel_size=2 and tensor x pipeline x prefill-context parallel 1 put it in "
                               "a world of 4 ranks")
@@ -195,8 +195,8 @@ def test_the_wait_is_clamped_below_the_dp_groups_own_timeout(monkeypatch, caplog
     parallel = ParallelConfig(cpu_distributed_timeout_seconds=group_s)
     cpu_group = dist.new_group([0], backend="gloo", timeout=parallel.cpu_distributed_timeout)
     with caplog.at_level(logging.WARNING, logger="vllm.dspark_calib"):
-        assert load.vote_timeout(cpu_group, parallel, True) == waited
-        assert load.vote_timeout(cpu_group, parallel, True) == waited  # the probe's agreement: not said again
+        assert dp_agreement.vote_timeout(cpu_group, parallel, True) == waited
+        assert dp_agreement.vote_timeout(cpu_group, parallel, True) == waited  # the probe's agreement: not said again
     said = [r.getMessage() for r in caplog.records if r.name == "vllm.dspark_calib"]
     if waited < float(setting):
         assert said == [f"dspark-calib: DSPARK_CALIB_DP_TIMEOUT={setting} is past what vLLM's DP group allows "
@@ -207,8 +207,8 @@ def test_the_wait_is_clamped_below_the_dp_groups_own_timeout(monkeypatch, caplog
 
 
 def test_an_unreadable_group_timeout_is_vllms_setting_or_torchs_default(monkeypatch):
-    assert load.dp_group_timeout(object(), ParallelConfig(cpu_distributed_timeout_seconds=120)) == (
+    assert dp_agreement.dp_group_timeout(object(), ParallelConfig(cpu_distributed_timeout_seconds=120)) == (
         120.0, "cpu_distributed_timeout_seconds")
-    assert load.dp_group_timeout(object(), ParallelConfig()) == (1800.0, "torch's gloo default")
-    assert load.dp_group_timeout(object(), None) == (load.DP_GROUP_TIMEOUT_S, "torch's gloo default")
-    assert timedelta(seconds=load.DP_GROUP_TIMEOUT_S) == distributed_c10d.default_pg_timeout
+    assert dp_agreement.dp_group_timeout(object(), ParallelConfig()) == (1800.0, "torch's gloo default")
+    assert dp_agreement.dp_group_timeout(object(), None) == (dp_agreement.DP_GROUP_TIMEOUT_S, "torch's gloo default")
+    assert timedelta(seconds=dp_agreement.DP_GROUP_TIMEOUT_S) == distributed_c10d.default_pg_timeout

@@ -20,7 +20,7 @@ from vllm.v1.worker.gpu import model_runner
 from vllm.v1.worker.gpu.async_utils import StepTimingCollector
 
 from dspark_calib.table.file import write_table
-from dspark_calib.vllm import load as loader, plugin
+from dspark_calib.vllm import dp_agreement, load as loader, plugin
 from dspark_calib.vllm import runtime
 from dspark_calib.vllm import probe as P
 from tests.helpers import DRAFT, MODEL, REPO
@@ -201,9 +201,9 @@ def stub_dp(monkeypatch, size, rank, others):
     def dp_votes(what, mine, rank0, parallel):
         values = others(len(calls), mine)
         calls.append(mine)
-        return loader.Votes(values[:rank] + [mine] + values[rank:])
+        return dp_agreement.Votes(values[:rank] + [mine] + values[rank:])
 
-    monkeypatch.setattr(loader, "dp_votes", dp_votes)
+    monkeypatch.setattr(dp_agreement, "dp_votes", dp_votes)
     return calls
 
 
