@@ -40,8 +40,8 @@ Why here, and how, in vLLM 0.33's V2 runner:
   (``host_ms``). The interval is None after a call that was not serving: vLLM's _dummy_run
   (profile, graph capture, compile warm-up, DP padding steps: ``dummy_run=True``) and the
   kernel warm-up's steps (warmup_kernels runs them with ``runner.adaptive_verification`` set
-  to None), and for the first call observe sees. A row's step had drafts, so its requests ran
-  in the previous step too: the interval never spans an idle engine.
+  to None), and for the first call observe sees. A row's step had drafts, made by the step
+  before it for the same requests, so the engine was busy across the interval, not idle.
 * TP rank 0 only: other ranks install nothing (no collective, no work). Files
   ``observed-dp{D}-{pid}-e{N}-*.parquet``, rolling and bounded (ObservedWriter).
 * Any failure inside observe is one WARNING line and observe turns off; vLLM's
