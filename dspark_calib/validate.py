@@ -22,7 +22,13 @@ Errors are absolute % of the measured cost, median and p90, per kind x
 size bucket x context bucket (powers of two), per kind x context bucket, and per
 kind; and per kind x SM-clock bucket (CLOCK_BUCKET_MHZ wide) where the files record the GPU's
 clock per step (observe schema 1.4), so a run can show whether the residuals follow the clock
-(a profile's clocks against serving's). Also: the share of observed steps whose budget the two pricings choose
+(a profile's clocks against serving's). Where the files record the host's step interval (observe
+schema 1.6: the previous execute_model call's start to the step's, on TP rank 0), the interval per
+kind and context bucket beside the GPU-timed forward + drafter (``HostTime``): what no event prices
+(sampling, scheduling, the host's own work, a compile), and the stalls (intervals over STALL_MS).
+The interval ends where the row's step starts, so it spans the step before it: in steady decode a
+step's neighbour is alike, and a one-time stall shows as one large interval, not a shift of all.
+Also: the share of observed steps whose budget the two pricings choose
 differently (from the engine's budget_static / budget_context_aware columns:
 a budget needs the step's draft confidences, which only the engine has).
 
@@ -77,6 +83,7 @@ MIXED_SPREAD = 1.25  # a decode step is "mixed" when its longest context is >= 1
 MIN_TAIL_STEPS = 20  # fewer mixed steps than this: no tail is suggested
 TAIL_STEP_MILLI = 50
 CLOCK_BUCKET_MHZ = 50  # an H200 serves at 1515-1575 MHz at its power limit, profiles at up to 1980
+STALL_MS = 1000.0  # a host interval over this is a stall (a compile, a page fault storm), not a step's time
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,57 @@ class ClockErrors:
         return {"kind": self.kind, "clock_bucket_mhz": self.clock_bucket,
                 "median_power_w": None if math.isnan(self.power_w) else self.power_w,
                 **{p: s.to_dict() for p, s in self.errors.items()}}
+
+
+def _ms(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median, p95 and max of some milliseconds (NaN: none)."""
+
+    median_ms: float
+    p95_ms: float
+    max_ms: float
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> "Spread":
+        if len(values) == 0:
+            return cls(math.nan, math.nan, math.nan)
+        return cls(float(np.median(values)), float(np.percentile(values, 95)), float(values.max()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _ms(v) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class HostTime:
+    """One kind's steps (in one context bucket, or all) whose host interval the files record."""
+
+    kind: str
+    context_bucket: str  # "all" or "lo-hi"
+    steps: int
+    interval: Spread  # step_interval_ms: the previous execute_model call's start to this step's
+    unpriced: Spread  # step_interval_ms - forward_ms - drafter_ms: what neither GPU span holds
+    host: Spread  # host_ms: this step's execute_model call, start to return (NaN where not recorded)
+    stalls: int  # intervals over STALL_MS
+    largest_stall_ms: float  # NaN: no stall
+
+    @classmethod
+    def of(cls, kind: str, context_bucket: str, c: Any, sel: np.ndarray) -> "HostTime":
+        interval = c["step_interval_ms"][sel]
+        host = c["host_ms"][sel]
+        stalled = interval[interval > STALL_MS]
+        return cls(kind, context_bucket, len(interval), Spread.of(interval),
+                   Spread.of(interval - c["forward_ms"][sel] - c["drafter_ms"][sel]), Spread.of(host[~np.isnan(host)]),
+                   len(stalled), float(stalled.max()) if len(stalled) else math.nan)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "context_bucket": self.context_bucket, "steps": self.steps,
+                "interval_ms": self.interval.to_dict(), "unpriced_ms": self.unpriced.to_dict(),
+                "host_ms": self.host.to_dict(), "stalls": self.stalls,
+                "largest_stall_ms": _ms(self.largest_stall_ms)}
 
 
 @dataclass(frozen=True)
@@ -210,6 +268,8 @@ class ValidationResult:
     groups: tuple[GroupErrors, ...]  # per kind x size bucket x context bucket
     clocked_steps: int  # steps whose SM clock the files record (observe schema >= 1.4, NVML)
     by_clock: tuple[ClockErrors, ...]  # per kind x SM-clock bucket, over the clocked steps
+    interval_steps: int  # steps whose host interval the files record (observe schema >= 1.6)
+    host_time: tuple[HostTime, ...]  # per kind (context "all"), then per kind x context bucket
     budget_change: BudgetChange
     tail_fit: TailFit
     prefill: PrefillCheck
@@ -225,6 +285,8 @@ class ValidationResult:
             "by_context": [g.to_dict() for g in self.by_context],
             "groups": [g.to_dict() for g in self.groups],
             "clocked_steps": self.clocked_steps, "by_clock": [g.to_dict() for g in self.by_clock],
+            "host_time": {"steps": self.interval_steps, "stall_ms": STALL_MS,
+                          "groups": [g.to_dict() for g in self.host_time]},
             "budget_change": self.budget_change.to_dict(), "tail_fit": self.tail_fit.to_dict(),
             "prefill": self.prefill.to_dict(), "engine_agreement": self.engine.to_dict(),
         }
@@ -417,7 +479,9 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     clocked = ~np.isnan(c["gpu_sm_mhz"])
     clock_bucket = (np.nan_to_num(c["gpu_sm_mhz"]) // CLOCK_BUCKET_MHZ).astype(np.int64) * CLOCK_BUCKET_MHZ
 
-    overall, by_context, groups, by_clock = [], [], [], []
+    intervals = ~np.isnan(c["step_interval_ms"])
+
+    overall, by_context, groups, by_clock, host_time = [], [], [], [], []
     for kind in KINDS:
         keep = steps[kind]
         size_bucket = pow2_bucket(sizes[kind])
@@ -441,6 +505,11 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
             power = power[~np.isnan(power)]
             by_clock.append(ClockErrors(kind, f"{lo}-{lo + CLOCK_BUCKET_MHZ - 1}",
                                         float(np.median(power)) if len(power) else math.nan, stats(sel)))
+        timed = keep & intervals
+        if timed.any():
+            host_time.append(HostTime.of(kind, ALL, c, timed))
+            host_time.extend(HostTime.of(kind, bucket_label(int(cb), context_floor), c, timed & (ctx_bucket == cb))
+                             for cb in np.unique(ctx_bucket[timed]))
 
     mixed = steps["verify"] & (c["context_max"] * num_reqs >= MIXED_SPREAD * c["context_sum"])
     now = ErrorStats.of(aware_verify[mixed], c["forward_ms"][mixed])  # the pricing above, not priced again
@@ -462,6 +531,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
         verify_out_of_range_steps=int((steps["verify"] & ((vctx < lo) | (vctx > hi))).sum()), grid=grid.describe(),
         overall=tuple(overall), by_context=tuple(by_context), groups=tuple(groups),
         clocked_steps=int(clocked.sum()), by_clock=tuple(by_clock),
+        interval_steps=int(intervals.sum()), host_time=tuple(host_time),
         budget_change=BudgetChange(int(both.sum()), changed), tail_fit=tail_fit, prefill=prefill,
         engine=_agreement(observed, p.as_recorded, aware_draft, aware_verify),
     )

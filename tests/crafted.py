@@ -76,7 +76,7 @@ def row_bomb(path: Path, good: Path, *, rows: int = 16_000_000, batch: int = 1_0
 
 def observed_columns(rows: int, **values: int) -> dict[str, pa.Array]:
     """Rows of a plausible decode step (2 requests at context 1000), `values` overriding columns."""
-    from dspark_calib.observe.step import ACCEPTANCE, BOOL, COLUMNS, ESTIMATOR, FLOAT, GPU
+    from dspark_calib.observe.step import ACCEPTANCE, BOOL, COLUMNS, ESTIMATOR, FLOAT, GPU, HOST
 
     step = {"step": 0, "forward_ms": 10.0, "drafter_ms": 1.0, "num_target_tokens": 16, "num_reqs": 2,
             "full_cudagraph": True, "context_mean": 1000.0, "context_max": 1000, "context_sum": 2000,
@@ -84,7 +84,7 @@ def observed_columns(rows: int, **values: int) -> dict[str, pa.Array]:
             "predicted_verify_ms": 10.0, **values}
     out = {}
     for name, typ in COLUMNS.items():
-        if name in ACCEPTANCE + ESTIMATOR + GPU:  # 1.2's to 1.4's columns: these files are 1.1, which the reader migrates
+        if name in ACCEPTANCE + ESTIMATOR + GPU + HOST:  # 1.2's to 1.6's columns: these files are 1.1, migrated
             continue
         dtype = np.float64 if typ == FLOAT else np.bool_ if typ == BOOL else np.int64
         if name in step:

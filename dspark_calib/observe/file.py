@@ -42,6 +42,14 @@ Format history (OBSERVED_SCHEMA_VERSION, "major.minor"):
   a sampler thread that reads NVML a few times a second off the step's path (null without NVML,
   or before its first reading); ``validate`` reports errors per SM-clock bucket by them.
   Migration: a 1.4 file reads with both null (NaN).
+* 1.6 (dspark-calib 0.1.0): two nullable float64 columns at the end, the host's time around the
+  step on TP rank 0 (``time.perf_counter``, one reading per execute_model call, no sync):
+  ``step_interval_ms`` (from the previous execute_model call's start to this step's; null for
+  the first call the observer saw and after a dummy run or a warm-up step, which are not
+  serving) and ``host_ms`` (from this step's execute_model start to its return: the host
+  issuing the step, which with async scheduling runs ahead of the GPU). ``validate`` sets the
+  interval beside the GPU-timed forward + drafter (the time no event prices) and counts stalls
+  (intervals over a second). Migration: a 1.5 file reads with both null (NaN).
 
 Compatibility rules, as for tables: a reader accepts every minor of its major
 (columns and metadata keys a newer minor adds are ignored; a minor may only add
@@ -78,13 +86,13 @@ from dspark_calib.errors import CalibError, display_path, first_line
 from dspark_calib.fileformat.arrow import column, list_column, list_lengths
 from dspark_calib.fileformat.limits import ReadLimits, load_json
 from dspark_calib.fileformat.version import Migrations, parse_version
-from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COEFFICIENTS, COLUMNS, ESTIMATOR, FLOAT, GPU, INT,
-                                       NULLABLE, POSITIONS, PREFILL, ObservedStep, ObserveMeta, column_problem,
+from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COEFFICIENTS, COLUMNS, ESTIMATOR, FLOAT, GPU, HOST,
+                                       INT, NULLABLE, POSITIONS, PREFILL, ObservedStep, ObserveMeta, column_problem,
                                        meta_problem)
 from dspark_calib.pricing.policy import UNRECORDED_TAIL_RULE
 from dspark_calib.safe_open import open_local
 
-OBSERVED_SCHEMA_VERSION = "1.5"
+OBSERVED_SCHEMA_VERSION = "1.6"
 METADATA_KEY = b"dspark_calib_observed"
 FILE_PREFIX = "observed-"
 # Reading, as tables are read (fileformat.limits): a writer's file is rows_per_file rows (4096 by
@@ -292,8 +300,19 @@ def _m_1_3_to_1_4(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np
 @migration("1.4", "1.5")
 def _m_1_4_to_1_5(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
     """1.5 added the GPU's SM clock and power per step: a 1.4 engine read none."""
+    return _null_floats(cols, GPU), {**meta, "schema_version": "1.5"}
+
+
+@migration("1.5", "1.6")
+def _m_1_5_to_1_6(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """1.6 added the host's step interval and issue time: a 1.5 engine read neither."""
+    return _null_floats(cols, HOST), {**meta, "schema_version": "1.6"}
+
+
+def _null_floats(cols: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """cols with float columns `names` added, null at every row (NaN in memory)."""
     rows = len(next(iter(cols.values()))) if cols else 0
-    return {**cols, **{name: np.full(rows, np.nan) for name in GPU}}, {**meta, "schema_version": "1.5"}
+    return {**cols, **{name: np.full(rows, np.nan) for name in names}}
 
 
 def null_estimator(rows: int) -> dict[str, np.ndarray]:

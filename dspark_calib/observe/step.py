@@ -60,14 +60,20 @@ COLUMNS: dict[str, str] = {
     # (NVML, a few readings a second, never on the step's path; null: no NVML, or no reading yet)
     "gpu_sm_mhz": FLOAT,
     "gpu_power_w": FLOAT,
+    # 1.6: the host's wall time (TP rank 0, time.perf_counter) from the previous execute_model call's start to
+    # this step's (null: the observer's first call, or the previous call was a dummy run or a warm-up step), and
+    # from this step's execute_model start to its return (the host issuing the step; the GPU may run behind)
+    "step_interval_ms": FLOAT,
+    "host_ms": FLOAT,
 }
 BUDGETS = ("budget_static", "budget_context_aware")
 PREFILL = ("prefill_tokens", "prefill_context_sum", "prefill_pairs")
 ACCEPTANCE = ("position_graded", "position_accepted")
 ESTIMATOR = ("estimator_refits", "estimator_steps", "estimator_slope", "estimator_intercepts")
 GPU = ("gpu_sm_mhz", "gpu_power_w")
+HOST = ("step_interval_ms", "host_ms")
 MAX_GPU_READING = 100_000.0  # MHz or W: far above any GPU; a larger value is damage, not a reading
-NULLABLE = frozenset(BUDGETS + PREFILL + ACCEPTANCE + ESTIMATOR + GPU)
+NULLABLE = frozenset(BUDGETS + PREFILL + ACCEPTANCE + ESTIMATOR + GPU + HOST)
 ABSENT = -1  # in memory, a null budget; a null acceptance row is ABSENT at every position
 # in memory, a null float (estimator_slope) is NaN, and a null estimator_intercepts row NaN at every position
 
@@ -103,6 +109,8 @@ class ObservedStep:
     estimator_intercepts: tuple[float, ...] | None = None
     gpu_sm_mhz: float | None = None
     gpu_power_w: float | None = None
+    step_interval_ms: float | None = None
+    host_ms: float | None = None
 
     def __post_init__(self) -> None:
         problem = row_problem({f.name: getattr(self, f.name) for f in fields(self)})
@@ -156,6 +164,10 @@ def row_problem(r: dict[str, Any]) -> str | None:
         v = r[name]
         if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= MAX_GPU_READING):
             return f"{name} must be a number in (0, {MAX_GPU_READING:g}] or None, got {v!r}"
+    for name in HOST:
+        v = r[name]
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0):
+            return f"{name} must be a finite number >= 0 or None, got {v!r}"
     return estimator_problem(*(r[name] for name in ESTIMATOR))
 
 
@@ -308,6 +320,9 @@ def column_problem(c: dict[str, np.ndarray]) -> str | None:
     for name in GPU:  # null: NaN
         v = c[name]
         checks.append((~np.isnan(v) & ~((v > 0) & (v <= MAX_GPU_READING)), f"{name} outside (0, {MAX_GPU_READING:g}]"))
+    for name in HOST:  # null: NaN
+        v = c[name]
+        checks.append((~np.isnan(v) & ~(np.isfinite(v) & (v >= 0)), f"{name} must be finite and >= 0"))
     for bad, what in checks:
         if bad.any():
             row = int(np.flatnonzero(bad)[0])

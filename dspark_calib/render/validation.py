@@ -16,8 +16,8 @@ from dspark_calib.atomic import atomic_write
 from dspark_calib.pricing.policy import CHUNK_RULE, TAIL_RULE
 from dspark_calib.env import CONTEXT_CHUNKS, CONTEXT_TAIL  # standard library only
 from dspark_calib.pricing.policy import DEFAULT_CONTEXT_CHUNKS
-from dspark_calib.validate import (AWARE, KINDS, MIN_TAIL_STEPS, MIXED_SPREAD, PRICINGS, SINGLE, VERDICT_KINDS,
-                                   ValidationResult)
+from dspark_calib.validate import (AWARE, KINDS, MIN_TAIL_STEPS, MIXED_SPREAD, PRICINGS, SINGLE, STALL_MS,
+                                   VERDICT_KINDS, HostTime, ValidationResult)
 
 LABEL = {SINGLE: "single-context", AWARE: "context-aware"}
 MAX_GROUP_ROWS = 60
@@ -65,6 +65,26 @@ def _errors_table(title: str, groups: Sequence[Any], *, limit: float | None, col
             cells += [f"[{_style(e.median_pct, judged)}]{median}[/]" if _style(e.median_pct, judged) else median,
                       _pct(e.p90_pct), _signed(e.median_signed_pct)]
         table.add_row(*cells)
+    return table
+
+
+def _ms(value: float) -> str:
+    return "—" if math.isnan(value) else f"{value:.1f}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def _host_table(result: ValidationResult) -> Table:
+    table = Table(title=f"host time between steps, ms (TP rank 0; {result.interval_steps} of {result.num_steps} "
+                        f"steps): interval from the previous execute_model start to the step's; unpriced = interval "
+                        f"- forward - drafter; host: the step's execute_model call; stalls: intervals over "
+                        f"{STALL_MS / 1000:g} s", title_justify="left", show_edge=False, pad_edge=False)
+    for header in ("kind", "context", "steps", "interval", "p95", "max", "unpriced", "p95", "max", "host",
+                   "stalls", "largest"):
+        table.add_column(header, justify="left" if header == "kind" else "right")
+    g: HostTime
+    for g in result.host_time:
+        table.add_row(g.kind, g.context_bucket, str(g.steps), *(_ms(v) for v in (
+            g.interval.median_ms, g.interval.p95_ms, g.interval.max_ms, g.unpriced.median_ms, g.unpriced.p95_ms,
+            g.unpriced.max_ms, g.host.median_ms)), str(g.stalls), _ms(g.largest_stall_ms))
     return table
 
 
@@ -138,6 +158,10 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
                                     f"{result.num_steps} steps)", result.by_clock, limit=None, columns=CLOCK))
     else:
         console.print("by GPU SM clock: not recorded in these files (observe schema 1.5 with NVML records it)")
+    if result.host_time:
+        console.print(_host_table(result))
+    else:
+        console.print("host time between steps: not recorded in these files (observe schema 1.6 records it)")
     groups = result.groups if all_groups else result.groups[:MAX_GROUP_ROWS]
     console.print(_errors_table("by size and context", groups, limit=max_error, columns=SIZE_CONTEXT))
     if len(groups) < len(result.groups):

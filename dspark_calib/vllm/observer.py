@@ -33,6 +33,15 @@ Why here, and how, in vLLM 0.33's V2 runner:
 * The GPU's SM clock and power per row: a sampler thread (gpu_readings.ClockSampler) reads NVML
   a few times a second; a sampled step takes its latest reading (an attribute read), so no
   NVML call is ever on the step's path. Without NVML the rows record none.
+* The host's time around each step (TP rank 0): one ``time.perf_counter`` per execute_model call,
+  at its start, and one more at a sampled step's return; never a sync. A row records the
+  interval since the previous call's start (``step_interval_ms``: the whole previous step as
+  the host lived it, sample_tokens, scheduling and any stall included) and its own call's length
+  (``host_ms``). The interval is None after a call that was not serving: vLLM's _dummy_run
+  (profile, graph capture, compile warm-up, DP padding steps: ``dummy_run=True``) and the
+  kernel warm-up's steps (warmup_kernels runs them with ``runner.adaptive_verification`` set
+  to None), and for the first call observe sees. A row's step had drafts, made by the step
+  before it for the same requests, so the engine was busy across the interval, not idle.
 * TP rank 0 only: other ranks install nothing (no collective, no work). Files
   ``observed-dp{D}-{pid}-e{N}-*.parquet``, rolling and bounded (ObservedWriter).
 * Any failure inside observe is one WARNING line and observe turns off; vLLM's
@@ -50,6 +59,7 @@ import itertools
 import logging
 import os
 import socket
+import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -66,10 +76,14 @@ _engines = itertools.count()  # per process: a second engine start in one proces
 class _Step:
     """A sampled step in flight on the host (filled by the call points, in order)."""
 
-    __slots__ = ("index", "capture", "batch", "events", "forward_ended", "acceptance", "estimator", "gpu")
+    __slots__ = ("index", "capture", "batch", "events", "forward_ended", "acceptance", "estimator", "gpu",
+                 "interval_ms", "host_ms")
 
-    def __init__(self, index: int, capture: Any, gpu: tuple[float | None, float | None] = (None, None)):
+    def __init__(self, index: int, capture: Any, gpu: tuple[float | None, float | None] = (None, None),
+                 interval_ms: float | None = None):
         self.index, self.capture, self.gpu = index, capture, gpu  # gpu: (SM MHz, W) as last sampled
+        self.interval_ms = interval_ms  # host: the previous execute_model call's start to this one's
+        self.host_ms: float | None = None  # host: this step's execute_model call, start to return
         self.batch = None  # (full_cudagraph, num_target_tokens, num_reqs), as vLLM's record_batch
         self.events = None
         self.forward_ended = False
@@ -83,7 +97,7 @@ class Observer:
     def __init__(self, manager: Any, directory: str, *, every: int, event_factory: Callable[[], Any],
                  pricing: Callable[[Any], Pricing], metadata: dict | None = None, max_pending: int = 256,
                  name: str | None = None, writer_kwargs: dict | None = None, estimator: Any = None,
-                 clocks: Any = None):
+                 clocks: Any = None, timer: Callable[[], float] = time.perf_counter):
         from dspark_calib.observe.step import PendingSteps
 
         self.manager, self.directory, self.every = manager, directory, every
@@ -100,6 +114,9 @@ class Observer:
         self.estimator = estimator  # vLLM's acceptance estimator, when the speculator has one
         self.estimator_written: int | None = None  # refits of the last reading written
         self.clocks = clocks  # gpu_readings.ClockSampler (None: no NVML): its `latest` goes into each row
+        self.timer = timer  # the host's clock (seconds), read once per execute_model call
+        self.started: float | None = None  # the running (or last) call's start; None: it was not serving
+        self.interval_ms: float | None = None  # the running call's interval since the previous call's start
 
     # -- call points ---------------------------------------------------------------------
     def after_budget(self, num_tokens_per_req: Any, draft_tokens: Any) -> None:
@@ -118,14 +135,17 @@ class Observer:
             capture = capture_step(self.manager, num_tokens_per_req, draft_tokens, priced_context=ctx,
                                    alt_tables=p.alt_tables)
             gpu = self.clocks.latest if self.clocks is not None else (None, None)  # never an NVML call here
-            self.current = _Step(self.priced, capture, gpu)
+            self.current = _Step(self.priced, capture, gpu, self.interval_ms)
         except Exception as exc:  # noqa: BLE001 - observing must never break serving
             self.fail(exc)
 
-    def begin_step(self) -> None:
+    def begin_step(self, now: float, serving: bool) -> None:
+        """An execute_model call starts at host time `now` (seconds); serving: not a dummy run or warm-up step."""
         if self.current is not None:  # sampled, but no drafter ran (or no forward): not a row
             self.untimed += 1
             self.current = None
+        previous, self.started = self.started, now if serving else None
+        self.interval_ms = (now - previous) * 1e3 if serving and previous is not None else None
 
     def record_batch(self, input_batch: Any, full_cudagraph: bool) -> None:
         step = self.current
@@ -141,12 +161,14 @@ class Observer:
             except Exception as exc:  # noqa: BLE001
                 self.fail(exc)
 
-    def forward_end(self) -> None:
+    def forward_end(self, now: float) -> None:
+        """execute_model returns at host time `now`: the forward is enqueued."""
         step = self.current
         if step is not None and step.events is not None and not step.forward_ended:
             try:
                 step.events.forward_end.record()
                 step.forward_ended = True
+                step.host_ms = None if self.started is None else (now - self.started) * 1e3
             except Exception as exc:  # noqa: BLE001
                 self.fail(exc)
 
@@ -205,7 +227,8 @@ class Observer:
                 self.estimator_written = refits
             writer.append(to_observed(step.capture, step=step.index, forward_ms=forward_ms, drafter_ms=drafter_ms,
                                       num_target_tokens=num_target_tokens, full_cudagraph=full_cudagraph,
-                                      context_aware=aware, acceptance=acceptance, estimator=estimator, gpu=step.gpu))
+                                      context_aware=aware, acceptance=acceptance, estimator=estimator, gpu=step.gpu,
+                                      host=(step.interval_ms, step.host_ms)))
         return len(done)
 
     def _open_writer(self) -> Any:
@@ -270,13 +293,16 @@ def rebind(obs: Observer, manager: Any) -> None:
 def attach(runner: Any, obs: Observer) -> Observer:
     """Install obs at runner's call points (instance attributes only)."""
     get_num_tokens = _budget_hook(obs)
+    timer = obs.timer
 
     def execute_model(inner: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            obs.begin_step()  # also for dummy runs: nothing of a serving step may leak into them
+            # also for dummy runs: nothing of a serving step may leak into them. Not serving: a dummy
+            # run, or a kernel warm-up step (warmup_kernels sets the manager aside while it runs)
+            obs.begin_step(timer(), not kwargs.get("dummy_run") and runner.adaptive_verification is not None)
             out = inner(*args, **kwargs)
             if obs.current is not None:
-                obs.forward_end()
+                obs.forward_end(timer())
             return out
         return wrapper
 
@@ -398,7 +424,7 @@ def prepare_dir(directory: str) -> str:
 
 
 def maybe_observe(runner: Any, estimator: Any, *, event_factory: Callable[[], Any] | None = None,
-                  writer_kwargs: dict | None = None) -> Observer | None:
+                  writer_kwargs: dict | None = None, timer: Callable[[], float] = time.perf_counter) -> Observer | None:
     """Observe this runner's serving steps when DSPARK_CALIB_OBSERVE is set; never raises
     (an engine that would start without observe starts with it, at worst unobserved). estimator:
     its speculator's acceptance estimator as estimator.estimator_of read it (None: none)."""
@@ -466,7 +492,7 @@ def maybe_observe(runner: Any, estimator: Any, *, event_factory: Callable[[], An
         obs = Observer(manager, directory, every=every, event_factory=event_factory,
                        pricing=pricing_for(stock_context(runner)), metadata=meta,
                        name=f"dp{dp}-{os.getpid()}-e{next(_engines)}", writer_kwargs=writer_kwargs,
-                       estimator=estimator, clocks=clock_sampler())
+                       estimator=estimator, clocks=clock_sampler(), timer=timer)
         attach(runner, obs)
     except Exception as exc:  # noqa: BLE001 - an optional mode must not stop an engine
         log_once(logging.WARNING, PREFIX + f"observe off ({exception_line(exc)})")

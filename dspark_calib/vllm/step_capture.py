@@ -105,12 +105,14 @@ def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_m
                 full_cudagraph: bool, context_aware: bool,
                 acceptance: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
                 estimator: tuple[int, int, float, tuple[float, ...]] | None = None,
-                gpu: tuple[float | None, float | None] = (None, None)) -> ObservedStep:
+                gpu: tuple[float | None, float | None] = (None, None),
+                host: tuple[float | None, float | None] = (None, None)) -> ObservedStep:
     """The observed record: the capture plus the step's resolved timings (vLLM's StepTimingSample
     fields). context_aware: the engine priced with the grid (the alternative is single-context).
     acceptance: acceptance_counts of the step's verification (None: not read). estimator: the
     acceptance estimator's (refits, steps, slope, intercepts) at this step (None: not read). gpu: the
-    GPU's (SM MHz, W) as last sampled when the step was (None: not read)."""
+    GPU's (SM MHz, W) as last sampled when the step was (None: not read). host: the host's
+    (step_interval_ms, host_ms) around the step's execute_model call (None: not known)."""
     chosen, alt = capture.draft_budget, capture.alt_budget
     return ObservedStep(
         step=step, forward_ms=float(forward_ms), drafter_ms=float(drafter_ms),
@@ -122,7 +124,8 @@ def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_m
         prefill_tokens=capture.prefill_tokens, prefill_context_sum=capture.prefill_context_sum,
         prefill_pairs=capture.prefill_pairs, position_graded=None if acceptance is None else acceptance[0],
         position_accepted=None if acceptance is None else acceptance[1],
-        **dict(zip(ESTIMATOR, estimator or (None,) * len(ESTIMATOR))), gpu_sm_mhz=gpu[0], gpu_power_w=gpu[1])
+        **dict(zip(ESTIMATOR, estimator or (None,) * len(ESTIMATOR))), gpu_sm_mhz=gpu[0], gpu_power_w=gpu[1],
+        step_interval_ms=host[0], host_ms=host[1])
 
 
 # -- how the engine prices its steps (read once, at the first sampled step) ----------------------

@@ -68,6 +68,13 @@ def test_errors_by_sm_clock_beside_the_context_buckets(shipped_observed, tmp_pat
     assert json.loads(invoke("validate", SCHEMA10, shipped_observed, "--json").stdout)["by_clock"] == []
 
 
+def test_host_time_is_in_json_where_recorded(shipped_observed):
+    """Files without the host interval (as before observe schema 1.6): the key says none."""
+    d = json.loads(invoke("validate", SCHEMA10, shipped_observed, "--json").stdout)
+    assert d["host_time"] == {"steps": 0, "stall_ms": 1000.0, "groups": []}
+    assert "host time between steps: not recorded" in invoke("validate", SCHEMA10, shipped_observed).stdout
+
+
 def test_json_and_context(shipped_observed):
     d = json.loads(invoke("validate", SCHEMA10, shipped_observed, "--json", "--context", "1000").stdout)
     assert d["table_hash"].startswith("ad4ef3d97317") and d["num_steps"] == 300 and d["single_context"] == 1024

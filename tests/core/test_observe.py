@@ -14,7 +14,8 @@ from dspark_calib.observe import file as observe
 from dspark_calib.errors import CalibError
 import math
 
-from dspark_calib.observe.step import ABSENT, ACCEPTANCE, COLUMNS, ESTIMATOR, GPU, PREFILL, ObservedStep, PendingSteps
+from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, COLUMNS, ESTIMATOR, GPU, HOST, PREFILL, ObservedStep,
+                                       PendingSteps)
 from dspark_calib.observe.file import ObservedWriter, read_observed
 
 
@@ -40,7 +41,8 @@ def test_round_trip_keeps_every_value(tmp_path):
                      if i % 3 else {}),
                   **(dict(position_graded=GRADED, position_accepted=ACCEPTED) if i % 2 == 0 else {}),
                   **(ESTIMATED if i % 3 == 1 else {}),
-                  **(dict(gpu_sm_mhz=1515.0 + 15 * i, gpu_power_w=699.5) if i % 4 else {}))
+                  **(dict(gpu_sm_mhz=1515.0 + 15 * i, gpu_power_w=699.5) if i % 4 else {}),
+                  **(dict(step_interval_ms=188.5 + i, host_ms=0.25 * i) if i % 5 else {}))
              for i in range(7)]
     with ObservedWriter(tmp_path, metadata={"mode": "context_aware", "table_hash": "ab" * 32, "tp_rank": 1}) as w:
         for s in steps:
@@ -52,7 +54,7 @@ def test_round_trip_keeps_every_value(tmp_path):
     for name in COLUMNS:
         want = [getattr(s, name) for s in steps]
         absent = [ABSENT] * len(GRADED) if name in ACCEPTANCE else ABSENT
-        if name in ("estimator_slope", "estimator_intercepts", *GPU):  # null floats read as NaN
+        if name in ("estimator_slope", "estimator_intercepts", *GPU, *HOST):  # null floats read as NaN
             absent = [math.nan] * len(GRADED) if name == "estimator_intercepts" else math.nan
         want = [absent if v is None else list(v) if isinstance(v, tuple) else v for v in want]
         assert json.dumps(got[name].tolist()) == json.dumps(want), name  # NaN == NaN as text
@@ -87,42 +89,57 @@ def test_a_13_file_reads_as_priced_by_the_linear_tail_rule_and_a_14_file_as_it_r
     assert read_observed([path]).metadata[0].policy().tail_rule == "bounded"
     t = pq.read_table(path)
     written = json.loads(t.schema.metadata[observe.METADATA_KEY])
-    assert written["schema_version"] == "1.5" and written["context_tail_rule"] == "bounded"
+    assert written["schema_version"] == observe.OBSERVED_SCHEMA_VERSION and written["context_tail_rule"] == "bounded"
     old = {k: v for k, v in written.items() if k != "context_tail_rule"}
     pq.write_table(t.replace_schema_metadata({observe.METADATA_KEY: json.dumps({**old, "schema_version": "1.3"}).encode()}),
                    path)
     got = read_observed([path]).metadata[0]
-    assert got.schema_version == "1.5" and got.policy() == PricingPolicy(CONTEXT_AWARE, 8192, 200, tail_rule="linear")
+    assert got.schema_version == observe.OBSERVED_SCHEMA_VERSION
+    assert got.policy() == PricingPolicy(CONTEXT_AWARE, 8192, 200, tail_rule="linear")
 
 
-def test_a_14_file_reads_with_no_gpu_clock_recorded(tmp_path):
-    """The 1.4 -> 1.5 migration: the SM clock and power read null (NaN)."""
+# a 1.6 engine's GPU and host readings of one step
+RECORDED = dict(gpu_sm_mhz=1530.0, gpu_power_w=700.0, step_interval_ms=190.0, host_ms=3.0)
+
+
+@pytest.mark.parametrize("older,dropped", [("1.4", GPU + HOST), ("1.5", HOST)])
+def test_an_older_file_reads_with_the_later_floats_null(tmp_path, older, dropped):
+    """The 1.4 -> 1.5 migration (the SM clock and power) and 1.5 -> 1.6 (the host's step interval and
+    issue time): what the older engine did not record reads null (NaN), what it did stays."""
+    recorded = RECORDED
     with ObservedWriter(tmp_path) as w:
-        w.append(step(0, gpu_sm_mhz=1530.0, gpu_power_w=700.0))
+        w.append(step(0, **recorded))
     (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
     t = pq.read_table(path)
     meta = json.loads(t.schema.metadata[observe.METADATA_KEY])
-    assert meta["schema_version"] == "1.5" and read_observed([path])["gpu_sm_mhz"].tolist() == [1530.0]
-    t = t.drop_columns(list(GPU)).replace_schema_metadata(
-        {observe.METADATA_KEY: json.dumps({**meta, "schema_version": "1.4"}).encode()})
+    assert meta["schema_version"] == "1.6" and {k: read_observed([path])[k].tolist() for k in recorded} == {
+        k: [v] for k, v in recorded.items()}
+    t = t.drop_columns(list(dropped)).replace_schema_metadata(
+        {observe.METADATA_KEY: json.dumps({**meta, "schema_version": older}).encode()})
     pq.write_table(t, path)
     got = read_observed([path])
-    assert math.isnan(got["gpu_sm_mhz"][0]) and math.isnan(got["gpu_power_w"][0])
+    assert got.metadata[0].schema_version == "1.6"
+    assert {k: math.isnan(got[k][0]) for k in recorded} == {k: k in dropped for k in recorded}
+    assert got["forward_ms"].tolist() == [10.0]
 
 
-@pytest.mark.parametrize("name,value", [("gpu_sm_mhz", 0.0), ("gpu_sm_mhz", -1515.0), ("gpu_power_w", 1e9),
-                                        ("gpu_power_w", math.inf)])
-def test_an_impossible_gpu_reading_is_refused_in_a_row_and_in_a_file(tmp_path, name, value):
+@pytest.mark.parametrize("name,value,row_says,file_says", [
+    *((name, value, "must be a number in", "outside")
+      for name, value in (("gpu_sm_mhz", 0.0), ("gpu_sm_mhz", -1515.0), ("gpu_power_w", 1e9), ("gpu_power_w", math.inf))),
+    *((name, value, "must be a finite number >= 0 or None", "must be finite and >= 0")
+      for name, value in (("step_interval_ms", -1.0), ("host_ms", math.inf)))])
+def test_an_impossible_gpu_or_host_reading_is_refused_in_a_row_and_in_a_file(tmp_path, name, value, row_says,
+                                                                            file_says):
     for bad in (value, True):
-        with pytest.raises(CalibError, match=f"bad observed step: {name} must be a number in"):
+        with pytest.raises(CalibError, match=f"bad observed step: {name} {row_says}"):
             step(0, **{name: bad})
     with ObservedWriter(tmp_path) as w:
-        w.append(step(0, gpu_sm_mhz=1530.0, gpu_power_w=700.0))
+        w.append(step(0, **RECORDED))
     (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
     t = pq.read_table(path)
     t = t.set_column(t.schema.get_field_index(name), name, pa.array([float(value)]))
     pq.write_table(t, path)
-    with pytest.raises(CalibError, match=f"row 0: {name} outside"):
+    with pytest.raises(CalibError, match=f"row 0: {name} {file_says}"):
         read_observed([path])
 
 

@@ -629,3 +629,58 @@ def test_files_without_steps_are_named(reference_table):
                           metadata=())
     with pytest.raises(CalibError, match="no observed steps to validate against in a/observed-1.parquet"):
         validate(reference_table, empty)
+
+
+def test_host_time_beside_the_priced_time_by_kind_and_context(reference_table, tmp_path):
+    """Hand-set intervals: at 1k forward 100 + drafter 20 ms and intervals 150..180 (one step without
+    an interval), at 16k forward 150 + drafter 30 and intervals 200..230 plus one 3 s stall. Median,
+    p95 (linear, as numpy) and max of the interval and of interval - forward - drafter; stalls over 1 s."""
+    steps = synthetic_steps(reference_table, (1024, 16384), per_context=5)
+    times = {1024: (100.0, 20.0, [150.0, 160.0, 170.0, 180.0, None], [2.0, 4.0, 6.0, 8.0, 10.0]),
+             16384: (150.0, 30.0, [200.0, 210.0, 220.0, 230.0, 3000.0], [1.0, None, 1.0, 1.0, 2950.0])}
+    with ObservedWriter(tmp_path) as w:
+        for i, st in enumerate(steps):
+            forward, drafter, intervals, hosts = times[st.priced_context]
+            w.append(dataclasses.replace(st, forward_ms=forward, drafter_ms=drafter, full_cudagraph=True,
+                                         step_interval_ms=intervals[i % 5], host_ms=hosts[i % 5]))
+    res = validate(reference_table, read_observed([tmp_path]))
+    assert res.interval_steps == 9
+    got = {(g.kind, g.context_bucket): g for g in res.host_time}
+    assert list(got) == [(kind, bucket) for kind in ("draft", "verify") for bucket in ("all", "1024-2047", "16384-32767")]
+    for kind in ("draft", "verify"):
+        everything, short, long = (got[kind, b] for b in ("all", "1024-2047", "16384-32767"))
+        assert (short.steps, long.steps, everything.steps) == (4, 5, 9)
+        assert dataclasses.astuple(short.interval) == pytest.approx((165.0, 178.5, 180.0))
+        assert dataclasses.astuple(short.unpriced) == pytest.approx((45.0, 58.5, 60.0))
+        assert dataclasses.astuple(short.host) == pytest.approx((5.0, 7.7, 8.0))  # no interval: not in it
+        assert (short.stalls, np.isnan(short.largest_stall_ms)) == (0, True)
+        assert dataclasses.astuple(long.interval) == pytest.approx((220.0, 2446.0, 3000.0))
+        assert dataclasses.astuple(long.unpriced) == pytest.approx((40.0, 2266.0, 2820.0))
+        assert dataclasses.astuple(long.host) == pytest.approx((1.0, 2507.65, 2950.0))  # null host_ms: left out
+        assert (long.stalls, long.largest_stall_ms) == (1, 3000.0)
+        assert dataclasses.astuple(everything.interval) == pytest.approx((200.0, 1892.0, 3000.0))
+        assert dataclasses.astuple(everything.unpriced) == pytest.approx((40.0, 1716.0, 2820.0))
+        assert (everything.stalls, everything.largest_stall_ms) == (1, 3000.0)
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["host_time"]["steps"] == 9 and d["host_time"]["stall_ms"] == 1000.0
+    long = d["host_time"]["groups"][2]
+    assert {k: long.pop(k) for k in ("interval_ms", "unpriced_ms", "host_ms")} == {
+        "interval_ms": {"median_ms": 220.0, "p95_ms": pytest.approx(2446.0), "max_ms": 3000.0},
+        "unpriced_ms": {"median_ms": 40.0, "p95_ms": pytest.approx(2266.0), "max_ms": 2820.0},
+        "host_ms": {"median_ms": 1.0, "p95_ms": pytest.approx(2507.65), "max_ms": 2950.0}}
+    assert long == {"kind": "draft", "context_bucket": "16384-32767", "steps": 5, "stalls": 1,
+                    "largest_stall_ms": 3000.0}
+    assert d["host_time"]["groups"][1]["largest_stall_ms"] is None
+    console = Console(record=True, width=250)
+    render_validation(res, console)
+    text = console.export_text()
+    assert "host time between steps, ms (TP rank 0; 9 of 10 steps)" in text
+    assert "draft  │ 16384-32767 │     5 │      220 │ 2446 │ 3000 │     40.0 │ 2266 │ 2820 │  1.0 │      1 │    3000" in text
+    with ObservedWriter(tmp_path / "older") as w:  # no interval recorded (as files before observe schema 1.6)
+        for st in steps:
+            w.append(st)
+    older = validate(reference_table, read_observed([tmp_path / "older"]))
+    assert older.interval_steps == 0 and older.host_time == ()
+    console = Console(record=True, width=250)
+    render_validation(older, console)
+    assert "host time between steps: not recorded in these files (observe schema 1.6 records it)" in console.export_text()

@@ -42,6 +42,7 @@ class Clock:
     def __init__(self):
         self.t, self.done_upto = 0.0, float("inf")
         self.syncs = 0  # host syncs: vLLM's collect() makes one; observe none
+        self.host = 0.0  # the host's clock (seconds): what observe's timer reads
 
 
 class Event:
@@ -88,6 +89,7 @@ class FakeRunner:
         self.speculator = Speculator(self)
         self.max_model_len, self.dp_rank = 32768, 0
         self.forward_ms = self.drafter_ms = 0.0
+        self.issue_s = 0.0  # host time an execute_model call takes
         self.shut = False
 
     def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, **kw):
@@ -100,6 +102,7 @@ class FakeRunner:
         self.step_timing.record_batch(batch, full)
         self.step_timing.forward_start()
         self.clock.t += self.forward_ms
+        self.clock.host += self.issue_s
         self.batch = batch
 
     def sample_tokens(self, grammar_output=None):
@@ -157,7 +160,8 @@ def engine(monkeypatch, tmp_path, reference_table_8192):
 
 
 def start(runner, clock, **writer_kwargs):
-    return om.maybe_observe(runner, None, event_factory=events_factory(clock), writer_kwargs=writer_kwargs or None)
+    return om.maybe_observe(runner, None, event_factory=events_factory(clock), writer_kwargs=writer_kwargs or None,
+                            timer=lambda: clock.host)
 
 
 def step(runner, num_reqs, *, drafts=3, context=1000, drafter=True, full=True, rng=None):
@@ -617,3 +621,55 @@ def test_the_sampler_reads_nvml_on_its_own_thread_and_without_nvml_there_is_none
     monkeypatch.setitem(sys.modules, "vllm.third_party.pynvml", None)
     monkeypatch.delattr(vllm.third_party, "pynvml", raising=False)
     assert gpu_readings.clock_sampler() is None
+
+
+# -- the host's time around each step --------------------------------------------------------------
+def test_rows_record_the_host_interval_since_the_previous_call_and_their_own_call(engine):
+    """step_interval_ms: the previous execute_model call's start to this one's (None for the first call
+    observe sees and after a dummy run or a warm-up step); host_ms: this call's start to its return."""
+    runner, clock = engine
+    obs = start(runner, clock)
+    obs.priced = 1  # the first priced step is sampled: the first call observe sees is a row
+    for n in range(1, 11):
+        runner.issue_s = n / 1000  # execute_model of step n takes n ms of host time
+        step(runner, n)
+        clock.host += n / 10  # then sample_tokens, the scheduler...: 100 n ms
+        if n == 4:
+            runner._dummy_run(8)  # e.g. a DP padding step: row 5 has no interval
+        if n == 6:  # vLLM's kernel warm-up runs its steps with the manager set aside: row 7 has none
+            manager, runner.adaptive_verification = runner.adaptive_verification, None
+            runner.execute_model(({"w0": 1}, {}, True))
+            runner.adaptive_verification = manager
+        if n == 8:
+            clock.host += 3.0  # a stall: row 9's interval has it
+    runner.shutdown()
+    rows = read_observed([obs.directory])
+    assert list(rows["num_reqs"]) == [1, 3, 5, 7, 9]
+    np.testing.assert_allclose(rows["step_interval_ms"], [np.nan, 2 + 200, np.nan, np.nan, 8 + 800 + 3000])
+    np.testing.assert_allclose(rows["host_ms"], [1, 3, 5, 7, 9])
+    assert clock.syncs == 0
+
+
+def test_vllms_kernel_warm_up_steps_are_not_serving(engine, monkeypatch):
+    """vLLM's warmup_kernels runs real execute_model calls with the runner's manager set aside; the
+    first serving step after it has no interval (it would span the rest of engine start)."""
+    from vllm.v1.worker.gpu import warmup
+
+    runner, clock = engine
+    runner.rejection_sampler = runner.speculative_config = None
+    obs = start(runner, clock)
+    obs.priced = 1
+    warmed = []
+
+    def warmup_steps(model_runner, execute_model, sample_tokens, greedy=False):
+        warmed.append(model_runner.adaptive_verification)
+        execute_model(({"w0": 1, "w1": 1}, {}, True))
+
+    monkeypatch.setattr(warmup, "_warmup_kernels", warmup_steps)
+    warmup.warmup_kernels(runner, runner.execute_model, runner.sample_tokens)  # vLLM's, around the steps
+    assert warmed == [None]
+    clock.host += 30.0  # the rest of engine start, then the first request
+    step(runner, 4)
+    runner.shutdown()
+    rows = read_observed([obs.directory])
+    assert list(rows["num_reqs"]) == [4] and np.isnan(rows["step_interval_ms"][0])
