@@ -65,7 +65,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from dspark_calib.errors import PREFIX, exception_line
 from dspark_calib import env as E
-from dspark_calib.vllm.runtime import MARK, log_once, peek_state, state_of
+from dspark_calib.vllm.runtime import MARK, log, log_once, peek_state, state_of
+
+# A priced step that starts this long after the previous step's start was held up on the host
+# (a compile, a collection): said on every priced step, sampled or not, since one stall lands in
+# the row of the step after it only when that step is sampled. The first lines name the step;
+# later ones are counted, said once at close.
+STALL_MS = 1000.0
+STALL_LINES = 10
 
 if TYPE_CHECKING:
     from dspark_calib.vllm.step_capture import Pricing
@@ -117,10 +124,13 @@ class Observer:
         self.timer = timer  # the host's clock (seconds), read once per execute_model call
         self.started: float | None = None  # the running (or last) call's start; None: it was not serving
         self.interval_ms: float | None = None  # the running call's interval since the previous call's start
+        self.stalls: list[float] = []  # intervals over STALL_MS before a priced step (ms)
 
     # -- call points ---------------------------------------------------------------------
     def after_budget(self, num_tokens_per_req: Any, draft_tokens: Any) -> None:
         self.priced += 1
+        if self.interval_ms is not None and self.interval_ms > STALL_MS and self.on:
+            self.stall(self.interval_ms)
         if self.priced % self.every or not self.on:
             return
         try:
@@ -241,9 +251,22 @@ class Observer:
         self.writer = ObservedWriter(self.directory, metadata=meta, name=self.name, **self.writer_kwargs)
         return self.writer
 
+    def stall(self, interval_ms: float) -> None:
+        """A priced step began interval_ms after the previous step began: its drafts come from that
+        step, so the engine was busy across the gap, not idle."""
+        self.stalls.append(interval_ms)
+        if len(self.stalls) <= STALL_LINES:
+            log.warning(PREFIX + "observe: %.2f s between the starts of two serving steps (before priced step %d): "
+                        "host time outside every step's GPU timing%s", interval_ms / 1e3, self.priced,
+                        "; further stalls are counted" if len(self.stalls) == STALL_LINES else "")
+
     def close(self) -> None:
         """Resolve what is done and write it (shutdown, atexit); idempotent, never raises."""
         self._stop_clocks()
+        if len(self.stalls) > STALL_LINES:
+            log.warning(PREFIX + "observe: %d stalls over %.0f s before priced steps, the longest %.2f s",
+                        len(self.stalls), STALL_MS / 1e3, max(self.stalls) / 1e3)
+            self.stalls = self.stalls[:STALL_LINES]  # said once (close runs at shutdown and at exit)
         if not self.on:
             return
         try:

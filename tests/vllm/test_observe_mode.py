@@ -648,6 +648,27 @@ def test_rows_record_the_host_interval_since_the_previous_call_and_their_own_cal
     np.testing.assert_allclose(rows["step_interval_ms"], [np.nan, 2 + 200, np.nan, np.nan, 8 + 800 + 3000])
     np.testing.assert_allclose(rows["host_ms"], [1, 3, 5, 7, 9])
     assert clock.syncs == 0
+    assert obs.stalls == [pytest.approx(8 + 800 + 3000)]
+
+
+def test_every_stall_before_a_priced_step_is_said_sampled_or_not(engine, caplog, monkeypatch):
+    """One stall lands in a row only when the step after it is sampled: the line names each one
+    (every priced step compares its interval), later ones are counted and said once at close."""
+    monkeypatch.setattr(om, "STALL_LINES", 2)
+    runner, clock = engine
+    obs = start(runner, clock)  # 1 in 4 sampled
+    with caplog.at_level(logging.WARNING):
+        for n in range(1, 9):
+            step(runner, n)
+            clock.host += 0.1 if n % 2 else 1.5  # after steps 2, 4, 6, 8: a stall before the next
+        runner.shutdown()
+        runner.shutdown()  # close runs at shutdown and again at exit: the count is said once
+    said = [r.getMessage() for r in caplog.records if "stall" in r.getMessage() or "between the starts" in r.getMessage()]
+    assert said == ["dspark-calib: observe: 1.50 s between the starts of two serving steps (before priced step 3): "
+                    "host time outside every step's GPU timing",
+                    "dspark-calib: observe: 1.50 s between the starts of two serving steps (before priced step 5): "
+                    "host time outside every step's GPU timing; further stalls are counted",
+                    "dspark-calib: observe: 3 stalls over 1 s before priced steps, the longest 1.50 s"]
 
 
 def test_vllms_kernel_warm_up_steps_are_not_serving(engine, monkeypatch):
