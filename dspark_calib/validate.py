@@ -70,7 +70,7 @@ from dspark_calib.pricing.grid import DEFAULT_TOLERANCE, ContextGrid
 from dspark_calib.pricing.costs import ContextCosts
 from dspark_calib.pricing.rules import prefill_context_sum, tail_context_sum
 from dspark_calib.errors import CalibError, display_path
-from dspark_calib.observe.step import ABSENT, decode_steps
+from dspark_calib.observe.step import ABSENT, STALL_MS, decode_steps
 from dspark_calib.observe.file import ObservedSteps
 
 SINGLE, AWARE = "single_context", "context_aware"
@@ -83,7 +83,6 @@ MIXED_SPREAD = 1.25  # a decode step is "mixed" when its longest context is >= 1
 MIN_TAIL_STEPS = 20  # fewer mixed steps than this: no tail is suggested
 TAIL_STEP_MILLI = 50
 CLOCK_BUCKET_MHZ = 50  # an H200 serves at 1515-1575 MHz at its power limit, profiles at up to 1980
-STALL_MS = 1000.0  # a host interval over this is a stall (a compile, a page fault storm), not a step's time
 
 
 @dataclass(frozen=True)

@@ -158,11 +158,12 @@ MARKER_MAX_CTX = 100  # a marker step's requests are all below this context
 WARMUP = dict(requests=8, prompt=1024, tokens=32)
 # Then a full batch: adaptive verification's draft-budget allocation is a torch.compile'd function
 # that vLLM's own warm-up never runs (adaptive verification off there), and it runs only on steps
-# whose budget binds; at MAX_NUM_SEQS requests of K drafts the rejection sampler's logits cap
-# (get_max_chunk_logits) always binds. Its first call compiles for seconds: inside a timed
-# workload that stall is spread over every request's TPOT. The prompt stays above
-# MARKER_MAX_CTX, so none of these steps reads as a marker's.
-FULL_BATCH_WARMUP = dict(requests=MAX_NUM_SEQS, prompt=128, tokens=16)
+# whose budget binds; with MAX_NUM_SEQS requests decoding K drafts each, the rejection sampler's
+# logits cap (get_max_chunk_logits) binds. Its first call compiles for seconds: inside a timed
+# workload that stall is spread over every request's TPOT. Enough tokens that the first requests
+# admitted still decode when the last are (admission takes a step per MAX_BATCHED prompt tokens);
+# the prompt stays above MARKER_MAX_CTX, so none of these steps reads as a marker's.
+FULL_BATCH_WARMUP = dict(requests=MAX_NUM_SEQS, prompt=128, tokens=64)
 CONTEXT_FLOOR = 1024  # validate's context buckets: [0,1024), [1024,2048), ...
 KILL_MARGIN_S = 65.0  # the engine child is stopped this long before the deadline: up to 35 s graceful
 # (AsyncLLM.shutdown(timeout=30) + 5 s, so observe's last file is written), 10 s of group kill,

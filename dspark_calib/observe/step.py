@@ -72,6 +72,9 @@ ACCEPTANCE = ("position_graded", "position_accepted")
 ESTIMATOR = ("estimator_refits", "estimator_steps", "estimator_slope", "estimator_intercepts")
 GPU = ("gpu_sm_mhz", "gpu_power_w")
 HOST = ("step_interval_ms", "host_ms")
+# A host interval over this is a stall (a compile, a collection, a page-fault storm), not a step's time:
+# the observer says each one before a priced step, validate counts them.
+STALL_MS = 1000.0
 MAX_GPU_READING = 100_000.0  # MHz or W: far above any GPU; a larger value is damage, not a reading
 NULLABLE = frozenset(BUDGETS + PREFILL + ACCEPTANCE + ESTIMATOR + GPU + HOST)
 ABSENT = -1  # in memory, a null budget; a null acceptance row is ABSENT at every position

@@ -37,7 +37,7 @@ REGIONS = (WITHIN, ABOVE)
 # fit: refused on fit and on read. A serving state moves a curve by a few %; the largest measured
 # correction is a host-bound drafter (vLLM's draft_model drafter runs eagerly; its profile steps
 # cost about twice its served ones, docs/results/2026-12-02-draft-goodput-pinned.md), so the
-# bound leaves a factor of 4 either way, not the 2 that drafter's 0.46 sits just past.
+# bound leaves a factor of 4 either way.
 MIN_FACTOR, MAX_FACTOR = 0.25, 4.0
 _COST_COLUMNS = tuple(c for c in CURVE_COLUMNS if c.endswith("_ms"))
 

@@ -67,11 +67,10 @@ from dspark_calib.errors import PREFIX, exception_line
 from dspark_calib import env as E
 from dspark_calib.vllm.runtime import MARK, log, log_once, peek_state, state_of
 
-# A priced step that starts this long after the previous step's start was held up on the host
-# (a compile, a collection): said on every priced step, sampled or not, since one stall lands in
-# the row of the step after it only when that step is sampled. The first lines name the step;
-# later ones are counted, said once at close.
-STALL_MS = 1000.0
+# A priced step that starts more than observe.step.STALL_MS after the previous step's start was
+# held up on the host: said on every priced step, sampled or not, since one stall lands in the row
+# of the step after it only when that step is sampled. The first lines name the step; later ones
+# are counted, said once at close.
 STALL_LINES = 10
 
 if TYPE_CHECKING:
@@ -105,7 +104,7 @@ class Observer:
                  pricing: Callable[[Any], Pricing], metadata: dict | None = None, max_pending: int = 256,
                  name: str | None = None, writer_kwargs: dict | None = None, estimator: Any = None,
                  clocks: Any = None, timer: Callable[[], float] = time.perf_counter):
-        from dspark_calib.observe.step import PendingSteps
+        from dspark_calib.observe.step import STALL_MS, PendingSteps
 
         self.manager, self.directory, self.every = manager, directory, every
         self.event_factory, self._pricing_of = event_factory, pricing
@@ -124,12 +123,13 @@ class Observer:
         self.timer = timer  # the host's clock (seconds), read once per execute_model call
         self.started: float | None = None  # the running (or last) call's start; None: it was not serving
         self.interval_ms: float | None = None  # the running call's interval since the previous call's start
-        self.stalls: list[float] = []  # intervals over STALL_MS before a priced step (ms)
+        self.stall_ms = STALL_MS
+        self.stalls: list[float] = []  # intervals over stall_ms before a priced step (ms)
 
     # -- call points ---------------------------------------------------------------------
     def after_budget(self, num_tokens_per_req: Any, draft_tokens: Any) -> None:
         self.priced += 1
-        if self.interval_ms is not None and self.interval_ms > STALL_MS and self.on:
+        if self.interval_ms is not None and self.interval_ms > self.stall_ms and self.on:
             self.stall(self.interval_ms)
         if self.priced % self.every or not self.on:
             return
@@ -265,7 +265,7 @@ class Observer:
         self._stop_clocks()
         if len(self.stalls) > STALL_LINES:
             log.warning(PREFIX + "observe: %d stalls over %.0f s before priced steps, the longest %.2f s",
-                        len(self.stalls), STALL_MS / 1e3, max(self.stalls) / 1e3)
+                        len(self.stalls), self.stall_ms / 1e3, max(self.stalls) / 1e3)
             self.stalls = self.stalls[:STALL_LINES]  # said once (close runs at shutdown and at exit)
         if not self.on:
             return

@@ -59,10 +59,10 @@ MAX_PROBE_STEPS = 12
 # The budget's floor: a DSpark table's steps are fast (the shipped H200 table's plan, 6 steps at
 # contexts 1024, 8192 and 16384, is about 1.05 s predicted), and its start-up profile is ~20 s.
 PROBE_BUDGET_MS = 1500.0
-# The share of the skipped start-up profile's predicted time the probe may spend: load mode still
-# saves at least 95 % of it, and a slow speculator (a draft model: ~380 ms drafter steps at 256
-# requests, a ~97 s predicted profile at context 8192) gets every priced context probed (~3.6 s)
-# instead of single-context pricing.
+# The share of the skipped start-up profile's predicted time the probe may spend above the floor:
+# small beside what load mode saves, and enough for a slow speculator (a draft model's drafter
+# steps are several times a DSpark head's) to have every priced context probed instead of
+# single-context pricing.
 PROBE_SHARE = 0.05
 # The budget's cap, whatever the table claims: its costs are untrusted until the probe judges them,
 # and past 10 s the probe alone would cost half a DSpark engine's whole start-up profile; a table

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -329,7 +330,11 @@ def test_the_full_batch_warm_up_makes_vllms_draft_budget_bind(sc):
         vocab = json.load(f)["vocab_size"]
     full = sc.FULL_BATCH_WARMUP
     assert full["requests"] == sc.MAX_NUM_SEQS and full["requests"] * (sc.K + 1) > get_max_chunk_logits(vocab)
-    assert full["prompt"] > sc.MARKER_MAX_CTX and full["tokens"] > 1
+    # every request decodes at once: admitting them all takes fewer steps than the fastest request
+    # (every draft accepted: K + 1 tokens a step) needs to finish
+    admission_steps = math.ceil(full["requests"] * full["prompt"] / sc.MAX_BATCHED)
+    assert full["tokens"] / (sc.K + 1) > admission_steps + 1
+    assert full["prompt"] > sc.MARKER_MAX_CTX
 
 
 def test_the_named_schedules_are_what_vllm_accepts(sc):
