@@ -7,18 +7,23 @@ between workloads (no step is running then). The estimator predicts, per draft p
 p = sigmoid(slope * f + intercept_k), f being the draft's logit feature; its `predictions`
 hold the last prediction per request slot and position. The survival the budget rule uses is
 their running product; its mean over the slots used is the learned unconditional acceptance.
+
+The one class vLLM mixes in also carries the harness's step timer (step_timer.StepTimerProbe:
+step_timer_start, step_timer_take), which runs in every arm, the speculator's estimator or none.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from step_timer import StepTimerProbe
+
 # never refit: the instance attribute shadows OnlineAcceptanceEstimator.REFIT_INTERVAL, which
 # step() reads each step
 NEVER = 1 << 62
 
 
-class EstimatorProbe:
+class EstimatorProbe(StepTimerProbe):
     def _estimator(self) -> Any:
         speculator = getattr(getattr(self, "model_runner", None), "speculator", None)
         return getattr(speculator, "acceptance_estimator", None)

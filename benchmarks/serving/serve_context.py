@@ -106,11 +106,20 @@ engine start 30-60 s warm (230 s cold), import ~15 s, warm-up + markers ~10 s, w
 deadline is skipped (recorded); the engine child is killed 35 s before the deadline so the
 summary and the observe files still come back.
 
-Outputs under --out (4 files per arm): context-ARM.json (summary), context-ARM-requests.json
-(per request), context-ARM-observed.parquet (the arm's observe files compacted into one,
-metadata kept: `dspark-calib validate` reads it), context-ARM.log (engine and harness log,
-last 4 MB). `report` joins the arms into serve_context.json and serve_context.md: each arm's
-tok/s against its speculator's stock arm, and `dspark-calib advise`'s model beside the arms
+Step timer (every arm alike, fixed K included: observe mode times only the steps it prices):
+the worker extension (estimator_probe.EstimatorProbe, with step_timer.StepTimerProbe) wraps the
+model runner's execute_model on TP rank 0 after the warm-up and records each serving call's
+host start and return (perf_counter, no sync); per workload the arm's summary keeps the steps,
+the intervals between successive call starts (p50/p90/p99/max), the stalls over 1 s (observe's
+STALL_MS, each with its step index) and the host time inside the call.
+
+Outputs under --out (5 files per arm): context-ARM.json (summary), context-ARM-requests.json
+(per request), context-ARM-steps.json (per workload, the step timer's steps one by one: interval,
+host ms, scheduled tokens and requests), context-ARM-observed.parquet (the arm's observe files
+compacted into one, metadata kept: `dspark-calib validate` reads it), context-ARM.log (engine and
+harness log, last 4 MB). `report` joins the arms into serve_context.json and serve_context.md: each arm's
+tok/s against its speculator's stock arm, the step timer's table per arm and workload (steps,
+interval p50/p90/max, stalls over 1 s and the largest, host ms p50), and `dspark-calib advise`'s model beside the arms
 (advise_report: advise.predict_steps over each workload's decode steps in the stock arm's observe
 file, each arm as the option that models it, the predicted ratio to stock against the measured one,
 within 5 %, and the predicted ranking against the measured one).
@@ -752,17 +761,59 @@ def _prompt(ids: list[int]) -> Any:
     return TokensPrompt(prompt_token_ids=ids)
 
 
-async def estimator_state(engine: Any) -> Any:
-    """What the draft-model speculator's acceptance estimator has learned (rank 0), or None
-    (DSpark's confidence head, adaptive verification off, or the dry run's fake engine)."""
+async def rank0_rpc(engine: Any, method: str) -> Any:
+    """The worker extension's answer to collective_rpc(method) on rank 0 (the first), None
+    without one, or {"error": ...} when the call failed (a report, not the run)."""
     rpc = getattr(engine, "collective_rpc", None)
     if rpc is None:
         return None
     try:
-        states = await rpc("estimator_state")
+        states = await rpc(method)
     except Exception as exc:  # noqa: BLE001 - a report, not the run: say why and go on
         return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     return states[0] if states else None
+
+
+async def estimator_state(engine: Any) -> Any:
+    """What the draft-model speculator's acceptance estimator has learned (rank 0), or None
+    (DSpark's confidence head, adaptive verification off, or the dry run's fake engine)."""
+    return await rank0_rpc(engine, "estimator_state")
+
+
+def step_timer_summary(raw: dict[str, Any] | None) -> dict[str, Any] | None:
+    """One window of the step timer (step_timer.StepTimer.take: every serving execute_model call
+    on TP rank 0): steps, the intervals between successive call starts (the whole step as the
+    host lived it: forward, sampling, drafting, scheduling, any stall), the stalls (intervals
+    over observe's STALL_MS, each with the index of the step that began after it), the host's
+    time inside each call, and the steps that scheduled tokens. None without a timer; an
+    {"error": ...} answer passes through."""
+    if not raw or "error" in raw:
+        return raw or None
+    from dspark_calib.observe.step import STALL_MS
+
+    start = raw["start_s"]
+    interval = [(b - a) * 1e3 for a, b in zip(start, start[1:])]
+    host = [(b - a) * 1e3 for a, b in zip(start, raw["end_s"])]
+    stalls = [{"step": i + 1, "ms": _r(x, 1)} for i, x in enumerate(interval) if x > STALL_MS]
+    return {"steps": len(start), "dropped": raw.get("dropped", 0),
+            "steps_with_tokens": sum(1 for t in raw["num_tokens"] if t > 0),
+            "intervals": len(interval), "interval_p50_ms": _r(percentile(interval, 50)),
+            "interval_p90_ms": _r(percentile(interval, 90)), "interval_p99_ms": _r(percentile(interval, 99)),
+            "interval_max_ms": _r(max(interval)) if interval else None,
+            "stall_ms": STALL_MS, "stalls": stalls,
+            "host_p50_ms": _r(percentile(host, 50)), "host_p90_ms": _r(percentile(host, 90)),
+            "host_max_ms": _r(max(host)) if host else None}
+
+
+def step_times(raw: dict[str, Any] | None) -> dict[str, list] | None:
+    """The window's steps one by one (the per-arm steps file): interval since the previous
+    start and host time in ms (0.001 ms), scheduled tokens and requests."""
+    if not raw or "error" in raw:
+        return None
+    start = raw["start_s"]
+    return {"interval_ms": [None] + [round((b - a) * 1e3, 3) for a, b in zip(start, start[1:])],
+            "host_ms": [round((b - a) * 1e3, 3) for a, b in zip(start, raw["end_s"])],
+            "num_tokens": raw["num_tokens"], "num_reqs": raw["num_reqs"]}
 
 
 async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any]], None], *,
@@ -772,7 +823,11 @@ async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any
     estimator's cold phase when the speculator has one (timed and reported
     apart: an unfitted estimator trims almost every draft), then per workload: a marker, the
     workload, what the estimator has learned; a final marker. A workload that would end past the
-    deadline (its estimate x est_factor) is skipped, and so is its marker."""
+    deadline (its estimate x est_factor) is skipped, and so is its marker.
+    The step timer (step_timer.py) starts after the warm-up, in every arm; its window is taken
+    right before each workload (the marker's and cold phase's steps: a "step_timer" event) and
+    right after it (the workload's own steps: its event's step_timer and step_times), so a
+    workload's intervals never span the harness's idle time between workloads."""
     recs, wall = await run_requests(engine, "warmup", [make_prompt("warmup", i, WARMUP["prompt"])
                                                        for i in range(WARMUP["requests"])],
                                     WARMUP["tokens"], WARMUP["requests"])
@@ -782,6 +837,7 @@ async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any
                                               full["tokens"], full["requests"])
     sink({"event": "warmup", "wall_s": round(wall, 3), "requests": len(recs),
           "full_batch_wall_s": round(full_wall, 3), "full_batch_requests": len(full_recs)})
+    sink({"event": "step_timer", "started": await rank0_rpc(engine, "step_timer_start")})
     if cold:
         sink({"event": "estimator", "after": "warmup", "state": await estimator_state(engine)})
         recs, wall = await run_requests(engine, "cold", [make_prompt("cold", i, cold["prompt"])
@@ -805,10 +861,14 @@ async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any
             continue
         await marker()
         prompts = [make_prompt(w.name, i, w.prompt_len(i)) for i in range(w.num_requests)]
+        sink({"event": "step_timer", "before": w.name,
+              "summary": step_timer_summary(await rank0_rpc(engine, "step_timer_take"))})
         sink({"event": "start", "workload": w.name, "estimate_s": round(est, 1)})
         recs, wall = await run_requests(engine, w.name, prompts, w.output_len, w.concurrency)
+        steps = await rank0_rpc(engine, "step_timer_take")
         sink({"event": "workload", "workload": asdict(w), "estimate_s": round(est, 1),
-              "summary": summarize_requests(recs, wall), "requests": recs})
+              "summary": summarize_requests(recs, wall), "requests": recs,
+              "step_timer": step_timer_summary(steps), "step_times": step_times(steps)})
         if cold or track_estimator:
             sink({"event": "estimator", "after": w.name, "state": await estimator_state(engine)})
     await marker()
@@ -931,6 +991,17 @@ class FakeEngine:
                                                                        block_size=16))
         self.active: list[dict[str, Any]] = []
         self.step_no = 0
+        # the worker extension's step timer, on a stand-in worker whose runner's execute_model is one fake step
+        if HERE not in sys.path:  # the engine child runs from HERE; a test imports this file by path
+            sys.path.insert(0, HERE)
+        from step_timer import StepTimerProbe
+
+        class FakeWorker(StepTimerProbe):
+            def _step_timer_tp_rank(self) -> int:
+                return 0
+
+        self.worker = FakeWorker()
+        self.worker.model_runner = SimpleNamespace(execute_model=lambda scheduler_output, **kwargs: None)
         self.loop_task: asyncio.Task | None = None
 
     @classmethod
@@ -943,8 +1014,11 @@ class FakeEngine:
                    table_path, pricing, estimator_keys, fixed)
 
     async def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        """The estimator probe's calls, as one rank answers them: the pin (the fake's estimator
-        then predicts the given conditional rates and stops refitting); no state to read."""
+        """The worker extension's calls, as one rank answers them: the step timer's (the
+        extension's own code on the fake's runner); the pin (the fake's estimator then predicts
+        the given conditional rates and stops refitting); no estimator state to read."""
+        if method.startswith("step_timer_"):
+            return [getattr(self.worker, method)(*args)]
         if method == "estimator_pin" and self.estimator is not None:
             self.estimator = {"refits": self.estimator["refits"], "slope": 0.0, "intercepts": list(args[0]),
                               "pinned": True}
@@ -987,6 +1061,8 @@ class FakeEngine:
                 budget_tokens -= chunk
         if not sched:
             return
+        self.worker.model_runner.execute_model(SimpleNamespace(
+            total_num_scheduled_tokens=sum(t for _, t, _ in sched), num_scheduled_tokens={r["id"]: t for r, t, _ in sched}))
         ctx = [r["computed"] for r, _, _ in sched]
         n, csum = len(sched), sum(ctx)
         scheduled = sum(d for _, _, d in sched)
@@ -1362,15 +1438,24 @@ def post_process(arm: str, events: list[dict[str, Any]], obs: str, table: str | 
         "cold": next((e for e in events if e.get("event") == "cold"), None),
         "estimator": [{"after": e.get("after"), **(e.get("state") or {})} for e in events
                       if e.get("event") == "estimator"],
+        # the step timer (every arm): whether rank 0 installed it, and the steps between workloads
+        # (markers, the cold phase); each workload's own steps are under its name
+        "step_timer": {"started": next((e.get("started") for e in events
+                                        if e.get("event") == "step_timer" and "started" in e), None),
+                       "before": {e["before"]: e.get("summary") for e in events
+                                  if e.get("event") == "step_timer" and "before" in e}},
     }
-    reqs = {}
+    reqs, steps = {}, {}
     for e in done:
         name = e["workload"]["name"]
-        summary["workloads"][name] = {"workload": e["workload"], "estimate_s": e.get("estimate_s"), **e["summary"]}
+        summary["workloads"][name] = {"workload": e["workload"], "estimate_s": e.get("estimate_s"), **e["summary"],
+                                      "step_timer": e.get("step_timer")}
+        steps[name] = e.get("step_times")
         reqs[name] = [{k: r.get(k) for k in ("i", "prompt_len", "n", "chunks", "ttft", "ttft_engine", "preemptions",
                                              "mean_acceptance_length", "spec_steps", "accepted_drafts", "drafts")}
                       | {"tpot_ms": _ms(request_tpot_s(r)[0])} for r in e["requests"]]
     _write_json(os.path.join(out_dir, f"context-{label}-requests.json"), reqs)
+    _write_json(os.path.join(out_dir, f"context-{label}-steps.json"), steps)
     if observe_every <= 0:
         summary["observed"] = {"rows": 0, "off": True}
         return summary
@@ -1469,7 +1554,8 @@ def build_report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
                          "share_zero": b.get("share_zero"), "pricings_disagree": b.get("pricings_disagree_share"),
                          "own_verify_error_pct": {e["context_bucket"]: e["median_pct"] for e in w.get("own_error", [])
                                                   if e["kind"] == "verify"},
-                         "gpu": ((s.get("gpu") or {}).get("by_workload") or {}).get(name)})
+                         "gpu": ((s.get("gpu") or {}).get("by_workload") or {}).get(name),
+                         "step_timer": w.get("step_timer")})
         for e in s.get("own_error", []):
             errors.append({"arm": arm, "source": "engine", **e})
         for v in s.get("validate_by_context", []):
@@ -1544,6 +1630,20 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {r['arm']} | {r['workload']} | {g['readings']} | {_f(g['sm_mhz_p50'], 0)} / "
                          f"{_f(g['sm_mhz_min'], 0)} | {_f(g['power_w_p50'], 0)} / {_f(g['power_w_max'], 0)} | "
                          f"{_f(g['throttled_share'], 2)} | {', '.join(g['reasons']) or '-'} |")
+    timed = [r for r in report["rows"] if isinstance(r.get("step_timer"), dict) and "steps" in r["step_timer"]]
+    if timed:
+        stall = f"{timed[0]['step_timer']['stall_ms'] / 1e3:g} s"
+        lines += ["", "The harness's step timer (every arm alike: each serving execute_model call on TP rank 0, "
+                      "host perf_counter, no sync; interval: one call's start to the next's, the whole step as the "
+                      f"host lived it; host: inside the call; stalls: intervals over {stall}):", "",
+                  f"| arm | workload | steps | interval p50 / p90 / max ms | stalls > {stall} | largest stall ms | "
+                  "host ms p50 |", "|---|---|---:|---|---:|---:|---:|"]
+        for r in timed:
+            t = r["step_timer"]
+            largest = max((x["ms"] for x in t["stalls"]), default=None)
+            lines.append(f"| {r['arm']} | {r['workload']} | {t['steps']} | {_f(t['interval_p50_ms'], 2)} / "
+                         f"{_f(t['interval_p90_ms'], 2)} / {_f(t['interval_max_ms'], 1)} | {len(t['stalls'])} | "
+                         f"{_f(largest, 1)} | {_f(t['host_p50_ms'], 3)} |")
     if report.get("observe_cost"):
         lines += ["", "Observe mode's own cost: each observing arm over the same pricing with observe off, per "
                       "workload (> 1: slower with observe on; TPOT is the steady decode, tok/s includes the "

@@ -354,6 +354,123 @@ def test_draft_model_arms_are_named_by_their_speculator(sc):
         assert sc.CONFIG["arms"][arm]["speculator"] == "draft"
 
 
+# -- the step timer ------------------------------------------------------------------------------------
+@pytest.fixture()
+def step_timer(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "serving"))  # as the worker imports it (arm_env's PYTHONPATH)
+    import step_timer
+
+    return step_timer
+
+
+class _Runner:
+    """execute_model as vLLM's V2 runner takes it (dummy runs by keyword)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, **kwargs):
+        self.calls.append(dummy_run)
+        return "out"
+
+
+def _sched(tokens, reqs):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(total_num_scheduled_tokens=tokens, num_scheduled_tokens={f"r{i}": 1 for i in range(reqs)})
+
+
+def test_the_step_timer_records_serving_calls_only_and_is_bounded(step_timer):
+    ticks = iter([10.0, 10.5, 11.0, 11.25, 12.0, 12.5, 20.0, 20.5])
+    timer = step_timer.StepTimer(cap=2, clock=lambda: next(ticks))
+    runner = _Runner()
+    timer.install(runner)
+    timer.install(runner)  # installed once: one clock pair per call
+    assert runner.execute_model(_sched(8, 2)) == "out"
+    assert runner.execute_model(_sched(0, 0), dummy_run=True) == "out"  # vLLM's dummy run: passed through, untimed
+    runner.execute_model(_sched(16, 3), None)
+    runner.execute_model(_sched(4, 1))  # past the cap: counted, not kept
+    assert runner.calls == [False, True, False, False]
+    got = timer.take()
+    assert got == {"start_s": [10.0, 11.0], "end_s": [10.5, 11.25], "num_tokens": [8, 16], "num_reqs": [2, 3],
+                   "dropped": 1}
+    json.dumps(got)
+    assert timer.take() == {"start_s": [], "end_s": [], "num_tokens": [], "num_reqs": [], "dropped": 0}
+    runner.execute_model(_sched(1, 1))
+    assert timer.take()["start_s"] == [20.0]
+
+
+def test_the_step_timer_rpcs_run_on_tp_rank_0_only(step_timer, monkeypatch):
+    class Worker(step_timer.StepTimerProbe):
+        rank = 0
+
+        def _step_timer_tp_rank(self):
+            return self.rank
+
+        def __init__(self):
+            self.model_runner = _Runner()
+
+    w = Worker()
+    assert w.step_timer_take() is None  # not started
+    w.rank = 1
+    assert w.step_timer_start() is False and w.step_timer_take() is None
+    w.rank = 0
+    assert w.step_timer_start() is True
+    w.model_runner.execute_model(_sched(8, 1))
+    assert w.step_timer_start() is True  # again: cleared, not wrapped twice
+    w.model_runner.execute_model(_sched(8, 1))
+    assert len(w.step_timer_take()["start_s"]) == 1
+
+
+def test_the_worker_extension_fits_vllms_worker_and_runner(step_timer, monkeypatch):
+    """vLLM refuses an extension attribute its worker already has; the timer keys dummy runs on
+    the keyword vLLM's own dummy runs pass; the TP rank comes from vLLM's process groups."""
+    import inspect
+
+    import estimator_probe
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    names = [a for a in dir(estimator_probe.EstimatorProbe) if not a.startswith("__")]
+    assert {"step_timer_start", "step_timer_take", "estimator_state"} <= set(names)
+    assert not [a for a in names if hasattr(Worker, a)]
+    params = inspect.signature(GPUModelRunner.execute_model).parameters
+    assert list(params)[:2] == ["self", "scheduler_output"] and "dummy_run" in params
+    assert "dummy_run=True" in inspect.getsource(GPUModelRunner._dummy_run)
+    import vllm.distributed
+
+    calls = []
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda: calls.append(1) or 3)
+    probe = estimator_probe.EstimatorProbe()
+    assert probe.step_timer_start() is False and calls == [1]
+
+
+def test_the_step_timer_summary_by_hand(sc):
+    """Intervals 100, 100, 3000, 100 ms (one 3 s stall before the 4th step), host 1-5 ms."""
+    raw = {"start_s": [0.0, 0.1, 0.2, 3.2, 3.3], "num_tokens": [0, 8, 8, 0, 8], "num_reqs": [0, 1, 1, 0, 1],
+           "dropped": 0}
+    raw["end_s"] = [t + (i + 1) / 1e3 for i, t in enumerate(raw["start_s"])]
+    got = sc.step_timer_summary(raw)
+    assert got == {"steps": 5, "dropped": 0, "steps_with_tokens": 3, "intervals": 4,
+                   "interval_p50_ms": 100.0, "interval_p90_ms": 2130.0, "interval_p99_ms": 2913.0,
+                   "interval_max_ms": 3000.0, "stall_ms": 1000.0, "stalls": [{"step": 3, "ms": 3000.0}],
+                   "host_p50_ms": 3.0, "host_p90_ms": 4.6, "host_max_ms": 5.0}
+    assert sc.step_times(raw)["interval_ms"] == [None, 100.0, 100.0, 3000.0, 100.0]
+    assert sc.step_timer_summary(None) is None and sc.step_timer_summary({"error": "x"}) == {"error": "x"}
+    one = sc.step_timer_summary({"start_s": [1.0], "end_s": [1.5], "num_tokens": [1], "num_reqs": [1]})
+    assert one["steps"] == 1 and one["interval_max_ms"] is None and one["stalls"] == []
+
+    def arm(timer):
+        return {"workloads": {"ctx1k": {"workload": {"concurrency": 256}, "requests": 512, "output_tok_s": 1.0,
+                                        "tpot_p50_ms": 1.0, "tpot_p90_ms": 1.0, "step_timer": timer}}}
+
+    md = sc.markdown(sc.build_report({"fixed": arm(got), "stock": arm(None)}))
+    assert "| arm | workload | steps | interval p50 / p90 / max ms | stalls > 1 s | largest stall ms | host ms p50 |" in md
+    assert "| fixed | ctx1k | 5 | 100.00 / 2130.00 / 3000.0 | 1 | 3000.0 | 3.000 |" in md
+    assert "| stock | ctx1k | 5 |" not in md  # an arm without a timer has no row
+    assert "stalls >" not in sc.markdown(sc.build_report({"stock": arm(None)}))
+
+
 # -- the drive loop on the fake engine, and the report ------------------------------------------------
 def test_drive_skips_what_cannot_finish_and_segments(sc, tmp_path):
     obs = tmp_path / "obs"
@@ -367,11 +484,23 @@ def test_drive_skips_what_cannot_finish_and_segments(sc, tmp_path):
     asyncio.run(sc.drive(eng, plan, events.append, deadline=time.time() + est))  # "big" cannot make it
     eng.shutdown()
     kinds = [e["event"] for e in events]
-    assert kinds == ["warmup", "start", "workload", "skipped", "start", "workload", "markers"]
+    assert kinds == ["warmup", "step_timer", "step_timer", "start", "workload", "skipped", "step_timer", "start",
+                     "workload", "markers"]
     assert events[0]["full_batch_requests"] == sc.MAX_NUM_SEQS  # the budget-binding warm-up ran
-    assert events[-1]["count"] == 3 and events[3]["workload"] == "big"
+    assert events[-1]["count"] == 3 and events[5]["workload"] == "big"
+    assert events[1] == {"event": "step_timer", "started": True}  # after the warm-up: its steps untimed
+    assert [e["before"] for e in events if e["event"] == "step_timer" and "before" in e] == ["a", "b"]
+    assert events[2]["summary"]["steps"] > 0  # the marker's steps, taken apart from the workload's
     done = [e for e in events if e["event"] == "workload"]
     assert [d["summary"]["output_tokens"] for d in done] == [16 * 32, 8 * 24]
+    for d in done:  # every workload's own steps, one fake step one execute_model call
+        t, times = d["step_timer"], d["step_times"]
+        assert t["steps"] == len(times["host_ms"]) == t["intervals"] + 1 > 0 and t["dropped"] == 0
+        assert t["steps_with_tokens"] == t["steps"] and times["interval_ms"][0] is None
+        assert max(times["num_reqs"]) == d["workload"]["concurrency"]
+    # the steps timed are the fake's steps after the warm-up, every one in a window
+    timed = sum(e["summary"]["steps"] for e in events if e["event"] == "step_timer" and "before" in e)
+    assert timed + sum(d["step_timer"]["steps"] for d in done) < eng.step_no
     assert all(r["n"] == r["max_tokens"] for d in done for r in d["requests"])
     cols = _cols(sc, obs)
     segs, why = sc.segment_steps(cols, 2)
@@ -810,6 +939,13 @@ def test_the_report_puts_advises_prediction_beside_the_dry_run_arms(sc, tmp_path
         assert r["noise"] is None  # no rerun
     md = (tmp_path / "serve_context.md").read_text()
     assert "`dspark-calib advise`'s model beside the arms" in md and "| ctx8k | observed | draft-fixed | K=7 |" in md
+    for arm in ("draft-fixed", "draft-stock"):  # one step timer in every arm, adaptive verification or not
+        summary = json.loads((tmp_path / f"context-{arm}.json").read_text())
+        timer = summary["workloads"]["ctx8k"]["step_timer"]
+        assert summary["step_timer"]["started"] is True and timer["steps"] > 0 and timer["stalls"] == []
+        steps = json.loads((tmp_path / f"context-{arm}-steps.json").read_text())["ctx8k"]
+        assert len(steps["interval_ms"]) == timer["steps"]
+        assert f"| {arm} | ctx8k | {timer['steps']} | " in md
 
 
 def test_each_speculators_arms_are_read_against_its_own_stock_arm(sc):
