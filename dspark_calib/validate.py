@@ -130,11 +130,12 @@ class ClockErrors:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "clock_bucket_mhz": self.clock_bucket,
-                "median_power_w": None if math.isnan(self.power_w) else self.power_w,
+                "median_power_w": _ms(self.power_w),
                 **{p: s.to_dict() for p, s in self.errors.items()}}
 
 
 def _ms(value: float) -> float | None:
+    """A measured figure for JSON: None where there is none (NaN)."""
     return None if math.isnan(value) else value
 
 

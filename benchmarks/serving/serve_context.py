@@ -791,11 +791,9 @@ def step_timer_summary(raw: dict[str, Any] | None) -> dict[str, Any] | None:
         return raw or None
     from dspark_calib.observe.step import STALL_MS
 
-    start = raw["start_s"]
-    interval = [(b - a) * 1e3 for a, b in zip(start, start[1:])]
-    host = [(b - a) * 1e3 for a, b in zip(start, raw["end_s"])]
+    interval, host = _step_ms(raw)
     stalls = [{"step": i + 1, "ms": _r(x, 1)} for i, x in enumerate(interval) if x > STALL_MS]
-    return {"steps": len(start), "dropped": raw.get("dropped", 0),
+    return {"steps": len(host), "dropped": raw.get("dropped", 0),
             "steps_with_tokens": sum(1 for t in raw["num_tokens"] if t > 0),
             "intervals": len(interval), "interval_p50_ms": _r(percentile(interval, 50)),
             "interval_p90_ms": _r(percentile(interval, 90)), "interval_p99_ms": _r(percentile(interval, 99)),
@@ -810,10 +808,15 @@ def step_times(raw: dict[str, Any] | None) -> dict[str, list] | None:
     start and host time in ms (0.001 ms), scheduled tokens and requests."""
     if not raw or "error" in raw:
         return None
-    start = raw["start_s"]
-    return {"interval_ms": [None] + [round((b - a) * 1e3, 3) for a, b in zip(start, start[1:])],
-            "host_ms": [round((b - a) * 1e3, 3) for a, b in zip(start, raw["end_s"])],
+    interval, host = _step_ms(raw)
+    return {"interval_ms": [None] + [round(x, 3) for x in interval], "host_ms": [round(x, 3) for x in host],
             "num_tokens": raw["num_tokens"], "num_reqs": raw["num_reqs"]}
+
+
+def _step_ms(raw: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """A step timer window's intervals between successive call starts and its calls' host times, ms."""
+    start = raw["start_s"]
+    return [(b - a) * 1e3 for a, b in zip(start, start[1:])], [(b - a) * 1e3 for a, b in zip(start, raw["end_s"])]
 
 
 async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any]], None], *,

@@ -130,16 +130,15 @@ class _NamedStdout:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            raise StdoutLost(exc.errno, exc.strerror) from None
+        return self._named(self._stream.write, text)
 
     def flush(self) -> None:
+        self._named(self._stream.flush)
+
+    @staticmethod
+    def _named(call: Callable[..., Any], *args: Any) -> Any:
         try:
-            self._stream.flush()
+            return call(*args)
         except BrokenPipeError:
             raise
         except OSError as exc:
