@@ -292,9 +292,11 @@ class LoadMode:
         if rank0:
             verdict = P.judge(installed, decision.pairs, P.resolve(collector, start), plan.steps)
             source = getattr(reader, "source", "")
+            worst = verdict.worst
             verdict = replace(verdict, seconds=time.perf_counter() - t0, steps=len(plan.steps),
                               conditions=P.conditions([r for r in readings if r is not None],
-                                                      "" if source in ("nvml", "nvidia-smi") else "no NVML"))
+                                                      "" if source in ("nvml", "nvidia-smi") else "no NVML",
+                                                      worst.ratio if worst is not None else None))
         verdict = broadcast_from_rank0(verdict)  # TP ranks continue (or not) together
         agreed, why, _ = agree_across_dp("probe", (verdict.ok,), rank0, parallel_config(manager))
         if verdict.ok and agreed:

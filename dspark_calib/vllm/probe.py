@@ -306,12 +306,16 @@ def judge(installed: Mapping[int, Tables], pairs: Mapping[int, Any], measured: l
     return Verdict(all(c.ok for c in checks), tuple(checks))
 
 
-def conditions(readings: Sequence[Reading], source: str = "") -> str:
+def conditions(readings: Sequence[Reading], source: str = "", worst_ratio: float | None = None) -> str:
     """What the GPU ran at around the probe steps, for the probe's line: a throttled GPU runs every
-    step slower, so its ratios read high (and a genuine table may fail)."""
+    step slower, so its ratios read high (and a genuine table may fail). A worst ratio below 1 (the
+    GPU faster than the table) is the one throttling cannot explain, and the line says so."""
     sm = [r.sm_mhz for r in readings if r.sm_mhz is not None]
     throttle = sorted({t for r in readings for t in r.throttle})
     clock = f"SM {min(sm):.0f}-{max(sm):.0f} MHz" if sm else "SM clock not read" + (f" ({source})" if source else "")
     if throttle:
-        return f"GPU throttled during the probe ({', '.join(throttle)}), {clock}: ratios measured on a slowed GPU"
+        said = f"GPU throttled during the probe ({', '.join(throttle)}), {clock}"
+        if worst_ratio is not None and math.isfinite(worst_ratio) and worst_ratio < 1.0:
+            return f"{said}: throttling slows steps, so it does not explain a ratio below 1.00x"
+        return f"{said}: ratios measured on a slowed GPU"
     return f"{clock}, no throttling" if sm else clock

@@ -305,6 +305,17 @@ def test_probe_line_says_the_gpu_throttled(monkeypatch, caplog, tmp_path, refere
     assert "GPU throttled during the probe (hw_slowdown), SM 1410-1410 MHz" in probe[0]
 
 
+def test_probe_line_does_not_blame_throttling_for_a_ratio_below_one():
+    # an H200's probe read draft@256 0.80x (the GPU faster than the table) while NVML flagged
+    # hw_slowdown at 1965-1980 MHz: throttling makes steps slower, so it cannot explain that ratio
+    readings = [Reading(sm_mhz=1980.0, throttle=("hw_slowdown",)), Reading(sm_mhz=1965.0)]
+    low = P.conditions(readings, worst_ratio=0.80)
+    assert low == ("GPU throttled during the probe (hw_slowdown), SM 1965-1980 MHz: throttling slows steps, "
+                   "so it does not explain a ratio below 1.00x")
+    assert P.conditions(readings, worst_ratio=1.2).endswith("ratios measured on a slowed GPU")
+    assert P.conditions(readings).endswith("ratios measured on a slowed GPU")
+
+
 def test_probe_line_gives_the_sm_clock_when_not_throttled():
     readings = [Reading(sm_mhz=1980.0), Reading(sm_mhz=1965.0)]
     assert P.conditions(readings) == "SM 1965-1980 MHz, no throttling"
