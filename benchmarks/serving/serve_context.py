@@ -111,15 +111,17 @@ the worker extension (estimator_probe.EstimatorProbe, with step_timer.StepTimerP
 model runner's execute_model on TP rank 0 after the warm-up and records each serving call's
 host start and return (perf_counter, no sync); per workload the arm's summary keeps the steps,
 the intervals between successive call starts (p50/p90/p99/max), the stalls over 1 s (observe's
-STALL_MS, each with its step index) and the host time inside the call.
+STALL_MS, each with its step index) and the host time inside the call. The same steps' GPU side:
+CUDA events at execute_model's start and around the drafter's propose (target and drafter GPU
+ms, resolved behind one sync when each window is taken), and the worker's CPU placement.
 
 Outputs under --out (5 files per arm): context-ARM.json (summary), context-ARM-requests.json
 (per request), context-ARM-steps.json (per workload, the step timer's steps one by one: interval,
-host ms, scheduled tokens and requests), context-ARM-observed.parquet (the arm's observe files
+host ms, target and drafter GPU ms, scheduled tokens and requests), context-ARM-observed.parquet (the arm's observe files
 compacted into one, metadata kept: `dspark-calib validate` reads it), context-ARM.log (engine and
 harness log, last 4 MB). `report` joins the arms into serve_context.json and serve_context.md: each arm's
 tok/s against its speculator's stock arm, the step timer's table per arm and workload (steps,
-interval p50/p90/max, stalls over 1 s and the largest, host ms p50), and `dspark-calib advise`'s model beside the arms
+interval p50/p90/max, stalls over 1 s and the largest, host ms p50, target and drafter GPU ms), and `dspark-calib advise`'s model beside the arms
 (advise_report: advise.predict_steps over each workload's decode steps in the stock arm's observe
 file, each arm as the option that models it, the predicted ratio to stock against the measured one,
 within 5 %, and the predicted ranking against the measured one).
@@ -793,6 +795,11 @@ def step_timer_summary(raw: dict[str, Any] | None) -> dict[str, Any] | None:
 
     interval, host = _step_ms(raw)
     stalls = [{"step": i + 1, "ms": _r(x, 1)} for i, x in enumerate(interval) if x > STALL_MS]
+    gpu = {}
+    for name in ("target", "drafter"):
+        ms = [x for x in raw.get(f"{name}_ms") or () if x is not None]
+        gpu |= {f"{name}_steps": len(ms), f"{name}_p50_ms": _r(percentile(ms, 50)),
+                f"{name}_p90_ms": _r(percentile(ms, 90)), f"{name}_max_ms": _r(max(ms)) if ms else None}
     return {"steps": len(host), "dropped": raw.get("dropped", 0),
             "steps_with_tokens": sum(1 for t in raw["num_tokens"] if t > 0),
             "intervals": len(interval), "interval_p50_ms": _r(percentile(interval, 50)),
@@ -800,7 +807,7 @@ def step_timer_summary(raw: dict[str, Any] | None) -> dict[str, Any] | None:
             "interval_max_ms": _r(max(interval)) if interval else None,
             "stall_ms": STALL_MS, "stalls": stalls,
             "host_p50_ms": _r(percentile(host, 50)), "host_p90_ms": _r(percentile(host, 90)),
-            "host_max_ms": _r(max(host)) if host else None}
+            "host_max_ms": _r(max(host)) if host else None} | gpu | {"cpu": raw.get("cpu")}
 
 
 def step_times(raw: dict[str, Any] | None) -> dict[str, list] | None:
@@ -809,8 +816,10 @@ def step_times(raw: dict[str, Any] | None) -> dict[str, list] | None:
     if not raw or "error" in raw:
         return None
     interval, host = _step_ms(raw)
+    gpu = {f"{name}_ms": [None if x is None else round(x, 3) for x in raw.get(f"{name}_ms") or [None] * len(host)]
+           for name in ("target", "drafter")}
     return {"interval_ms": [None] + [round(x, 3) for x in interval], "host_ms": [round(x, 3) for x in host],
-            "num_tokens": raw["num_tokens"], "num_reqs": raw["num_reqs"]}
+            "num_tokens": raw["num_tokens"], "num_reqs": raw["num_reqs"]} | gpu
 
 
 def _step_ms(raw: dict[str, Any]) -> tuple[list[float], list[float]]:
@@ -999,12 +1008,25 @@ class FakeEngine:
             sys.path.insert(0, HERE)
         from step_timer import StepTimerProbe
 
+        class HostEvent:  # the events' arithmetic on the host clock: the dry run's columns, not measurements
+            def record(self) -> None:
+                self.t = time.perf_counter()
+
+            def elapsed_time(self, other: "HostEvent") -> float:
+                return (other.t - self.t) * 1e3
+
+            def synchronize(self) -> None:
+                pass
+
         class FakeWorker(StepTimerProbe):
+            step_timer_event = HostEvent
+
             def _step_timer_tp_rank(self) -> int:
                 return 0
 
         self.worker = FakeWorker()
-        self.worker.model_runner = SimpleNamespace(execute_model=lambda scheduler_output, **kwargs: None)
+        self.worker.model_runner = SimpleNamespace(execute_model=lambda scheduler_output, **kwargs: None,
+                                                   speculator=SimpleNamespace(propose=lambda **kwargs: None))
         self.loop_task: asyncio.Task | None = None
 
     @classmethod
@@ -1064,8 +1086,10 @@ class FakeEngine:
                 budget_tokens -= chunk
         if not sched:
             return
-        self.worker.model_runner.execute_model(SimpleNamespace(
+        runner = self.worker.model_runner
+        runner.execute_model(SimpleNamespace(
             total_num_scheduled_tokens=sum(t for _, t, _ in sched), num_scheduled_tokens={r["id"]: t for r, t, _ in sched}))
+        runner.speculator.propose()  # the step's sample_tokens drafts after its execute_model
         ctx = [r["computed"] for r, _, _ in sched]
         n, csum = len(sched), sum(ctx)
         scheduled = sum(d for _, _, d in sched)
@@ -1638,15 +1662,20 @@ def markdown(report: dict[str, Any]) -> str:
         stall = f"{timed[0]['step_timer']['stall_ms'] / 1e3:g} s"
         lines += ["", "The harness's step timer (every arm alike: each serving execute_model call on TP rank 0, "
                       "host perf_counter, no sync; interval: one call's start to the next's, the whole step as the "
-                      f"host lived it; host: inside the call; stalls: intervals over {stall}):", "",
+                      f"host lived it; host: inside the call; stalls: intervals over {stall}; target and drafter: "
+                      "CUDA events from execute_model's start to the drafter's and around the drafter, resolved "
+                      "between workloads):", "",
                   f"| arm | workload | steps | interval p50 / p90 / max ms | stalls > {stall} | largest stall ms | "
-                  "host ms p50 |", "|---|---|---:|---|---:|---:|---:|"]
+                  "host ms p50 | target GPU ms p50 / p90 | drafter GPU ms p50 / p90 |",
+                  "|---|---|---:|---|---:|---:|---:|---|---|"]
         for r in timed:
             t = r["step_timer"]
             largest = max((x["ms"] for x in t["stalls"]), default=None)
             lines.append(f"| {r['arm']} | {r['workload']} | {t['steps']} | {_f(t['interval_p50_ms'], 2)} / "
                          f"{_f(t['interval_p90_ms'], 2)} / {_f(t['interval_max_ms'], 1)} | {len(t['stalls'])} | "
-                         f"{_f(largest, 1)} | {_f(t['host_p50_ms'], 3)} |")
+                         f"{_f(largest, 1)} | {_f(t['host_p50_ms'], 3)} | {_f(t.get('target_p50_ms'), 2)} / "
+                         f"{_f(t.get('target_p90_ms'), 2)} | {_f(t.get('drafter_p50_ms'), 2)} / "
+                         f"{_f(t.get('drafter_p90_ms'), 2)} |")
     if report.get("observe_cost"):
         lines += ["", "Observe mode's own cost: each observing arm over the same pricing with observe off, per "
                       "workload (> 1: slower with observe on; TPOT is the steady decode, tok/s includes the "

@@ -10,6 +10,18 @@ host attributes: no GPU sync, no tensor read). vLLM's own dummy runs (profile, g
 compile warm-up, DP padding: ``dummy_run=True``) are passed through unrecorded. Memory is
 bounded: the first CAP calls since the last take() are kept, later ones only counted.
 
+The GPU side of the same steps, in every arm alike (the fixed-K arm included, which observe mode
+cannot see): the timer also wraps the runner's ``speculator.propose`` and records three CUDA
+events per kept step on the current stream: at execute_model's start, and around the drafter's
+propose (which runs in the step's sample_tokens call, after its execute_model). ``target_ms``
+(execute_model's start to the drafter's: the target's forward and the rejection sampling, and
+any GPU idle while the host prepares them) and ``drafter_ms`` are resolved in take(), behind one
+sync, when no step runs: no sync on a step's path. The same drafter has run at two speeds in
+engines of one configuration (its host-bound level is fixed per engine start), so the arms are
+compared knowing which level each had. take() also says where the worker's process runs
+(``cpu``: its CPU affinity, the CPU it last ran on, the load average), the drafter level's
+suspect.
+
 StepTimerProbe is the worker-side half, mixed into vLLM's worker through the harness's worker
 extension (estimator_probe.EstimatorProbe inherits it): ``collective_rpc("step_timer_start")``
 installs the timer on TP rank 0 (other ranks record nothing), ``collective_rpc("step_timer_take")``
@@ -19,16 +31,48 @@ calls both between workloads, when no step is running.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
 CAP = 200_000  # calls kept between two takes: a workload serves a few thousand steps
+EVENT_CAP = 20_000  # steps per take with CUDA events (three each): the rest keep host times only
+
+
+def cuda_event() -> Any:
+    """A timing CUDA event, or None without a GPU (the dry run, the tests' own fakes aside)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else None
+
+
+def where_it_runs() -> dict[str, Any]:
+    """The worker process's CPU placement (Linux; what is not readable is None)."""
+    try:
+        affinity = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = None
+    try:
+        with open("/proc/self/stat") as f:
+            last_cpu = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39: processor
+    except (OSError, ValueError, IndexError):
+        last_cpu = None
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {"affinity": affinity, "last_cpu": last_cpu, "loadavg": load}
 
 
 class StepTimer:
-    def __init__(self, cap: int = CAP, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, cap: int = CAP, clock: Callable[[], float] = time.perf_counter,
+                 event: Callable[[], Any] = cuda_event, event_cap: int = EVENT_CAP):
         self.cap = cap
         self.clock = clock
+        self.event = event
+        self.event_cap = event_cap
         self._clear()
 
     def _clear(self) -> None:
@@ -37,6 +81,7 @@ class StepTimer:
         self.tokens: list[int] = []  # total_num_scheduled_tokens (-1: not on the scheduler output)
         self.reqs: list[int] = []  # scheduled requests
         self.dropped = 0  # calls past cap, not kept
+        self.events: list[list[Any] | None] = []  # per kept call: [step start, drafter start, drafter end]
 
     def install(self, runner: Any) -> None:
         """Wraps runner.execute_model (what is there: a second install wraps nothing twice)."""
@@ -48,31 +93,70 @@ class StepTimer:
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("dummy_run"):
                 return inner(scheduler_output, *args, **kwargs)
+            kept = len(timer.start) < timer.cap
+            events = None
+            if kept and len(timer.start) < timer.event_cap:
+                first = timer.event()
+                if first is not None:
+                    first.record()
+                    events = [first]
             t0 = timer.clock()
             out = inner(scheduler_output, *args, **kwargs)
             t1 = timer.clock()
-            if len(timer.start) >= timer.cap:
+            if not kept:
                 timer.dropped += 1
                 return out
             timer.start.append(t0)
             timer.end.append(t1)
             timer.tokens.append(getattr(scheduler_output, "total_num_scheduled_tokens", -1))
             timer.reqs.append(len(getattr(scheduler_output, "num_scheduled_tokens", ())))
+            timer.events.append(events)
             return out
 
         runner.execute_model = execute_model
+        speculator = getattr(runner, "speculator", None)
+        if callable(getattr(speculator, "propose", None)):
+            inner_propose = speculator.propose
+
+            def propose(*args: Any, **kwargs: Any) -> Any:
+                # the drafter of the step whose execute_model came last (sample_tokens follows it)
+                events = timer.events[-1] if timer.events and not kwargs.get("dummy_run") else None
+                if events is None or len(events) != 1:
+                    return inner_propose(*args, **kwargs)
+                start, end = timer.event(), timer.event()
+                start.record()
+                out = inner_propose(*args, **kwargs)
+                end.record()
+                events += [start, end]
+                return out
+
+            speculator.propose = propose
         runner._step_timer = self
 
     def take(self) -> dict[str, Any]:
         """What was recorded since the last take, then cleared."""
+        target, drafter = self._gpu_ms()
         out = {"start_s": self.start, "end_s": self.end, "num_tokens": self.tokens, "num_reqs": self.reqs,
-               "dropped": self.dropped}
+               "dropped": self.dropped, "target_ms": target, "drafter_ms": drafter, "cpu": where_it_runs()}
         self._clear()
         return out
+
+    def _gpu_ms(self) -> tuple[list[float | None], list[float | None]]:
+        """Each kept call's target and drafter GPU ms (None: no events, or no drafter ran for it),
+        behind one sync: the events are on one stream, so once the last is done all are."""
+        full = [e for e in self.events if e is not None and len(e) == 3]
+        if not full:
+            return [None] * len(self.events), [None] * len(self.events)
+        full[-1][2].synchronize()
+        target = [e[0].elapsed_time(e[1]) if e is not None and len(e) == 3 else None for e in self.events]
+        drafter = [e[1].elapsed_time(e[2]) if e is not None and len(e) == 3 else None for e in self.events]
+        return target, drafter
 
 
 class StepTimerProbe:
     """The RPCs (methods of vLLM's worker once mixed in: self.model_runner is the worker's)."""
+
+    step_timer_event: Callable[[], Any] = staticmethod(cuda_event)  # the dry run's stand-in has host events
 
     def step_timer_start(self) -> bool:
         """Installs the timer on TP rank 0 (True there, False on other ranks); clears it when
@@ -81,7 +165,7 @@ class StepTimerProbe:
             return False
         timer = getattr(self, "_harness_step_timer", None)
         if timer is None:
-            timer = self._harness_step_timer = StepTimer()
+            timer = self._harness_step_timer = StepTimer(event=type(self).step_timer_event)
         timer.install(self.model_runner)
         timer.take()
         return True

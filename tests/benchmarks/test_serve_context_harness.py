@@ -392,12 +392,65 @@ def test_the_step_timer_records_serving_calls_only_and_is_bounded(step_timer):
     runner.execute_model(_sched(4, 1))  # past the cap: counted, not kept
     assert runner.calls == [False, True, False, False]
     got = timer.take()
+    cpu = got.pop("cpu")
+    assert set(cpu) == {"affinity", "last_cpu", "loadavg"}
     assert got == {"start_s": [10.0, 11.0], "end_s": [10.5, 11.25], "num_tokens": [8, 16], "num_reqs": [2, 3],
-                   "dropped": 1}
+                   "dropped": 1, "target_ms": [None, None], "drafter_ms": [None, None]}  # no GPU: no events
     json.dumps(got)
-    assert timer.take() == {"start_s": [], "end_s": [], "num_tokens": [], "num_reqs": [], "dropped": 0}
+    json.dumps(cpu)
+    empty = timer.take()
+    empty.pop("cpu")
+    assert empty == {"start_s": [], "end_s": [], "num_tokens": [], "num_reqs": [], "dropped": 0,
+                     "target_ms": [], "drafter_ms": []}
     runner.execute_model(_sched(1, 1))
     assert timer.take()["start_s"] == [20.0]
+
+
+class _Event:
+    """A CUDA event on a fake GPU clock: record() reads it, elapsed_time is in ms as torch's."""
+
+    def __init__(self, clock, synced):
+        self.clock, self.synced = clock, synced
+
+    def record(self):
+        self.t = next(self.clock)
+
+    def elapsed_time(self, other):
+        assert self.synced, "read before the one sync"
+        return (other.t - self.t) * 1e3
+
+    def synchronize(self):
+        self.synced.append(1)
+
+
+def test_the_step_timer_times_target_and_drafter_on_the_gpu_in_every_arm(step_timer):
+    """Three events a step: execute_model's start, the drafter's start and end (propose runs in
+    the step's sample_tokens, after its execute_model); resolved in take behind one sync; a step
+    whose drafter did not run (a prefill-only step), a dummy propose and steps past the event cap
+    have none."""
+    gpu = iter([0.000, 0.040, 0.110,  # step 1: target 40 ms, drafter 70 ms
+                0.200, 0.250, 0.360,  # step 2: target 50, drafter 110
+                0.400])  # step 3: no drafter
+    synced = []
+    timer = step_timer.StepTimer(clock=iter(range(100)).__next__, event=lambda: _Event(gpu, synced), event_cap=3)
+    runner = _Runner()
+    drafts = []
+    runner.speculator = type("Spec", (), {"propose": lambda self, **kw: drafts.append(kw) or "drafts"})()
+    timer.install(runner)
+    runner.execute_model(_sched(8, 1))
+    assert runner.speculator.propose(dummy_run=False) == "drafts"
+    runner.speculator.propose(dummy_run=True)  # vLLM's dummy propose: passed through, no events
+    runner.execute_model(_sched(8, 1))
+    runner.speculator.propose()
+    runner.execute_model(_sched(8192, 1))
+    runner.execute_model(_sched(8, 1))  # past the event cap: host times only
+    runner.speculator.propose()
+    assert len(drafts) == 4
+    got = timer.take()
+    assert synced == [1]
+    assert [round(x, 6) if x is not None else None for x in got["target_ms"]] == [40.0, 50.0, None, None]
+    assert [round(x, 6) if x is not None else None for x in got["drafter_ms"]] == [70.0, 110.0, None, None]
+    assert len(got["start_s"]) == 4
 
 
 def test_the_step_timer_rpcs_run_on_tp_rank_0_only(step_timer, monkeypatch):
@@ -437,6 +490,11 @@ def test_the_worker_extension_fits_vllms_worker_and_runner(step_timer, monkeypat
     params = inspect.signature(GPUModelRunner.execute_model).parameters
     assert list(params)[:2] == ["self", "scheduler_output"] and "dummy_run" in params
     assert "dummy_run=True" in inspect.getsource(GPUModelRunner._dummy_run)
+    # the drafter: the runner's speculator, proposing in sample_tokens (after execute_model), dummy runs by keyword
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    assert "dummy_run" in inspect.signature(DraftModelSpeculator.propose).parameters
+    assert "self.speculator.propose(" in inspect.getsource(GPUModelRunner.sample_tokens)
     import vllm.distributed
 
     calls = []
@@ -450,12 +508,23 @@ def test_the_step_timer_summary_by_hand(sc):
     raw = {"start_s": [0.0, 0.1, 0.2, 3.2, 3.3], "num_tokens": [0, 8, 8, 0, 8], "num_reqs": [0, 1, 1, 0, 1],
            "dropped": 0}
     raw["end_s"] = [t + (i + 1) / 1e3 for i, t in enumerate(raw["start_s"])]
+    raw["target_ms"] = [50.0, 40.0, None, 60.0, 45.0]  # step 3 without a drafter: no GPU figures
+    raw["drafter_ms"] = [110.0, 70.0, None, 80.0, 75.0]
+    raw["cpu"] = {"affinity": [0, 1], "last_cpu": 1, "loadavg": [1.0, 1.0, 1.0]}
     got = sc.step_timer_summary(raw)
     assert got == {"steps": 5, "dropped": 0, "steps_with_tokens": 3, "intervals": 4,
                    "interval_p50_ms": 100.0, "interval_p90_ms": 2130.0, "interval_p99_ms": 2913.0,
                    "interval_max_ms": 3000.0, "stall_ms": 1000.0, "stalls": [{"step": 3, "ms": 3000.0}],
-                   "host_p50_ms": 3.0, "host_p90_ms": 4.6, "host_max_ms": 5.0}
-    assert sc.step_times(raw)["interval_ms"] == [None, 100.0, 100.0, 3000.0, 100.0]
+                   "host_p50_ms": 3.0, "host_p90_ms": 4.6, "host_max_ms": 5.0,
+                   "target_steps": 4, "target_p50_ms": 47.5, "target_p90_ms": 57.0, "target_max_ms": 60.0,
+                   "drafter_steps": 4, "drafter_p50_ms": 77.5, "drafter_p90_ms": 101.0, "drafter_max_ms": 110.0,
+                   "cpu": raw["cpu"]}
+    times = sc.step_times(raw)
+    assert times["interval_ms"] == [None, 100.0, 100.0, 3000.0, 100.0]
+    assert times["drafter_ms"] == [110.0, 70.0, None, 80.0, 75.0] and times["target_ms"][2] is None
+    del raw["target_ms"], raw["drafter_ms"]  # a window from a timer without events
+    assert sc.step_times(raw)["drafter_ms"] == [None] * 5
+    assert sc.step_timer_summary(raw)["drafter_steps"] == 0
     assert sc.step_timer_summary(None) is None and sc.step_timer_summary({"error": "x"}) == {"error": "x"}
     one = sc.step_timer_summary({"start_s": [1.0], "end_s": [1.5], "num_tokens": [1], "num_reqs": [1]})
     assert one["steps"] == 1 and one["interval_max_ms"] is None and one["stalls"] == []
