@@ -9,13 +9,15 @@ hold the last prediction per request slot and position. The survival the budget 
 their running product; its mean over the slots used is the learned unconditional acceptance.
 
 The one class vLLM mixes in also carries the harness's step timer (step_timer.StepTimerProbe:
-step_timer_start, step_timer_take), which runs in every arm, the speculator's estimator or none.
+step_timer_start, step_timer_take), which runs in every arm, the speculator's estimator or none,
+and the in-engine A/B's pricing swap (pricing_swap.PricingSwapProbe: pricing_swap).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pricing_swap import PricingSwapProbe
 from step_timer import StepTimerProbe
 
 # never refit: the instance attribute shadows OnlineAcceptanceEstimator.REFIT_INTERVAL, which
@@ -23,7 +25,7 @@ from step_timer import StepTimerProbe
 NEVER = 1 << 62
 
 
-class EstimatorProbe(StepTimerProbe):
+class EstimatorProbe(StepTimerProbe, PricingSwapProbe):
     def _estimator(self) -> Any:
         speculator = getattr(getattr(self, "model_runner", None), "speculator", None)
         return getattr(speculator, "acceptance_estimator", None)

@@ -139,7 +139,7 @@ import subprocess
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -163,7 +163,10 @@ OTHER_GIB = 4.09  # activations + CUDA graphs: what makes 97.86 GiB of KV at 0.8
 KV_TOKENS_MEASURED = 625_680  # "GPU KV cache size: 625,680 tokens" (benchmarks/results/h200/2026-11-30-morning/h200-tp1.log)
 KV_HEADROOM = 0.90
 ACCEPTANCE_LENGTH = 4.0  # 3 of 7 drafts + the bonus token
-ARMS = ("stock", "static", "aware", "fixed")  # fixed: adaptive verification off, every step verifies K
+ARMS = ("stock", "static", "aware", "fixed", "ab")  # fixed: adaptive verification off, every step verifies K
+# ab: one engine started stock serves each workload four times, vLLM's pricing and the table's context-aware
+# pricing in turn (AB_ORDER, pricing_swap.py), so the two meet the same engine
+AB_ORDER = (("stock", 1), ("table", 1), ("table", 2), ("stock", 2))  # ABBA: a drift over the run cancels
 MARKER_PROMPT, MARKER_TOKENS, MARKER_REQS = 17, 64, 3
 MARKER_MAX_CTX = 100  # a marker step's requests are all below this context
 WARMUP = dict(requests=8, prompt=1024, tokens=32)
@@ -254,6 +257,7 @@ class Workload:
     output_len: int = OUTPUT_LEN
     wanted_concurrency: int = 0
     shrunk: bool = False
+    pricing: str = ""  # the ab arm: "stock" or "table", swapped in before this workload runs
 
     def prompt_len(self, i: int) -> int:
         return self.prompt_lens[i % len(self.prompt_lens)]
@@ -348,6 +352,12 @@ def plan_workloads(kv_tokens: int = KV_TOKENS_MEASURED, *, waves: int = 2, outpu
     return out
 
 
+def ab_plan(plan: list[Workload]) -> list[Workload]:
+    """The ab arm's plan: each workload four times in a row, named WORKLOAD@PRICINGn, under vLLM's
+    pricing and the table's in the order AB_ORDER."""
+    return [replace(w, name=f"{w.name}@{pricing}{n}", pricing=pricing) for w in plan for pricing, n in AB_ORDER]
+
+
 def refit(plan: list[Workload], kv_tokens: int) -> list[Workload]:
     """The plan against the engine's real KV capacity: a workload whose worst case no longer fits
     is shrunk (never preempted); the others are left exactly as planned (same in every arm)."""
@@ -357,8 +367,7 @@ def refit(plan: list[Workload], kv_tokens: int) -> list[Workload]:
                          output_len=w.output_len)
         if c < w.concurrency:
             n = -(-(w.num_requests * c // w.concurrency) // len(w.prompt_lens)) * len(w.prompt_lens)
-            w = Workload(w.name, w.prompt_lens, c, max(n, len(w.prompt_lens)), w.output_len,
-                         w.wanted_concurrency, shrunk=True)
+            w = replace(w, concurrency=c, num_requests=max(n, len(w.prompt_lens)), shrunk=True)
         out.append(w)
     return out
 
@@ -605,8 +614,8 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
         raise ValueError(f"policy must be warn or strict, got {policy!r}")
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {arm!r}")
-    if (tail or chunks) and arm != "aware":
-        raise ValueError(f"a context tail or chunk pricing prices context-aware steps: arm aware only, got {arm!r}")
+    if (tail or chunks) and arm not in ("aware", "ab"):
+        raise ValueError(f"a context tail or chunk pricing prices context-aware steps: arm aware or ab, got {arm!r}")
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith("DSPARK_CALIB_") and k != "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN"}
     # the worker imports the estimator probe (engine_kwargs' worker_extension_cls) from here
@@ -617,7 +626,13 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
         env.update({"DSPARK_CALIB_OBSERVE": observe_dir, "DSPARK_CALIB_OBSERVE_EVERY": str(every)})
     if seed:
         env.update({"DSPARK_CALIB_ESTIMATOR_SEED": seed, "DSPARK_CALIB_POLICY": policy})
-    if arm not in ("stock", "fixed"):
+    if arm == "ab":
+        if not table:
+            raise ValueError("arm ab needs a table (swapped in between workloads)")
+        # the engine starts stock (no DSPARK_CALIB_TABLE); the swap reads these as load mode does
+        env.update({"DSPARK_CALIB_CONTEXT_AWARE": "1", "DSPARK_CALIB_CONTEXT_TAIL": f"{tail:g}",
+                    "DSPARK_CALIB_CONTEXT_CHUNKS": "1" if chunks else "0"})
+    elif arm not in ("stock", "fixed"):
         if not table:
             raise ValueError(f"arm {arm} needs a table")
         env.update({"DSPARK_CALIB_TABLE": table, "DSPARK_CALIB_POLICY": policy})
@@ -763,6 +778,14 @@ def _prompt(ids: list[int]) -> Any:
     return TokensPrompt(prompt_token_ids=ids)
 
 
+async def all_rpc(engine: Any, method: str, args: tuple = ()) -> list[Any]:
+    """Every worker's answer to collective_rpc(method, args); [{"error": ...}] when the call failed."""
+    try:
+        return list(await engine.collective_rpc(method, args=args))
+    except Exception as exc:  # noqa: BLE001 - the caller reports it
+        return [{"error": f"{type(exc).__name__}: {str(exc)[:200]}"}]
+
+
 async def rank0_rpc(engine: Any, method: str) -> Any:
     """The worker extension's answer to collective_rpc(method) on rank 0 (the first), None
     without one, or {"error": ...} when the call failed (a report, not the run)."""
@@ -807,7 +830,20 @@ def step_timer_summary(raw: dict[str, Any] | None) -> dict[str, Any] | None:
             "interval_max_ms": _r(max(interval)) if interval else None,
             "stall_ms": STALL_MS, "stalls": stalls,
             "host_p50_ms": _r(percentile(host, 50)), "host_p90_ms": _r(percentile(host, 90)),
-            "host_max_ms": _r(max(host)) if host else None} | gpu | {"cpu": raw.get("cpu")}
+            "host_max_ms": _r(max(host)) if host else None} | gpu | forward_tokens(raw) | {"cpu": raw.get("cpu")}
+
+
+def forward_tokens(raw: dict[str, Any]) -> dict[str, Any]:
+    """The tokens the window's forwards ran after the draft budget, over the steps whose requests
+    all decode (scheduled tokens = requests x (1 + K)): their mean and the mean drafts verified a
+    request, where pricings that decide differently show apart."""
+    k1 = 1 + K
+    pairs = [(f, r) for f, t, r in zip(raw.get("forward_tokens") or (), raw["num_tokens"], raw["num_reqs"])
+             if f is not None and r > 0 and t == r * k1]
+    if not pairs:
+        return {"decode_steps": 0, "forward_tokens_mean": None, "verified_drafts_per_request": None}
+    return {"decode_steps": len(pairs), "forward_tokens_mean": _r(sum(f for f, _ in pairs) / len(pairs), 1),
+            "verified_drafts_per_request": _r(sum(f - r for f, r in pairs) / sum(r for _, r in pairs))}
 
 
 def step_times(raw: dict[str, Any] | None) -> dict[str, list] | None:
@@ -819,7 +855,8 @@ def step_times(raw: dict[str, Any] | None) -> dict[str, list] | None:
     gpu = {f"{name}_ms": [None if x is None else round(x, 3) for x in raw.get(f"{name}_ms") or [None] * len(host)]
            for name in ("target", "drafter")}
     return {"interval_ms": [None] + [round(x, 3) for x in interval], "host_ms": [round(x, 3) for x in host],
-            "num_tokens": raw["num_tokens"], "num_reqs": raw["num_reqs"]} | gpu
+            "num_tokens": raw["num_tokens"], "num_reqs": raw["num_reqs"],
+            "forward_tokens": raw.get("forward_tokens") or [None] * len(host)} | gpu
 
 
 def _step_ms(raw: dict[str, Any]) -> tuple[list[float], list[float]]:
@@ -830,7 +867,8 @@ def _step_ms(raw: dict[str, Any]) -> tuple[list[float], list[float]]:
 
 async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any]], None], *,
                 deadline: float, est_factor: float = 1.5, now: Callable[[], float] = time.time,
-                cold: dict[str, int] | None = None, track_estimator: bool = False) -> None:
+                cold: dict[str, int] | None = None, track_estimator: bool = False,
+                ab_table: str | None = None) -> None:
     """Warm-up (a few long requests, then a full batch of short ones: FULL_BATCH_WARMUP), the
     estimator's cold phase when the speculator has one (timed and reported
     apart: an unfitted estimator trims almost every draft), then per workload: a marker, the
@@ -839,7 +877,10 @@ async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any
     The step timer (step_timer.py) starts after the warm-up, in every arm; its window is taken
     right before each workload (the marker's and cold phase's steps: a "step_timer" event) and
     right after it (the workload's own steps: its event's step_timer and step_times), so a
-    workload's intervals never span the harness's idle time between workloads."""
+    workload's intervals never span the harness's idle time between workloads.
+    A workload with a pricing (the ab arm) first has it swapped in on every worker (pricing_swap:
+    ab_table for "table", vLLM's own tables for "stock"), before its marker; a swap that fails
+    skips the workload (said in a "pricing" event), never serves it under the other pricing."""
     recs, wall = await run_requests(engine, "warmup", [make_prompt("warmup", i, WARMUP["prompt"])
                                                        for i in range(WARMUP["requests"])],
                                     WARMUP["tokens"], WARMUP["requests"])
@@ -871,6 +912,12 @@ async def drive(engine: Any, plan: list[Workload], sink: Callable[[dict[str, Any
             sink({"event": "skipped", "workload": w.name, "estimate_s": round(est, 1),
                   "left_s": round(deadline - now(), 1)})
             continue
+        if w.pricing:
+            answers = await all_rpc(engine, "pricing_swap", (ab_table if w.pricing == "table" else None,))
+            sink({"event": "pricing", "workload": w.name, "pricing": w.pricing, "answers": answers})
+            if any(not isinstance(a, dict) or "error" in a or a.get("pricing") != w.pricing for a in answers):
+                sink({"event": "skipped", "workload": w.name, "why": "pricing swap failed"})
+                continue
         await marker()
         prompts = [make_prompt(w.name, i, w.prompt_len(i)) for i in range(w.num_requests)]
         sink({"event": "step_timer", "before": w.name,
@@ -937,7 +984,7 @@ def engine_child(args: argparse.Namespace) -> int:
             sink({"event": "estimator", "after": "pin", "state": states[0]})
         try:
             await drive(engine, fitted, sink, deadline=args.child_deadline, cold=cold,
-                        track_estimator=bool(cold or args.pin_estimator))
+                        track_estimator=bool(cold or args.pin_estimator), ab_table=args.ab_table)
         except asyncio.CancelledError:
             sink({"event": "cancelled", "at": round(time.time(), 1)})
         finally:
@@ -1025,8 +1072,12 @@ class FakeEngine:
                 return 0
 
         self.worker = FakeWorker()
-        self.worker.model_runner = SimpleNamespace(execute_model=lambda scheduler_output, **kwargs: None,
-                                                   speculator=SimpleNamespace(propose=lambda **kwargs: None))
+        runner = SimpleNamespace(speculator=SimpleNamespace(propose=lambda **kwargs: None), forward_tokens=0,
+                                 step_timing=SimpleNamespace(record_batch=lambda input_batch, full_cudagraph: None))
+        # vLLM's execute_model hands step_timing the input batch after the budget; the fake does too
+        runner.execute_model = lambda scheduler_output, **kwargs: runner.step_timing.record_batch(
+            SimpleNamespace(num_tokens=runner.forward_tokens), False)
+        self.worker.model_runner = runner
         self.loop_task: asyncio.Task | None = None
 
     @classmethod
@@ -1044,6 +1095,9 @@ class FakeEngine:
         the given conditional rates and stops refitting); no estimator state to read."""
         if method.startswith("step_timer_"):
             return [getattr(self.worker, method)(*args)]
+        if method == "pricing_swap":  # the fake prices as its table arm or its stock arm would
+            self.pricing = "aware" if args[0] else "stock"
+            return [{"pricing": "table" if args[0] else "stock", "context_aware": bool(args[0])}]
         if method == "estimator_pin" and self.estimator is not None:
             self.estimator = {"refits": self.estimator["refits"], "slope": 0.0, "intercepts": list(args[0]),
                               "pinned": True}
@@ -1086,10 +1140,6 @@ class FakeEngine:
                 budget_tokens -= chunk
         if not sched:
             return
-        runner = self.worker.model_runner
-        runner.execute_model(SimpleNamespace(
-            total_num_scheduled_tokens=sum(t for _, t, _ in sched), num_scheduled_tokens={r["id"]: t for r, t, _ in sched}))
-        runner.speculator.propose()  # the step's sample_tokens drafts after its execute_model
         ctx = [r["computed"] for r, _, _ in sched]
         n, csum = len(sched), sum(ctx)
         scheduled = sum(d for _, _, d in sched)
@@ -1098,6 +1148,11 @@ class FakeEngine:
         budget = sum(min(d, per_req) for _, _, d in sched)
         non_draft = sum(t - d for _, t, d in sched)
         tokens = non_draft + budget
+        runner = self.worker.model_runner
+        runner.forward_tokens = tokens  # the runner's forward runs the budget's tokens, as vLLM's
+        runner.execute_model(SimpleNamespace(
+            total_num_scheduled_tokens=sum(t for _, t, _ in sched), num_scheduled_tokens={r["id"]: t for r, t, _ in sched}))
+        runner.speculator.propose()  # the step's sample_tokens drafts after its execute_model
         if self.pricing == "aware":
             pd, pv = self.grid.step_tables(csum, n)
             priced = mean_ctx
@@ -1183,9 +1238,13 @@ def fake_estimator_keys(spec: dict[str, Any]) -> dict[str, Any]:
 def run_arm(args: argparse.Namespace) -> int:
     t_start = time.time()
     arm = args.arm
-    if (args.context_tail or args.context_chunks) and arm != "aware":
-        print(f"arm {arm}: --context-tail and --context-chunks price context-aware steps (arm aware only)",
+    if (args.context_tail or args.context_chunks) and arm not in ("aware", "ab"):
+        print(f"arm {arm}: --context-tail and --context-chunks price context-aware steps (arms aware and ab only)",
               file=sys.stderr)
+        return 2
+    if arm == "ab" and (args.observe_every > 0 or not args.table):
+        print(f"arm {arm}: the in-engine A/B needs --table and --observe-every 0 (observe mode keeps the pricing "
+              "it saw first in each file; the step timer records every step of both)", file=sys.stderr)
         return 2
     if not (0.0 <= args.context_tail <= 1.0 and abs(args.context_tail * 100 - round(args.context_tail * 100)) < 1e-9):
         print(f"arm {arm}: --context-tail {args.context_tail:g} must be a multiple of 0.01 between 0 and 1 "
@@ -1217,6 +1276,8 @@ def run_arm(args: argparse.Namespace) -> int:
     table = os.path.abspath(args.table) if args.table else None
     plan = plan_workloads(only=args.workloads.split(",") if args.workloads else None,
                           waves=args.waves)
+    if arm == "ab":
+        plan = ab_plan(plan)
     env = arm_env(arm, table, obs, every=args.observe_every, tail=args.context_tail, chunks=args.context_chunks,
                   seed=seed, policy=args.policy)
     deadline = args.deadline_epoch or (t_start + DEFAULT_BUDGET_S)
@@ -1226,6 +1287,8 @@ def run_arm(args: argparse.Namespace) -> int:
            "--acceptance-length", str(args.acceptance_length), "--speculator", args.speculator]
     if arm == "fixed":
         cmd += ["--fixed"]
+    if arm == "ab":
+        cmd += ["--ab-table", table]
     if args.estimator == "pinned":
         cmd += ["--pin-estimator"]
     if args.acceptance_rates:
@@ -1592,8 +1655,49 @@ def build_report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
         base = stock.get((speculator_prefix(r["arm"]) + "stock", r["workload"]))
         r["vs_stock"] = _r(r["output_tok_s"] / base, 4) if base and r["output_tok_s"] else None
     return {"arms": sorted(arms), "rows": rows, "errors": errors, "observe_cost": observe_cost(rows),
-            "cold": cold_phases(arms),
+            "cold": cold_phases(arms), "ab": ab_comparison(rows),
             "tables": {a: arms[a].get("table") for a in arms}, "dry_run": any(arms[a].get("dry_run") for a in arms)}
+
+
+def ab_comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ab arms' workloads, one entry per arm and workload: tok/s, TPOT p50, drafts verified a
+    request and the drafter's GPU ms of each of the four turns (AB_ORDER); the table's tok/s and
+    TPOT over vLLM's (each the mean of its two turns) and the noise, the larger spread between a
+    pricing's two turns."""
+    turns: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        base, at, turn = r["workload"].partition("@")
+        if at:
+            turns.setdefault((r["arm"], base), {})[turn] = r
+    out = []
+    for (arm, base), got in turns.items():
+        def pair(pricing: str, key: Callable[[dict[str, Any]], Any]) -> list[Any]:
+            return [key(got[f"{pricing}{n}"]) if f"{pricing}{n}" in got else None for n in (1, 2)]
+
+        def mean(xs: list[Any]) -> float | None:
+            return sum(xs) / len(xs) if xs and None not in xs else None
+
+        def spread(xs: list[Any]) -> float | None:
+            return abs(xs[1] / xs[0] - 1) if None not in xs and xs[0] else None
+
+        def timer(key: str) -> Callable[[dict[str, Any]], Any]:
+            return lambda r: (r.get("step_timer") or {}).get(key)
+
+        tok = {p: pair(p, lambda r: r["output_tok_s"]) for p in ("stock", "table")}
+        tpot = {p: pair(p, lambda r: r["tpot_p50_ms"]) for p in ("stock", "table")}
+        spreads = [x for p in ("stock", "table") for x in (spread(tok[p]),) if x is not None]
+        ms, mt = mean(tok["stock"]), mean(tok["table"])
+        ps, pt = mean(tpot["stock"]), mean(tpot["table"])
+        out.append({"arm": arm, "workload": base,
+                    "turns": {f"{p}{n}": {"output_tok_s": tok[p][n - 1], "tpot_p50_ms": tpot[p][n - 1],
+                                          "verified_drafts_per_request":
+                                              pair(p, timer("verified_drafts_per_request"))[n - 1],
+                                          "drafter_p50_ms": pair(p, timer("drafter_p50_ms"))[n - 1]}
+                              for p, n in AB_ORDER},
+                    "table_vs_stock_tok_s": _r(mt / ms, 4) if ms and mt else None,
+                    "stock_vs_table_tpot_p50": _r(ps / pt, 4) if ps and pt else None,
+                    "noise": _r(max(spreads), 4) if len(spreads) == 2 else None})
+    return out
 
 
 def cold_phases(arms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1676,6 +1780,21 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{_f(largest, 1)} | {_f(t['host_p50_ms'], 3)} | {_f(t.get('target_p50_ms'), 2)} / "
                          f"{_f(t.get('target_p90_ms'), 2)} | {_f(t.get('drafter_p50_ms'), 2)} / "
                          f"{_f(t.get('drafter_p90_ms'), 2)} |")
+    if report.get("ab"):
+        lines += ["", "The in-engine A/B (one engine started stock serves each workload under vLLM's pricing and "
+                      "the table's in turn, stock, table, table, stock; per turn tok/s, TPOT p50 ms, drafts verified "
+                      "a request on the all-decode steps, the drafter's GPU ms p50; the ratio of the means, and the "
+                      "noise: the larger spread between a pricing's two turns):", "",
+                  "| arm | workload | " + " | ".join(f"{p}{n}" for p, n in AB_ORDER)
+                  + " | table / stock tok/s | stock / table TPOT | noise |",
+                  "|---|---|" + "---|" * len(AB_ORDER) + "---:|---:|---:|"]
+        for a in report["ab"]:
+            cells = [f"{_f(t['output_tok_s'], 0)} tok/s, {_f(t['tpot_p50_ms'], 2)} ms, "
+                     f"{_f(t['verified_drafts_per_request'], 2)} drafts, drafter {_f(t['drafter_p50_ms'], 1)} ms"
+                     for t in a["turns"].values()]
+            lines.append(f"| {a['arm']} | {a['workload']} | " + " | ".join(cells)
+                         + f" | {_f(a['table_vs_stock_tok_s'], 3)} | {_f(a['stock_vs_table_tpot_p50'], 3)} | "
+                         f"{_f(a['noise'], 3)} |")
     if report.get("observe_cost"):
         lines += ["", "Observe mode's own cost: each observing arm over the same pricing with observe off, per "
                       "workload (> 1: slower with observe on; TPOT is the steady decode, tok/s includes the "
@@ -2160,6 +2279,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--acceptance-rates")
     e.add_argument("--speculator", default="dspark")
     e.add_argument("--fixed", action="store_true", help="adaptive verification off: every step verifies K")
+    e.add_argument("--ab-table", help="the ab arm: the table swapped in before each workload priced by it")
     e.add_argument("--pin-estimator", action="store_true", help="the estimator predicts the enforced rates, never refits")
     e.add_argument("--dry-run", action="store_true")
     e.add_argument("--table")

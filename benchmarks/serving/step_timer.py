@@ -6,7 +6,9 @@ prices none with adaptive verification off; this timer needs no pricing.
 StepTimer wraps a model runner's ``execute_model`` (an instance attribute over vLLM's V2
 runner's method) and records, per serving call, the host's ``time.perf_counter`` at its start
 and at its return, plus the scheduled tokens and requests read off the scheduler output (two
-host attributes: no GPU sync, no tensor read). vLLM's own dummy runs (profile, graph capture,
+host attributes: no GPU sync, no tensor read), and the tokens the forward ran (vLLM hands its
+step-timing collector the input batch after adaptive verification's budget: a host int), so an
+arm's decisions show without observe mode. vLLM's own dummy runs (profile, graph capture,
 compile warm-up, DP padding: ``dummy_run=True``) are passed through unrecorded. Memory is
 bounded: the first CAP calls since the last take() are kept, later ones only counted.
 
@@ -82,6 +84,8 @@ class StepTimer:
         self.reqs: list[int] = []  # scheduled requests
         self.dropped = 0  # calls past cap, not kept
         self.events: list[list[Any] | None] = []  # per kept call: [step start, drafter start, drafter end]
+        self.verify: list[int | None] = []  # per kept call: the tokens its forward ran (after the draft budget)
+        self._forward_tokens: int | None = None  # the running call's, from step_timing.record_batch
 
     def install(self, runner: Any) -> None:
         """Wraps runner.execute_model (what is there: a second install wraps nothing twice)."""
@@ -100,6 +104,7 @@ class StepTimer:
                 if first is not None:
                     first.record()
                     events = [first]
+            timer._forward_tokens = None
             t0 = timer.clock()
             out = inner(scheduler_output, *args, **kwargs)
             t1 = timer.clock()
@@ -111,9 +116,21 @@ class StepTimer:
             timer.tokens.append(getattr(scheduler_output, "total_num_scheduled_tokens", -1))
             timer.reqs.append(len(getattr(scheduler_output, "num_scheduled_tokens", ())))
             timer.events.append(events)
+            timer.verify.append(timer._forward_tokens)
             return out
 
         runner.execute_model = execute_model
+        step_timing = getattr(runner, "step_timing", None)
+        if callable(getattr(step_timing, "record_batch", None)):
+            inner_record = step_timing.record_batch
+
+            def record_batch(input_batch: Any, *args: Any, **kwargs: Any) -> Any:
+                # the forward's batch, after adaptive verification's budget trimmed the drafts: the
+                # scheduler's count is before it (what the pricing decided shows only here)
+                timer._forward_tokens = getattr(input_batch, "num_tokens", None)
+                return inner_record(input_batch, *args, **kwargs)
+
+            step_timing.record_batch = record_batch
         speculator = getattr(runner, "speculator", None)
         if callable(getattr(speculator, "propose", None)):
             inner_propose = speculator.propose
@@ -137,7 +154,8 @@ class StepTimer:
         """What was recorded since the last take, then cleared."""
         target, drafter = self._gpu_ms()
         out = {"start_s": self.start, "end_s": self.end, "num_tokens": self.tokens, "num_reqs": self.reqs,
-               "dropped": self.dropped, "target_ms": target, "drafter_ms": drafter, "cpu": where_it_runs()}
+               "dropped": self.dropped, "target_ms": target, "drafter_ms": drafter, "forward_tokens": self.verify,
+               "cpu": where_it_runs()}
         self._clear()
         return out
 

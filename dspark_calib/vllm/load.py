@@ -201,7 +201,7 @@ def probe_setup(manager: Any, decision: Any, vllm_batches: list[dict]) -> tuple[
         try:
             aware = len(curves) >= 2 and E.context_aware_enabled()
         except CalibError:
-            aware = False  # _context_aware keeps the static tables then (its own WARNING)
+            aware = False  # price_context_aware keeps the static tables then (its own WARNING)
         chosen = int(decision.context_len)
         contexts = sorted(curves) if aware else [chosen]
         rs, limit = manager.req_states, int(manager._cudagraph_limit)
@@ -343,10 +343,10 @@ class LoadMode:
         if run.priced is not None:  # only what the probe judged is priced
             curves = {c: v for c, v in curves.items() if c in run.priced}
         if len(curves) >= 2:
-            _context_aware(manager, curves, decision.context_len)
+            price_context_aware(manager, curves, decision.context_len)
 
 
-def _context_aware(manager: Any, curves: dict, static_context: int) -> None:
+def price_context_aware(manager: Any, curves: dict, static_context: int) -> None:
     """Price each step for its batch (context_aware.py: drafts at the mean context, verify by the
     KV the step reads), unless the env says no.
     The curves came from rank 0 with the decision: no broadcast needed here."""

@@ -46,7 +46,8 @@ def test_kv_arithmetic_matches_the_h200_log(sc):
 def test_plan_is_pinned_and_never_preempts(sc):
     plan = {w.name: w for w in sc.plan_workloads()}
     assert {n: (w.concurrency, w.num_requests) for n, w in plan.items()} == {
-        "ctx1k": (256, 512), "ctx8k": (64, 128), "ctx16k": (32, 64), "mix": (32, 66), "skewed": (64, 128)}
+        "ctx1k": (256, 512), "ctx8k": (64, 128), "ctx16k": (32, 64), "mix": (32, 66), "skewed": (64, 128),
+        "ctx1k-c32": (32, 64), "ctx4k-c32": (32, 64)}
     for w in plan.values():
         assert w.worst_case_tokens <= 0.9 * sc.KV_TOKENS_MEASURED, w
         if len(set(w.prompt_lens)) == 1:  # one prompt length: every in-flight request at it
@@ -395,13 +396,14 @@ def test_the_step_timer_records_serving_calls_only_and_is_bounded(step_timer):
     cpu = got.pop("cpu")
     assert set(cpu) == {"affinity", "last_cpu", "loadavg"}
     assert got == {"start_s": [10.0, 11.0], "end_s": [10.5, 11.25], "num_tokens": [8, 16], "num_reqs": [2, 3],
-                   "dropped": 1, "target_ms": [None, None], "drafter_ms": [None, None]}  # no GPU: no events
+                   "dropped": 1, "target_ms": [None, None], "drafter_ms": [None, None],  # no GPU: no events
+                   "forward_tokens": [None, None]}  # the stand-in runner has no step_timing
     json.dumps(got)
     json.dumps(cpu)
     empty = timer.take()
     empty.pop("cpu")
     assert empty == {"start_s": [], "end_s": [], "num_tokens": [], "num_reqs": [], "dropped": 0,
-                     "target_ms": [], "drafter_ms": []}
+                     "target_ms": [], "drafter_ms": [], "forward_tokens": []}
     runner.execute_model(_sched(1, 1))
     assert timer.take()["start_s"] == [20.0]
 
@@ -421,6 +423,31 @@ class _Event:
 
     def synchronize(self):
         self.synced.append(1)
+
+
+def test_the_step_timer_records_the_tokens_each_forward_ran(step_timer):
+    """vLLM's execute_model hands its step-timing collector the input batch after the draft
+    budget: the timer keeps that count per step (the scheduler's is before the budget)."""
+    from types import SimpleNamespace
+
+    seen = []
+    runner = _Runner()
+    runner.step_timing = SimpleNamespace(record_batch=lambda batch, full_cudagraph: seen.append(full_cudagraph))
+    inner = runner.execute_model
+
+    def execute_model(scheduler_output, *args, forward=None, **kwargs):
+        if forward is not None:
+            runner.step_timing.record_batch(SimpleNamespace(num_tokens=forward), True)
+        return inner(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_model
+    timer = step_timer.StepTimer()
+    timer.install(runner)
+    runner.execute_model(_sched(64, 8), forward=40)  # the budget trimmed 24 drafts
+    runner.execute_model(_sched(8, 1))  # no batch recorded (a call that ran no forward)
+    runner.execute_model(_sched(64, 8), forward=48)
+    assert seen == [True, True]  # vLLM's collector still called
+    assert timer.take()["forward_tokens"] == [40, None, 48]
 
 
 def test_the_step_timer_times_target_and_drafter_on_the_gpu_in_every_arm(step_timer):
@@ -518,6 +545,7 @@ def test_the_step_timer_summary_by_hand(sc):
                    "host_p50_ms": 3.0, "host_p90_ms": 4.6, "host_max_ms": 5.0,
                    "target_steps": 4, "target_p50_ms": 47.5, "target_p90_ms": 57.0, "target_max_ms": 60.0,
                    "drafter_steps": 4, "drafter_p50_ms": 77.5, "drafter_p90_ms": 101.0, "drafter_max_ms": 110.0,
+                   "decode_steps": 0, "forward_tokens_mean": None, "verified_drafts_per_request": None,
                    "cpu": raw["cpu"]}
     times = sc.step_times(raw)
     assert times["interval_ms"] == [None, 100.0, 100.0, 3000.0, 100.0]
@@ -715,13 +743,13 @@ def test_an_aware_arm_with_a_context_tail(sc, tmp_path):
     assert env["DSPARK_CALIB_CONTEXT_TAIL"] == "0.2" and env["DSPARK_CALIB_CONTEXT_AWARE"] == "1"
     plain = sc.arm_env("aware", "/t.parquet", "/o", base={})  # the plugin's defaults are not the label's
     assert plain["DSPARK_CALIB_CONTEXT_TAIL"] == "0" and plain["DSPARK_CALIB_CONTEXT_CHUNKS"] == "0"
-    with pytest.raises(ValueError, match="arm aware only"):
+    with pytest.raises(ValueError, match="arm aware or ab"):
         sc.arm_env("stock", None, "/o", tail=0.2, base={})
     assert sc.arm_label("aware", 4, 0.2) == "aware-tail20" and sc.arm_label("stock", 0) == "stock-noobs"
     chunks = sc.arm_env("aware", "/t.parquet", "/o", tail=0.2, chunks=True, base={})
     assert chunks["DSPARK_CALIB_CONTEXT_CHUNKS"] == "1" and chunks["DSPARK_CALIB_CONTEXT_TAIL"] == "0.2"
     assert env["DSPARK_CALIB_CONTEXT_CHUNKS"] == "0"
-    with pytest.raises(ValueError, match="arm aware only"):
+    with pytest.raises(ValueError, match="arm aware or ab"):
         sc.arm_env("static", "/t.parquet", "/o", chunks=True, base={})
     assert sc.arm_label("aware", 4, 0.2, True) == "aware-tail20-chunks"
     src = REPO / "benchmarks" / "results" / "h200" / "2026-12-01-0438-context"
