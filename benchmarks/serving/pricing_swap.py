@@ -1,8 +1,9 @@
 """The harness's in-engine A/B: one engine, started stock (vLLM's own start-up profile), serves
 each workload under vLLM's pricing and under a table's context-aware pricing in turn, so both
-pricings meet the same engine. Separate engines of one configuration have served the same
-draft-model drafter at two speeds (its host-bound level is fixed per engine start), a difference
-larger than any pricing's; within one engine it is the same for both.
+pricings meet the same engine. Separate engines of one configuration differ by more than a
+pricing does (the draft-model drafter's time above all); the turns (stock, table, table, stock)
+give both pricings the same engine and cancel a drift over the run, and the two turns of each
+pricing say the noise that is left.
 
 ``swap(manager, table, static_context, stock)`` puts a table's pricing on vLLM's
 AdaptiveVerificationManager the way load mode does (dspark_calib.vllm.load): the table's curves at

@@ -101,8 +101,9 @@ after the last, 3 requests of 17-token prompts and 64 output tokens run alone; s
 <= 3 requests all below 100 tokens of context occur only there.
 
 Time (one arm, one engine; --deadline-epoch bounds it, by default DEFAULT_BUDGET_S after the start):
-engine start 30-60 s warm (230 s cold), import ~15 s, warm-up + markers ~10 s, workloads
-~150-190 s (estimate_seconds), post-processing ~15 s. A workload that would end past the
+engine start 30-60 s warm (230 s cold; 160-240 s with a draft-model drafter's start-up profile),
+import ~15 s, warm-up + markers ~10 s, workloads as the plan line estimates (estimate_seconds;
+ctx1k, ctx16k and mix ~150-190 s), post-processing ~15 s. A workload that would end past the
 deadline is skipped (recorded); the engine child is killed 35 s before the deadline so the
 summary and the observe files still come back.
 
@@ -2244,7 +2245,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--out", required=True)
     a.add_argument("--work", help="scratch dir (default /tmp/serve-context-ARM, emptied first)")
     a.add_argument("--deadline-epoch", type=float, help="unix time by which everything must be written")
-    a.add_argument("--workloads", help="comma list (default all: ctx1k,ctx8k,ctx16k,mix)")
+    a.add_argument("--workloads", help="comma list (default: every workload of arms.json, in its order)")
     a.add_argument("--waves", type=int, default=2)
     # each option overrides the named arm's setting; the files are named by the settings (arm_label)
     a.add_argument("--policy", choices=("warn", "strict"), default="warn",

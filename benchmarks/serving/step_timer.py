@@ -18,11 +18,10 @@ events per kept step on the current stream: at execute_model's start, and around
 propose (which runs in the step's sample_tokens call, after its execute_model). ``target_ms``
 (execute_model's start to the drafter's: the target's forward and the rejection sampling, and
 any GPU idle while the host prepares them) and ``drafter_ms`` are resolved in take(), behind one
-sync, when no step runs: no sync on a step's path. The same drafter has run at two speeds in
-engines of one configuration (its host-bound level is fixed per engine start), so the arms are
-compared knowing which level each had. take() also says where the worker's process runs
-(``cpu``: its CPU affinity, the CPU it last ran on, the load average), the drafter level's
-suspect.
+sync, when no step runs: no sync on a step's path. The drafter's time is the part of a step
+that varies most between engines of one configuration, so every arm records it. take() also
+says where the worker's process runs (``cpu``: its CPU affinity, the CPU it last ran on, the
+load average): a host-bound drafter's time depends on it.
 
 StepTimerProbe is the worker-side half, mixed into vLLM's worker through the harness's worker
 extension (estimator_probe.EstimatorProbe inherits it): ``collective_rpc("step_timer_start")``
@@ -33,6 +32,7 @@ calls both between workloads, when no step is running.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any, Callable
@@ -41,13 +41,20 @@ CAP = 200_000  # calls kept between two takes: a workload serves a few thousand 
 EVENT_CAP = 20_000  # steps per take with CUDA events (three each): the rest keep host times only
 
 
-def cuda_event() -> Any:
-    """A timing CUDA event, or None without a GPU (the dry run, the tests' own fakes aside)."""
+@functools.lru_cache(maxsize=1)
+def _cuda() -> Any:
+    """torch.cuda when a GPU is there (looked up once: cuda_event runs on every step), else None."""
     try:
         import torch
     except ImportError:
         return None
-    return torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else None
+    return torch.cuda if torch.cuda.is_available() else None
+
+
+def cuda_event() -> Any:
+    """A timing CUDA event, or None without a GPU (the dry run, the tests' own fakes aside)."""
+    cuda = _cuda()
+    return None if cuda is None else cuda.Event(enable_timing=True)
 
 
 def where_it_runs() -> dict[str, Any]:
@@ -86,6 +93,7 @@ class StepTimer:
         self.events: list[list[Any] | None] = []  # per kept call: [step start, drafter start, drafter end]
         self.verify: list[int | None] = []  # per kept call: the tokens its forward ran (after the draft budget)
         self._forward_tokens: int | None = None  # the running call's, from step_timing.record_batch
+        self._last_dropped = False  # the last call was past cap: its propose joins no kept call
 
     def install(self, runner: Any) -> None:
         """Wraps runner.execute_model (what is there: a second install wraps nothing twice)."""
@@ -108,6 +116,7 @@ class StepTimer:
             t0 = timer.clock()
             out = inner(scheduler_output, *args, **kwargs)
             t1 = timer.clock()
+            timer._last_dropped = not kept
             if not kept:
                 timer.dropped += 1
                 return out
@@ -137,7 +146,8 @@ class StepTimer:
 
             def propose(*args: Any, **kwargs: Any) -> Any:
                 # the drafter of the step whose execute_model came last (sample_tokens follows it)
-                events = timer.events[-1] if timer.events and not kwargs.get("dummy_run") else None
+                events = (timer.events[-1] if timer.events and not timer._last_dropped and not kwargs.get("dummy_run")
+                          else None)
                 if events is None or len(events) != 1:
                     return inner_propose(*args, **kwargs)
                 start, end = timer.event(), timer.event()

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -453,8 +454,8 @@ def test_the_step_timer_records_the_tokens_each_forward_ran(step_timer):
 def test_the_step_timer_times_target_and_drafter_on_the_gpu_in_every_arm(step_timer):
     """Three events a step: execute_model's start, the drafter's start and end (propose runs in
     the step's sample_tokens, after its execute_model); resolved in take behind one sync; a step
-    whose drafter did not run (a prefill-only step), a dummy propose and steps past the event cap
-    have none."""
+    whose drafter did not run (a call that scheduled nothing), a dummy propose (vLLM's _dummy_run
+    after its unrecorded dummy execute_model) and steps past the event cap have none."""
     gpu = iter([0.000, 0.040, 0.110,  # step 1: target 40 ms, drafter 70 ms
                 0.200, 0.250, 0.360,  # step 2: target 50, drafter 110
                 0.400])  # step 3: no drafter
@@ -466,18 +467,47 @@ def test_the_step_timer_times_target_and_drafter_on_the_gpu_in_every_arm(step_ti
     timer.install(runner)
     runner.execute_model(_sched(8, 1))
     assert runner.speculator.propose(dummy_run=False) == "drafts"
-    runner.speculator.propose(dummy_run=True)  # vLLM's dummy propose: passed through, no events
     runner.execute_model(_sched(8, 1))
     runner.speculator.propose()
     runner.execute_model(_sched(8192, 1))
     runner.execute_model(_sched(8, 1))  # past the event cap: host times only
     runner.speculator.propose()
-    assert len(drafts) == 4
+    assert len(drafts) == 3
     got = timer.take()
     assert synced == [1]
     assert [round(x, 6) if x is not None else None for x in got["target_ms"]] == [40.0, 50.0, None, None]
     assert [round(x, 6) if x is not None else None for x in got["drafter_ms"]] == [70.0, 110.0, None, None]
     assert len(got["start_s"]) == 4
+    # a dummy propose takes no events: the step's own drafter does (the dummy here lasts 1 s)
+    clock = SimpleNamespace(t=0.0)
+
+    class Ev(_Event):
+        def record(self):
+            self.t = clock.t
+
+    def propose(self, dummy_run=False, **kw):
+        clock.t += 1.0 if dummy_run else 0.07
+
+    synced = []
+    timer = step_timer.StepTimer(clock=iter(range(100)).__next__, event=lambda: Ev(None, synced))
+    runner = _Runner()
+    runner.speculator = type("Spec", (), {"propose": propose})()
+    timer.install(runner)
+    runner.execute_model(_sched(8, 1))
+    runner.speculator.propose(dummy_run=True)
+    runner.speculator.propose()
+    assert [round(x, 6) for x in timer.take()["drafter_ms"]] == [70.0]
+    # a call past the cap keeps nothing, and its propose does not join the last kept call
+    timer = step_timer.StepTimer(cap=1, clock=iter(range(100)).__next__, event=lambda: _Event(gpu2, synced))
+    gpu2, synced = iter([0.0, 0.5, 0.6, 0.7]), []
+    fresh = _Runner()
+    fresh.speculator = type("Spec", (), {"propose": lambda self, **kw: None})()
+    timer.install(fresh)
+    fresh.execute_model(_sched(8, 1))  # kept: one event; its drafter never runs
+    fresh.execute_model(_sched(8, 1))  # past the cap
+    fresh.speculator.propose()
+    got = timer.take()
+    assert got["drafter_ms"] == [None] and got["dropped"] == 1
 
 
 def test_the_step_timer_rpcs_run_on_tp_rank_0_only(step_timer, monkeypatch):
@@ -517,10 +547,13 @@ def test_the_worker_extension_fits_vllms_worker_and_runner(step_timer, monkeypat
     params = inspect.signature(GPUModelRunner.execute_model).parameters
     assert list(params)[:2] == ["self", "scheduler_output"] and "dummy_run" in params
     assert "dummy_run=True" in inspect.getsource(GPUModelRunner._dummy_run)
-    # the drafter: the runner's speculator, proposing in sample_tokens (after execute_model), dummy runs by keyword
-    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+    # the drafter: the runner's speculator, proposing in sample_tokens (after execute_model), dummy runs by
+    # keyword (the speculators a draft model and DSpark get)
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+    from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
 
-    assert "dummy_run" in inspect.signature(DraftModelSpeculator.propose).parameters
+    for speculator in (StandaloneARSpeculator, DSparkSpeculator):
+        assert "dummy_run" in inspect.signature(speculator.propose).parameters, speculator
     assert "self.speculator.propose(" in inspect.getsource(GPUModelRunner.sample_tokens)
     import vllm.distributed
 

@@ -305,9 +305,23 @@ def test_probe_line_says_the_gpu_throttled(monkeypatch, caplog, tmp_path, refere
     assert "GPU throttled during the probe (hw_slowdown), SM 1410-1410 MHz" in probe[0]
 
 
-def test_probe_line_does_not_blame_throttling_for_a_ratio_below_one():
-    # an H200's probe read draft@256 0.80x (the GPU faster than the table) while NVML flagged
-    # hw_slowdown at 1965-1980 MHz: throttling makes steps slower, so it cannot explain that ratio
+def test_probe_line_does_not_blame_throttling_for_a_ratio_below_one(monkeypatch, caplog, tmp_path, reference_table):
+    # NVML can flag hw_slowdown at full clock; throttling makes steps slower, so it cannot explain
+    # a GPU that ran faster than the table says
+    class Throttled:
+        source = "nvml"
+
+        def read(self):
+            return Reading(sm_mhz=1980.0, throttle=("hw_slowdown",))
+
+    monkeypatch.setattr(loader, "probe_reader", Throttled)
+    path = write_forgery(forge(reference_table, huge_below_the_probed_sizes), tmp_path / "slow.parquet")
+    with pytest.raises(RuntimeError, match="policy strict") as err:
+        start(monkeypatch, caplog, path, reference_table)  # the table's costs far above this GPU's
+    assert "verify@512 0.00x" in str(err.value)
+    assert ("GPU throttled during the probe (hw_slowdown), SM 1980-1980 MHz: throttling slows steps, so it does "
+            "not explain a ratio below 1.00x") in str(err.value)
+    assert "ratios measured on a slowed GPU" not in str(err.value)
     readings = [Reading(sm_mhz=1980.0, throttle=("hw_slowdown",)), Reading(sm_mhz=1965.0)]
     low = P.conditions(readings, worst_ratio=0.80)
     assert low == ("GPU throttled during the probe (hw_slowdown), SM 1965-1980 MHz: throttling slows steps, "
