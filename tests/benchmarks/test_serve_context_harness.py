@@ -8,7 +8,6 @@ environments, the report, and the whole drive loop on the harness's fake engine.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import os
@@ -25,15 +24,6 @@ from dspark_calib.observe.file import ObservedWriter, read_observed
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA10 = REPO / "benchmarks" / "results" / "h200" / "2026-11-30-morning" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__ad4ef3d97317.parquet"
-
-
-@pytest.fixture(scope="module")
-def sc():
-    spec = importlib.util.spec_from_file_location("serve_context", REPO / "benchmarks" / "serving" / "serve_context.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["serve_context"] = mod  # dataclasses resolve their module
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # -- sizing -----------------------------------------------------------------------------------

@@ -2,8 +2,6 @@
 against the plugin's own load mode, the drive loop's swaps on the fake engine, and the report."""
 
 import asyncio
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,15 +11,6 @@ from tests.vllm.test_context_aware import (av, ca, make_manager, schedule, singl
                                            two_context_load)
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture()
-def sc():
-    spec = importlib.util.spec_from_file_location("serve_context", REPO / "benchmarks" / "serving" / "serve_context.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["serve_context"] = mod  # dataclasses resolve their module
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture()

@@ -289,16 +289,21 @@ def test_contexts_over_the_budget_are_left_out_of_the_grid(monkeypatch, caplog, 
     assert "the context-aware grid, which prices contexts 8192, 16384" in probe, probe
 
 
-def test_probe_line_says_the_gpu_throttled(monkeypatch, caplog, tmp_path, reference_table):
-    from dspark_calib.table.file import write_table
-
+def throttled_at(sm_mhz):
+    """A probe reader (NVML's kind) that reads hw_slowdown at this SM clock every time."""
     class Throttled:
         source = "nvml"
 
         def read(self):
-            return Reading(sm_mhz=1410.0, throttle=("hw_slowdown",))
+            return Reading(sm_mhz=sm_mhz, throttle=("hw_slowdown",))
 
-    monkeypatch.setattr(loader, "probe_reader", Throttled)
+    return Throttled
+
+
+def test_probe_line_says_the_gpu_throttled(monkeypatch, caplog, tmp_path, reference_table):
+    from dspark_calib.table.file import write_table
+
+    monkeypatch.setattr(loader, "probe_reader", throttled_at(1410.0))
     _, _, lines = start(monkeypatch, caplog, write_table(reference_table, tmp_path), reference_table)
     probe = [x for x in lines if x.startswith("dspark-calib: probe")]
     assert len(probe) == 1
@@ -308,13 +313,7 @@ def test_probe_line_says_the_gpu_throttled(monkeypatch, caplog, tmp_path, refere
 def test_probe_line_does_not_blame_throttling_for_a_ratio_below_one(monkeypatch, caplog, tmp_path, reference_table):
     # NVML can flag hw_slowdown at full clock; throttling makes steps slower, so it cannot explain
     # a GPU that ran faster than the table says
-    class Throttled:
-        source = "nvml"
-
-        def read(self):
-            return Reading(sm_mhz=1980.0, throttle=("hw_slowdown",))
-
-    monkeypatch.setattr(loader, "probe_reader", Throttled)
+    monkeypatch.setattr(loader, "probe_reader", throttled_at(1980.0))
     path = write_forgery(forge(reference_table, huge_below_the_probed_sizes), tmp_path / "slow.parquet")
     with pytest.raises(RuntimeError, match="policy strict") as err:
         start(monkeypatch, caplog, path, reference_table)  # the table's costs far above this GPU's
