@@ -20,8 +20,8 @@ propose (which runs in the step's sample_tokens call, after its execute_model). 
 any GPU idle while the host prepares them) and ``drafter_ms`` are resolved in take(), behind one
 sync, when no step runs: no sync on a step's path. The drafter's time is the part of a step
 that varies most between engines of one configuration, so every arm records it. take() also
-says where the worker's process runs (``cpu``: its CPU affinity, the CPU it last ran on, the
-load average): a host-bound drafter's time depends on it.
+says where the worker's process runs (``cpu``: its CPU affinity, the CPU it last ran on and
+that core's clock, the load average): a host-bound drafter's time depends on it.
 
 StepTimerProbe is the worker-side half, mixed into vLLM's worker through the harness's worker
 extension (estimator_probe.EstimatorProbe inherits it): ``collective_rpc("step_timer_start")``
@@ -57,6 +57,24 @@ def cuda_event() -> Any:
     return None if cuda is None else cuda.Event(enable_timing=True)
 
 
+def _cpuinfo_mhz(cpu: int, path: str = "/proc/cpuinfo") -> int | None:
+    """The "cpu MHz" of one processor in /proc/cpuinfo (None when absent)."""
+    try:
+        with open(path) as f:
+            blocks = f.read().split("\n\n")
+    except OSError:
+        return None
+    for block in blocks:
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if fields.get("processor") == str(cpu) and "cpu MHz" in fields:
+            try:
+                return round(float(fields["cpu MHz"]))
+            except ValueError:
+                return None
+    return None
+
+
 def where_it_runs() -> dict[str, Any]:
     """The worker process's CPU placement (Linux; what is not readable is None)."""
     try:
@@ -72,7 +90,14 @@ def where_it_runs() -> dict[str, Any]:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
-    return {"affinity": affinity, "last_cpu": last_cpu, "loadavg": load}
+    mhz = None
+    if last_cpu is not None:  # the clock of the core it last ran on: a host-bound drafter runs at its pace
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{last_cpu}/cpufreq/scaling_cur_freq") as f:
+                mhz = round(int(f.read()) / 1000)
+        except (OSError, ValueError):
+            mhz = _cpuinfo_mhz(last_cpu)  # virtual machines often have no cpufreq, only /proc/cpuinfo
+    return {"affinity": affinity, "last_cpu": last_cpu, "loadavg": load, "last_cpu_mhz": mhz}
 
 
 class StepTimer:

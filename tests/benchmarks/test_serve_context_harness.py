@@ -385,7 +385,7 @@ def test_the_step_timer_records_serving_calls_only_and_is_bounded(step_timer):
     assert runner.calls == [False, True, False, False]
     got = timer.take()
     cpu = got.pop("cpu")
-    assert set(cpu) == {"affinity", "last_cpu", "loadavg"}
+    assert set(cpu) == {"affinity", "last_cpu", "loadavg", "last_cpu_mhz"}
     assert got == {"start_s": [10.0, 11.0], "end_s": [10.5, 11.25], "num_tokens": [8, 16], "num_reqs": [2, 3],
                    "dropped": 1, "target_ms": [None, None], "drafter_ms": [None, None],  # no GPU: no events
                    "forward_tokens": [None, None]}  # the stand-in runner has no step_timing
@@ -414,6 +414,13 @@ class _Event:
 
     def synchronize(self):
         self.synced.append(1)
+
+
+def test_the_worker_cpu_clock_from_cpuinfo(step_timer, tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\ncpu MHz\t\t: 2100.000\n\nprocessor\t: 1\ncpu MHz\t\t: 3499.6\n\n")
+    assert step_timer._cpuinfo_mhz(1, str(info)) == 3500 and step_timer._cpuinfo_mhz(0, str(info)) == 2100
+    assert step_timer._cpuinfo_mhz(7, str(info)) is None and step_timer._cpuinfo_mhz(0, str(tmp_path / "x")) is None
 
 
 def test_the_step_timer_records_the_tokens_each_forward_ran(step_timer):
