@@ -1296,6 +1296,13 @@ def run_arm(args: argparse.Namespace) -> int:
         cmd += ["--acceptance-rates", args.acceptance_rates]
     if args.dry_run:
         cmd += ["--dry-run", "--table", table or SHIPPED_TABLE]
+    if args.cpus:
+        import shutil
+
+        if shutil.which("taskset") is None:
+            print(f"arm {label}: --cpus {args.cpus}: taskset is not on this host", file=sys.stderr)
+            return 2
+        cmd = ["taskset", "-c", args.cpus] + cmd
     print(f"arm {arm}: table {table or '-'}; observe {obs}; deadline in {deadline - time.time():.0f} s; plan "
           + ", ".join(f"{w.name} c{w.concurrency} n{w.num_requests} ~{estimate_seconds(w):.0f}s" for w in plan),
           flush=True)
@@ -1321,6 +1328,7 @@ def run_arm(args: argparse.Namespace) -> int:
     summary["seed"] = seed_info
     summary["gpu"] = gpu_by_workload(sampler.samples, events, sampler.source, sampler.note)
     summary["host"] = _host()
+    summary["cpus"] = args.cpus
     try:
         from dspark_calib import __version__ as tool_version
     except ImportError:
@@ -2272,6 +2280,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--seed-file", help="the seed (`dspark-calib seed`); default: made from the observe file of the "
                                        "arm the seeded arm names (seed_from) in --out")
     a.add_argument("--dry-run", action="store_true", help="fake engine on CPU: the whole control flow, no vLLM")
+    a.add_argument("--cpus", help="taskset's CPU list for the engine child and its processes (e.g. 0-7): the "
+                                  "draft-model drafter is host-bound, so its speed follows the cores it gets")
     e = sub.add_parser("_engine")
     e.add_argument("--results", required=True)
     e.add_argument("--plan", required=True)

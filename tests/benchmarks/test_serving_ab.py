@@ -153,3 +153,21 @@ def test_forward_tokens_and_the_ab_report_by_hand(sc):
     assert "| 1.101 | 1.110 | 0.020 |" in md
     half = sc.build_report({"a": {"workloads": {"x@stock1": turn(100.0, 10.0, 3.0)}}})["ab"][0]
     assert half["table_vs_stock_tok_s"] is None and half["noise"] is None  # a turn missing: no ratio
+
+
+def test_cpus_pins_the_engine_child_and_the_step_timer_says_where_it_ran(sc, tmp_path):
+    """--cpus runs the engine child under taskset; the step timer's placement, read inside it, shows it."""
+    import json
+    import os
+    import shutil
+
+    if shutil.which("taskset") is None:
+        pytest.skip("no taskset here")
+    cpu = min(os.sched_getaffinity(0))
+    rc = sc.main(["arm", "draft-fixed", "--table", str(sc.SHIPPED_TABLE), "--out", str(tmp_path), "--workloads",
+                  "ctx1k-c32", "--waves", "1", "--acceptance-rates", "low", "--cpus", str(cpu), "--dry-run",
+                  "--work", str(tmp_path / "work")])
+    assert rc == 0
+    summary = json.loads((tmp_path / "context-draft-fixed.json").read_text())
+    assert summary["cpus"] == str(cpu)
+    assert summary["workloads"]["ctx1k-c32"]["step_timer"]["cpu"]["affinity"] == [cpu]
