@@ -168,6 +168,7 @@ ARMS = ("stock", "static", "aware", "fixed", "ab")  # fixed: adaptive verificati
 # ab: one engine started stock serves each workload four times, vLLM's pricing and the table's context-aware
 # pricing in turn (AB_ORDER, pricing_swap.py), so the two meet the same engine
 AB_ORDER = (("stock", 1), ("table", 1), ("table", 2), ("stock", 2))  # ABBA: a drift over the run cancels
+CONTEXT_ARMS = ("aware", "ab")  # the arms that price context-aware steps: a context tail and chunk pricing apply
 MARKER_PROMPT, MARKER_TOKENS, MARKER_REQS = 17, 64, 3
 MARKER_MAX_CTX = 100  # a marker step's requests are all below this context
 WARMUP = dict(requests=8, prompt=1024, tokens=32)
@@ -615,7 +616,7 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
         raise ValueError(f"policy must be warn or strict, got {policy!r}")
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {arm!r}")
-    if (tail or chunks) and arm not in ("aware", "ab"):
+    if (tail or chunks) and arm not in CONTEXT_ARMS:
         raise ValueError(f"a context tail or chunk pricing prices context-aware steps: arm aware or ab, got {arm!r}")
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith("DSPARK_CALIB_") and k != "VLLM_ADAPTIVE_VERIFICATION_PROFILE_CONTEXT_LEN"}
@@ -631,8 +632,7 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
         if not table:
             raise ValueError("arm ab needs a table (swapped in between workloads)")
         # the engine starts stock (no DSPARK_CALIB_TABLE); the swap reads these as load mode does
-        env.update({"DSPARK_CALIB_CONTEXT_AWARE": "1", "DSPARK_CALIB_CONTEXT_TAIL": f"{tail:g}",
-                    "DSPARK_CALIB_CONTEXT_CHUNKS": "1" if chunks else "0"})
+        env.update(context_aware_env(tail, chunks))
     elif arm not in ("stock", "fixed"):
         if not table:
             raise ValueError(f"arm {arm} needs a table")
@@ -640,11 +640,15 @@ def arm_env(arm: str, table: str | None, observe_dir: str, *, every: int = 4, ta
         if arm == "static":
             env.update({"DSPARK_CALIB_CONTEXT_AWARE": "0", "DSPARK_CALIB_CONTEXT_LEN": "8192"})
         else:
-            # both always set: the label names them (aware = tail 0, chunks by the KV sum), whatever
-            # the plugin's defaults are (tail 0.2 and chunks by pairs)
-            env.update({"DSPARK_CALIB_CONTEXT_AWARE": "1", "DSPARK_CALIB_CONTEXT_TAIL": f"{tail:g}",
-                        "DSPARK_CALIB_CONTEXT_CHUNKS": "1" if chunks else "0"})
+            env.update(context_aware_env(tail, chunks))
     return env
+
+
+def context_aware_env(tail: float, chunks: bool) -> dict[str, str]:
+    """The plugin's context-aware settings of an arm. Both always set: the label names them (aware =
+    tail 0, chunks by the KV sum), whatever the plugin's defaults are (tail 0.2 and chunks by pairs)."""
+    return {"DSPARK_CALIB_CONTEXT_AWARE": "1", "DSPARK_CALIB_CONTEXT_TAIL": f"{tail:g}",
+            "DSPARK_CALIB_CONTEXT_CHUNKS": "1" if chunks else "0"}
 
 
 # The suffixes of an arm's label, in their order, with the pattern each matches in a file name
@@ -783,20 +787,16 @@ async def all_rpc(engine: Any, method: str, args: tuple = ()) -> list[Any]:
     """Every worker's answer to collective_rpc(method, args); [{"error": ...}] when the call failed."""
     try:
         return list(await engine.collective_rpc(method, args=args))
-    except Exception as exc:  # noqa: BLE001 - the caller reports it
+    except Exception as exc:  # noqa: BLE001 - a report, not the run: say why and go on
         return [{"error": f"{type(exc).__name__}: {str(exc)[:200]}"}]
 
 
 async def rank0_rpc(engine: Any, method: str) -> Any:
     """The worker extension's answer to collective_rpc(method) on rank 0 (the first), None
     without one, or {"error": ...} when the call failed (a report, not the run)."""
-    rpc = getattr(engine, "collective_rpc", None)
-    if rpc is None:
+    if getattr(engine, "collective_rpc", None) is None:
         return None
-    try:
-        states = await rpc(method)
-    except Exception as exc:  # noqa: BLE001 - a report, not the run: say why and go on
-        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    states = await all_rpc(engine, method)
     return states[0] if states else None
 
 
@@ -1239,7 +1239,7 @@ def fake_estimator_keys(spec: dict[str, Any]) -> dict[str, Any]:
 def run_arm(args: argparse.Namespace) -> int:
     t_start = time.time()
     arm = args.arm
-    if (args.context_tail or args.context_chunks) and arm not in ("aware", "ab"):
+    if (args.context_tail or args.context_chunks) and arm not in CONTEXT_ARMS:
         print(f"arm {arm}: --context-tail and --context-chunks price context-aware steps (arms aware and ab only)",
               file=sys.stderr)
         return 2
@@ -1678,31 +1678,27 @@ def ab_comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base, at, turn = r["workload"].partition("@")
         if at:
             turns.setdefault((r["arm"], base), {})[turn] = r
+    def mean(xs: list[Any]) -> float | None:
+        return sum(xs) / len(xs) if None not in xs else None
+
+    def spread(xs: list[Any]) -> float | None:
+        return abs(xs[1] / xs[0] - 1) if None not in xs and xs[0] else None
+
     out = []
     for (arm, base), got in turns.items():
-        def pair(pricing: str, key: Callable[[dict[str, Any]], Any]) -> list[Any]:
-            return [key(got[f"{pricing}{n}"]) if f"{pricing}{n}" in got else None for n in (1, 2)]
-
-        def mean(xs: list[Any]) -> float | None:
-            return sum(xs) / len(xs) if xs and None not in xs else None
-
-        def spread(xs: list[Any]) -> float | None:
-            return abs(xs[1] / xs[0] - 1) if None not in xs and xs[0] else None
-
-        def timer(key: str) -> Callable[[dict[str, Any]], Any]:
-            return lambda r: (r.get("step_timer") or {}).get(key)
-
-        tok = {p: pair(p, lambda r: r["output_tok_s"]) for p in ("stock", "table")}
-        tpot = {p: pair(p, lambda r: r["tpot_p50_ms"]) for p in ("stock", "table")}
-        spreads = [x for p in ("stock", "table") for x in (spread(tok[p]),) if x is not None]
+        each = {}
+        for p, n in AB_ORDER:
+            r = got.get(f"{p}{n}") or {}
+            timer = r.get("step_timer") or {}
+            each[f"{p}{n}"] = {"output_tok_s": r.get("output_tok_s"), "tpot_p50_ms": r.get("tpot_p50_ms"),
+                               "verified_drafts_per_request": timer.get("verified_drafts_per_request"),
+                               "drafter_p50_ms": timer.get("drafter_p50_ms")}
+        tok = {p: [each[f"{p}{n}"]["output_tok_s"] for n in (1, 2)] for p in ("stock", "table")}
+        tpot = {p: [each[f"{p}{n}"]["tpot_p50_ms"] for n in (1, 2)] for p in ("stock", "table")}
+        spreads = [x for x in (spread(tok["stock"]), spread(tok["table"])) if x is not None]
         ms, mt = mean(tok["stock"]), mean(tok["table"])
         ps, pt = mean(tpot["stock"]), mean(tpot["table"])
-        out.append({"arm": arm, "workload": base,
-                    "turns": {f"{p}{n}": {"output_tok_s": tok[p][n - 1], "tpot_p50_ms": tpot[p][n - 1],
-                                          "verified_drafts_per_request":
-                                              pair(p, timer("verified_drafts_per_request"))[n - 1],
-                                          "drafter_p50_ms": pair(p, timer("drafter_p50_ms"))[n - 1]}
-                              for p, n in AB_ORDER},
+        out.append({"arm": arm, "workload": base, "turns": each,
                     "table_vs_stock_tok_s": _r(mt / ms, 4) if ms and mt else None,
                     "stock_vs_table_tpot_p50": _r(ps / pt, 4) if ps and pt else None,
                     "noise": _r(max(spreads), 4) if len(spreads) == 2 else None})

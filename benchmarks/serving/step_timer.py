@@ -116,7 +116,7 @@ class StepTimer:
         self.reqs: list[int] = []  # scheduled requests
         self.dropped = 0  # calls past cap, not kept
         self.events: list[list[Any] | None] = []  # per kept call: [step start, drafter start, drafter end]
-        self.verify: list[int | None] = []  # per kept call: the tokens its forward ran (after the draft budget)
+        self.forward_tokens: list[int | None] = []  # per kept call: the tokens its forward ran (after the budget)
         self._forward_tokens: int | None = None  # the running call's, from step_timing.record_batch
         self._last_dropped = False  # the last call was past cap: its propose joins no kept call
 
@@ -150,7 +150,7 @@ class StepTimer:
             timer.tokens.append(getattr(scheduler_output, "total_num_scheduled_tokens", -1))
             timer.reqs.append(len(getattr(scheduler_output, "num_scheduled_tokens", ())))
             timer.events.append(events)
-            timer.verify.append(timer._forward_tokens)
+            timer.forward_tokens.append(timer._forward_tokens)
             return out
 
         runner.execute_model = execute_model
@@ -189,7 +189,7 @@ class StepTimer:
         """What was recorded since the last take, then cleared."""
         target, drafter = self._gpu_ms()
         out = {"start_s": self.start, "end_s": self.end, "num_tokens": self.tokens, "num_reqs": self.reqs,
-               "dropped": self.dropped, "target_ms": target, "drafter_ms": drafter, "forward_tokens": self.verify,
+               "dropped": self.dropped, "target_ms": target, "drafter_ms": drafter, "forward_tokens": self.forward_tokens,
                "cpu": where_it_runs()}
         self._clear()
         return out
