@@ -826,12 +826,36 @@ def step_timer_summary(raw: dict[str, Any] | None) -> dict[str, Any] | None:
                 f"{name}_p90_ms": _r(percentile(ms, 90)), f"{name}_max_ms": _r(max(ms)) if ms else None}
     return {"steps": len(host), "dropped": raw.get("dropped", 0),
             "steps_with_tokens": sum(1 for t in raw["num_tokens"] if t > 0),
+            **drafter_share(interval, raw.get("drafter_ms") or ()),
             "intervals": len(interval), "interval_p50_ms": _r(percentile(interval, 50)),
             "interval_p90_ms": _r(percentile(interval, 90)), "interval_p99_ms": _r(percentile(interval, 99)),
             "interval_max_ms": _r(max(interval)) if interval else None,
             "stall_ms": STALL_MS, "stalls": stalls,
             "host_p50_ms": _r(percentile(host, 50)), "host_p90_ms": _r(percentile(host, 90)),
             "host_max_ms": _r(max(host)) if host else None} | gpu | forward_tokens(raw) | {"cpu": raw.get("cpu")}
+
+
+def drafter_share(interval: list[float], drafter: Any) -> dict[str, Any]:
+    """The mean step of the window's calls that ran a drafter and have a successor (a call's step:
+    its start to the next call's), the drafter's mean in it and the rest (target, sampling, host):
+    what a pricing controls is the rest and the tokens a step, the drafter's time is the same
+    draft steps whatever is verified."""
+    pairs = [(step, d) for step, d in zip(interval, drafter) if d is not None]
+    if not pairs:
+        return {"drafter_share_steps": 0, "step_mean_ms": None, "drafter_mean_ms": None, "rest_mean_ms": None}
+    step = sum(s for s, _ in pairs) / len(pairs)
+    mean = sum(d for _, d in pairs) / len(pairs)
+    return {"drafter_share_steps": len(pairs), "step_mean_ms": _r(step), "drafter_mean_ms": _r(mean),
+            "rest_mean_ms": _r(step - mean)}
+
+
+def add_drafter_share(summary: dict[str, Any], steps: dict[str, Any]) -> None:
+    """Each workload's step-timer figures get drafter_share from the arm's per-step file (the
+    steps one by one), so the report has it for runs whose summaries were written without it."""
+    for name, w in summary.get("workloads", {}).items():
+        one = steps.get(name)
+        if one and isinstance(w.get("step_timer"), dict):
+            w["step_timer"] |= drafter_share(one["interval_ms"][1:], one["drafter_ms"])
 
 
 def forward_tokens(raw: dict[str, Any]) -> dict[str, Any]:
@@ -1668,22 +1692,29 @@ def build_report(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "tables": {a: arms[a].get("table") for a in arms}, "dry_run": any(arms[a].get("dry_run") for a in arms)}
 
 
+def _mean(xs: list[Any]) -> float | None:
+    """The mean, or None when a value is missing (a turn that did not run)."""
+    return sum(xs) / len(xs) if None not in xs else None
+
+
 def ab_comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The ab arms' workloads, one entry per arm and workload: tok/s, TPOT p50, drafts verified a
     request and the drafter's GPU ms of each of the four turns (AB_ORDER); the table's tok/s and
     TPOT over vLLM's (each the mean of its two turns) and the noise, the larger spread between a
-    pricing's two turns."""
+    pricing's two turns.
+
+    The same ratio and noise with the drafter held: each turn's tok/s scaled by its mean step over
+    that step with the turn's drafter mean replaced by the four turns' (drafter_share). A host-bound
+    drafter (the draft-model speculator's eager draft steps) changes its pace from one stretch of
+    steps to the next whatever the pricing, and moves a turn's tok/s by more than a pricing does;
+    held, the turns differ by what the pricing controls (the tokens a step, and the rest of the
+    step). It assumes the drafter's time does not follow the pricing: the turns' drafter means
+    stand beside it."""
     turns: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for r in rows:
         base, at, turn = r["workload"].partition("@")
         if at:
             turns.setdefault((r["arm"], base), {})[turn] = r
-    def mean(xs: list[Any]) -> float | None:
-        return sum(xs) / len(xs) if None not in xs else None
-
-    def spread(xs: list[Any]) -> float | None:
-        return abs(xs[1] / xs[0] - 1) if None not in xs and xs[0] else None
-
     out = []
     for (arm, base), got in turns.items():
         each = {}
@@ -1692,17 +1723,29 @@ def ab_comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             timer = r.get("step_timer") or {}
             each[f"{p}{n}"] = {"output_tok_s": r.get("output_tok_s"), "tpot_p50_ms": r.get("tpot_p50_ms"),
                                "verified_drafts_per_request": timer.get("verified_drafts_per_request"),
-                               "drafter_p50_ms": timer.get("drafter_p50_ms")}
+                               "drafter_p50_ms": timer.get("drafter_p50_ms"),
+                               "drafter_mean_ms": timer.get("drafter_mean_ms"), "rest_mean_ms": timer.get("rest_mean_ms"),
+                               "step_mean_ms": timer.get("step_mean_ms")}
+        pool = _mean([t["drafter_mean_ms"] for t in each.values()])
+        for t in each.values():
+            t["output_tok_s_drafter_held"] = (
+                _r(t["output_tok_s"] * t["step_mean_ms"] / (t["rest_mean_ms"] + pool))
+                if pool is not None and None not in (t["output_tok_s"], t["step_mean_ms"], t["rest_mean_ms"]) else None)
+        held = {p: [each[f"{p}{n}"]["output_tok_s_drafter_held"] for n in (1, 2)] for p in ("stock", "table")}
         tok = {p: [each[f"{p}{n}"]["output_tok_s"] for n in (1, 2)] for p in ("stock", "table")}
         tpot = {p: [each[f"{p}{n}"]["tpot_p50_ms"] for n in (1, 2)] for p in ("stock", "table")}
-        spreads = [x for x in (spread(tok["stock"]), spread(tok["table"])) if x is not None]
-        ms, mt = mean(tok["stock"]), mean(tok["table"])
-        ps, pt = mean(tpot["stock"]), mean(tpot["table"])
-        out.append({"arm": arm, "workload": base, "turns": each,
-                    "table_vs_stock_tok_s": _r(mt / ms, 4) if ms and mt else None,
+        ps, pt = _mean(tpot["stock"]), _mean(tpot["table"])
+        out.append({"arm": arm, "workload": base, "turns": each, **ratio_and_noise(tok, "table_vs_stock_tok_s", "noise"),
                     "stock_vs_table_tpot_p50": _r(ps / pt, 4) if ps and pt else None,
-                    "noise": _r(max(spreads), 4) if len(spreads) == 2 else None})
+                    "drafter_pool_ms": _r(pool), **ratio_and_noise(held, "table_vs_stock_drafter_held", "noise_drafter_held")})
     return out
+
+
+def ratio_and_noise(tok: dict[str, list[Any]], ratio: str, noise: str) -> dict[str, float | None]:
+    """The table's mean over vLLM's mean of its two turns, and the larger spread between a pricing's two turns."""
+    spreads = [abs(xs[1] / xs[0] - 1) for xs in (tok["stock"], tok["table"]) if None not in xs and xs[0]]
+    ms, mt = _mean(tok["stock"]), _mean(tok["table"])
+    return {ratio: _r(mt / ms, 4) if ms and mt else None, noise: _r(max(spreads), 4) if len(spreads) == 2 else None}
 
 
 def cold_phases(arms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1800,6 +1843,19 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {a['arm']} | {a['workload']} | " + " | ".join(cells)
                          + f" | {_f(a['table_vs_stock_tok_s'], 3)} | {_f(a['stock_vs_table_tpot_p50'], 3)} | "
                          f"{_f(a['noise'], 3)} |")
+        lines += ["", "The same with the drafter held (each turn's tok/s scaled by its mean step over that step with "
+                      "the turn's drafter mean replaced by the pooled mean of the four turns: the host-bound drafter "
+                      "changes pace whatever the pricing; this assumes its time does not follow the pricing; per turn "
+                      "the drafter's mean ms, the rest of the mean step, and the held tok/s):", "",
+                  "| arm | workload | " + " | ".join(f"{p}{n}" for p, n in AB_ORDER)
+                  + " | pooled drafter ms | table / stock tok/s, held | noise, held |",
+                  "|---|---|" + "---|" * len(AB_ORDER) + "---:|---:|---:|"]
+        for a in report["ab"]:
+            cells = [f"drafter {_f(t['drafter_mean_ms'], 1)} + rest {_f(t['rest_mean_ms'], 2)} ms, "
+                     f"{_f(t['output_tok_s_drafter_held'], 0)} tok/s" for t in a["turns"].values()]
+            lines.append(f"| {a['arm']} | {a['workload']} | " + " | ".join(cells)
+                         + f" | {_f(a['drafter_pool_ms'], 1)} | {_f(a['table_vs_stock_drafter_held'], 3)} | "
+                         f"{_f(a['noise_drafter_held'], 3)} |")
     if report.get("observe_cost"):
         lines += ["", "Observe mode's own cost: each observing arm over the same pricing with observe off, per "
                       "workload (> 1: slower with observe on; TPOT is the steady decode, tok/s includes the "
@@ -2196,6 +2252,10 @@ def run_report(args: argparse.Namespace) -> int:
                 with open(os.path.join(d, name)) as fh:
                     arms[m.group(1)] = json.load(fh)
                 folders[m.group(1)] = d
+                steps = os.path.join(d, f"context-{m.group(1)}-steps.json")
+                if os.path.isfile(steps):
+                    with open(steps) as fh:
+                        add_drafter_share(arms[m.group(1)], json.load(fh))
                 observed = os.path.join(d, f"context-{m.group(1)}-observed.parquet")
                 if os.path.isfile(observed):
                     try:  # one bad file costs its own rows, not the report

@@ -569,7 +569,9 @@ def test_the_step_timer_summary_by_hand(sc):
     raw["drafter_ms"] = [110.0, 70.0, None, 80.0, 75.0]
     raw["cpu"] = {"affinity": [0, 1], "last_cpu": 1, "loadavg": [1.0, 1.0, 1.0]}
     got = sc.step_timer_summary(raw)
-    assert got == {"steps": 5, "dropped": 0, "steps_with_tokens": 3, "intervals": 4,
+    # the drafter's share: the calls with a drafter and a successor (steps 100, 100, 100 ms; drafters 110, 70, 80)
+    assert got == {"steps": 5, "dropped": 0, "steps_with_tokens": 3, "drafter_share_steps": 3,
+                   "step_mean_ms": 100.0, "drafter_mean_ms": 86.667, "rest_mean_ms": 13.333, "intervals": 4,
                    "interval_p50_ms": 100.0, "interval_p90_ms": 2130.0, "interval_p99_ms": 2913.0,
                    "interval_max_ms": 3000.0, "stall_ms": 1000.0, "stalls": [{"step": 3, "ms": 3000.0}],
                    "host_p50_ms": 3.0, "host_p90_ms": 4.6, "host_max_ms": 5.0,

@@ -151,8 +151,42 @@ def test_forward_tokens_and_the_ab_report_by_hand(sc):
     md = sc.markdown(report)
     assert "| draft-ab-tail20-chunks-noobs-pinned | x | 100 tok/s, 10.00 ms, 3.00 drafts, drafter 80.0 ms |" in md
     assert "| 1.101 | 1.110 | 0.020 |" in md
+    assert ab["table_vs_stock_drafter_held"] is None  # no drafter share: nothing held
     half = sc.build_report({"a": {"workloads": {"x@stock1": turn(100.0, 10.0, 3.0)}}})["ab"][0]
     assert half["table_vs_stock_tok_s"] is None and half["noise"] is None  # a turn missing: no ratio
+
+
+def test_the_ab_report_holds_the_drafter_at_the_pooled_mean_by_hand(sc, tmp_path):
+    """Turns whose drafter changed pace (60 and 100 ms a step) around the same rest: held at the
+    pooled 80 ms, each turn's tok/s is scaled by its step over rest + 80. The figures come from the
+    arm's per-step file (interval i+1 is call i's step)."""
+    import json
+
+    def steps(drafter, rest, n=4):  # n calls, each a step of drafter + rest ms
+        return {"interval_ms": [None] + [drafter + rest] * (n - 1), "drafter_ms": [drafter] * n,
+                "host_ms": [1.0] * n, "num_tokens": [64] * n, "num_reqs": [8] * n, "forward_tokens": [40] * n,
+                "target_ms": [5.0] * n}
+
+    per_turn = {"stock1": (60.0, 10.0, 100.0), "table1": (100.0, 12.0, 75.0), "table2": (60.0, 12.0, 110.0),
+                "stock2": (100.0, 10.0, 70.0)}
+    arm = {"workloads": {f"x@{t}": {"workload": {"concurrency": 8}, "requests": 16, "output_tok_s": tok,
+                                    "tpot_p50_ms": 10.0, "tpot_p90_ms": 10.0, "step_timer": {"drafter_p50_ms": d}}
+                         for t, (d, _, tok) in per_turn.items()}}
+    (tmp_path / "context-draft-ab-tail20-chunks-noobs-pinned.json").write_text(json.dumps(arm))
+    (tmp_path / "context-draft-ab-tail20-chunks-noobs-pinned-steps.json").write_text(
+        json.dumps({f"x@{t}": steps(d, rest) for t, (d, rest, _) in per_turn.items()}))
+    assert sc.main(["report", "--results", str(tmp_path), "--json", str(tmp_path / "r.json"),
+                    "--md", str(tmp_path / "r.md")]) == 0
+    (ab,) = json.loads((tmp_path / "r.json").read_text())["ab"]
+    held = {t: tok * (d + rest) / (rest + 80.0) for t, (d, rest, tok) in per_turn.items()}
+    assert ab["drafter_pool_ms"] == 80.0
+    assert ab["turns"]["table1"]["rest_mean_ms"] == 12.0 and ab["turns"]["stock2"]["drafter_mean_ms"] == 100.0
+    assert ab["table_vs_stock_drafter_held"] == round((held["table1"] + held["table2"]) / (held["stock1"] + held["stock2"]), 4)
+    assert ab["noise_drafter_held"] == round(max(abs(held["stock2"] / held["stock1"] - 1),
+                                                 abs(held["table2"] / held["table1"] - 1)), 4)
+    assert ab["table_vs_stock_tok_s"] == round(185 / 170, 4)  # raw: the drafter's pace decides it
+    md = (tmp_path / "r.md").read_text()
+    assert f"| 80.0 | {ab['table_vs_stock_drafter_held']:.3f} | {ab['noise_drafter_held']:.3f} |" in md
 
 
 def test_cpus_pins_the_engine_child_and_the_step_timer_says_where_it_ran(sc, tmp_path):
