@@ -38,7 +38,8 @@ def test_plan_is_pinned_and_never_preempts(sc):
     plan = {w.name: w for w in sc.plan_workloads()}
     assert {n: (w.concurrency, w.num_requests) for n, w in plan.items()} == {
         "ctx1k": (256, 512), "ctx8k": (64, 128), "ctx16k": (32, 64), "mix": (32, 66), "skewed": (64, 128),
-        "ctx1k-c32": (32, 64), "ctx4k-c32": (32, 64)}
+        "ctx1k-c32": (32, 64), "ctx4k-c32": (32, 64), "ctx3k": (128, 256), "ctx12k": (40, 80),
+        "mix-2-4-12k": (32, 66)}
     for w in plan.values():
         assert w.worst_case_tokens <= 0.9 * sc.KV_TOKENS_MEASURED, w
         if len(set(w.prompt_lens)) == 1:  # one prompt length: every in-flight request at it

@@ -1,0 +1,169 @@
+"""Judge several cost tables on one served arm's steps, with the workloads split into the ones a
+choice is decided on and the ones it is reported on (held out).
+
+    python3 benchmarks/serving/judge_tables.py RESULTS ARM --table NAME=PATH [--table NAME=PATH ...]
+        --decide WORKLOAD[,WORKLOAD...] [--json OUT.json] [--md OUT.md]
+
+RESULTS is a serving run's folder (serve_context.py arm ... --out RESULTS) and ARM an arm that
+observed (context-ARM.json and context-ARM-observed.parquet there). Each table prices the arm's
+observed steps as `dspark-calib validate` does (context-aware and at the table's context nearest
+vLLM's 8192: vLLM's one curve), per kind (drafts, decode verifies, prefill-carrying verifies) and
+context bucket (powers of two), once over the --decide workloads' steps and once over the rest.
+A table, a profile state or a correction is chosen on the first part; only the second says how
+well the choice prices steps it was not chosen on (a choice judged on its own steps looks better
+than it is). The goal line reads the held-out part: every bucket with at least MIN_STEPS steps
+within GOAL_MEDIAN_PCT median and GOAL_BIAS_PCT bias.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import serve_context as sc  # noqa: E402 - a sibling script, found by the path above
+
+GOAL_MEDIAN_PCT = 2.0
+GOAL_BIAS_PCT = 1.0
+MIN_STEPS = 20
+PARTS = ("decide", "held_out")
+
+
+def split_rows(arm_json: dict[str, Any], cols: dict[str, Any], decide: set[str]) -> dict[str, Any]:
+    """The step rows of the decide workloads and of the others, segmented as the harness segments
+    an arm's observe file (by its marker batches); refused when the markers do not say it."""
+    import numpy as np
+
+    workloads = list(arm_json.get("workloads", {}))
+    unknown = decide - set(workloads)
+    if unknown:
+        raise ValueError(f"--decide {', '.join(sorted(unknown))}: not a workload of this arm ({', '.join(workloads)})")
+    if not decide or decide == set(workloads):
+        raise ValueError("--decide must name some of the arm's workloads and leave others held out")
+    segments, why = sc.segment_steps(cols, len(workloads))
+    if segments is None:
+        raise ValueError(f"cannot split the observed steps by workload: {why}")
+    pick = {p: [seg for w, seg in zip(workloads, segments) if (w in decide) == (p == "decide")] for p in PARTS}
+    return {p: np.concatenate(segs) if segs else np.array([], dtype=int) for p, segs in pick.items()}
+
+
+def judge(tables: dict[str, str], results: str, arm: str, decide: set[str]) -> dict[str, Any]:
+    from dspark_calib.observe.file import ObservedSteps, read_observed
+    from dspark_calib.table.file import read_table
+    from dspark_calib.validate import AWARE, SINGLE, validate
+
+    with open(os.path.join(results, f"context-{arm}.json")) as fh:
+        arm_json = json.load(fh)
+    obs = read_observed([os.path.join(results, f"context-{arm}-observed.parquet")])
+    cols = sc.sorted_columns(dict(obs.columns))
+    parts = split_rows(arm_json, cols, decide)
+    workloads = list(arm_json["workloads"])
+    out: dict[str, Any] = {"arm": arm, "results": results, "host": arm_json.get("host"),
+                           "workloads": {"decide": [w for w in workloads if w in decide],
+                                         "held_out": [w for w in workloads if w not in decide]},
+                           "tables": {}, "rows": [], "by_clock": [], "goal": {}}
+    for name, path in tables.items():
+        table = read_table(path)
+        out["tables"][name] = {"path": path, "hash": table.content_hash[:12],
+                               "gpu_state": table.fingerprint.to_dict().get("gpu_state")}
+        for part, rows in parts.items():
+            sub = ObservedSteps({k: v[rows] for k, v in cols.items()}, obs.files, obs.metadata)
+            if len(sub) == 0:
+                continue
+            result = validate(table, sub)
+            for g in list(result.overall) + list(result.by_context):
+                out["rows"].append({"table": name, "part": part, "kind": g.kind, "context_bucket": g.context_bucket,
+                                    "steps": g.errors[AWARE].n,
+                                    "one_curve": g.errors[SINGLE].to_dict(), "context_aware": g.errors[AWARE].to_dict()})
+            for c in result.by_clock:
+                out["by_clock"].append({"table": name, "part": part, "kind": c.kind, "clock_bucket_mhz": c.clock_bucket,
+                                        "steps": c.errors[AWARE].n, "context_aware": c.errors[AWARE].to_dict()})
+        out["goal"][name] = goal(out["rows"], name)
+    return out
+
+
+def goal(rows: list[dict[str, Any]], table: str) -> dict[str, Any]:
+    """The held-out buckets of one table with at least MIN_STEPS steps, and the ones that miss."""
+    judged = [r for r in rows if r["table"] == table and r["part"] == "held_out" and r["context_bucket"] != "all"
+              and r["steps"] >= MIN_STEPS]
+    misses = [f"{r['kind']} {r['context_bucket']}: {r['context_aware']['median_pct']:.2f} % "
+              f"(bias {r['context_aware']['median_signed_pct']:+.2f} %)"
+              for r in judged if r["context_aware"]["median_pct"] > GOAL_MEDIAN_PCT
+              or abs(r["context_aware"]["median_signed_pct"]) > GOAL_BIAS_PCT]
+    return {"buckets": len(judged), "met": bool(judged) and not misses, "misses": misses}
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    names = list(doc["tables"])
+    lines = [f"Tables judged on arm `{doc['arm']}` ({doc['results']}); decided on "
+             f"{', '.join(doc['workloads']['decide'])}, held out: {', '.join(doc['workloads']['held_out'])}.", ""]
+    for n, t in doc["tables"].items():
+        lines.append(f"- {n}: `{t['path']}` (hash {t['hash']}, GPU state {t['gpu_state'] or 'startup'})")
+    for part in PARTS:
+        rows = [r for r in doc["rows"] if r["part"] == part]
+        if not rows:
+            continue
+        lines += ["", f"{'Decide' if part == 'decide' else 'Held out'}: median absolute error % (bias %) per kind "
+                      f"and context bucket; the one curve is the first table's at its context nearest 8192:", "",
+                  "| kind | context | steps | one curve | " + " | ".join(names) + " |",
+                  "|---|---|---:|---:|" + "---:|" * len(names)]
+        keys = list(dict.fromkeys((r["kind"], r["context_bucket"]) for r in rows))
+        for kind, bucket in keys:
+            got = {r["table"]: r for r in rows if (r["kind"], r["context_bucket"]) == (kind, bucket)}
+            first = got.get(names[0]) or next(iter(got.values()))
+            cells = [_cell(got[n]["context_aware"]) if n in got else "-" for n in names]
+            lines.append(f"| {kind} | {bucket} | {first['steps']} | {_cell(first['one_curve'])} | " + " | ".join(cells) + " |")
+    lines += ["", f"Goal on the held-out part (every bucket of >= {MIN_STEPS} steps within {GOAL_MEDIAN_PCT:g} % median "
+                  f"and {GOAL_BIAS_PCT:g} % bias):", ""]
+    for n, g in doc["goal"].items():
+        lines.append(f"- {n}: {'met' if g['met'] else 'not met'} over {g['buckets']} buckets"
+                     + (f"; misses: {'; '.join(g['misses'])}" if g["misses"] else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _cell(stats: dict[str, Any]) -> str:
+    if stats.get("median_pct") is None:
+        return "-"
+    return f"{stats['median_pct']:.2f} ({stats['median_signed_pct']:+.2f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results")
+    p.add_argument("arm")
+    p.add_argument("--table", action="append", required=True, metavar="NAME=PATH")
+    p.add_argument("--decide", required=True, help="comma list of the workloads a choice is decided on")
+    p.add_argument("--json")
+    p.add_argument("--md")
+    args = p.parse_args(argv)
+    tables = {}
+    for t in args.table:
+        name, eq, path = t.partition("=")
+        if not eq or not name or not os.path.isfile(path):
+            print(f"--table {t}: give NAME=PATH of an existing table", file=sys.stderr)
+            return 2
+        tables[name] = path
+    from dspark_calib.errors import CalibError
+
+    try:
+        doc = judge(tables, args.results, args.arm, set(args.decide.split(",")))
+    except (OSError, ValueError, CalibError) as exc:  # one line: a file or an option, named
+        print(f"judge_tables: {exc}", file=sys.stderr)
+        return 2
+    md = markdown(doc)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    if args.md:
+        with open(args.md, "w") as fh:
+            fh.write(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""benchmarks/serving/judge_tables.py: tables judged on an arm's steps split into decide and held-out
+workloads, on a committed H200 run (the shipped tp 1 table's own serving run)."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from tests.benchmarks.conftest import REPO
+
+RUN = REPO / "benchmarks" / "results" / "h200" / "2026-12-01-0742-context"
+SHIPPED = REPO / "profiles" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet"
+
+
+@pytest.fixture(scope="module")
+def jt(sc):  # noqa: ARG001 - serve_context imported first, as the script imports it
+    spec = importlib.util.spec_from_file_location("judge_tables", REPO / "benchmarks" / "serving" / "judge_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["judge_tables"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_held_out_part_is_the_other_workloads_and_validate_prices_each_part(jt, tmp_path):
+    from dspark_calib.observe.file import ObservedSteps, read_observed
+    from dspark_calib.table.file import read_table
+    from dspark_calib.validate import AWARE, validate
+
+    out = tmp_path / "j.json"
+    assert jt.main([str(RUN), "stock", "--table", f"shipped={SHIPPED}", "--decide", "ctx1k,ctx8k",
+                    "--json", str(out), "--md", str(tmp_path / "j.md")]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["workloads"] == {"decide": ["ctx1k", "ctx8k"], "held_out": ["ctx16k", "mix"]}
+    rows = {(r["part"], r["kind"], r["context_bucket"]): r for r in doc["rows"]}
+    # the held-out steps are the ctx16k and mix segments: validate on exactly those rows agrees
+    obs = read_observed([str(RUN / "context-stock-observed.parquet")])
+    cols = jt.sc.sorted_columns(dict(obs.columns))
+    segs, _ = jt.sc.segment_steps(cols, 4)
+    import numpy as np
+
+    held = np.concatenate([segs[1], segs[2]])
+    want = validate(read_table(str(SHIPPED)), ObservedSteps({k: v[held] for k, v in cols.items()}, obs.files,
+                                                            obs.metadata))
+    for g in want.by_context:
+        got = rows[("held_out", g.kind, g.context_bucket)]
+        assert got["steps"] == g.errors[AWARE].n
+        assert got["context_aware"]["median_pct"] == pytest.approx(g.errors[AWARE].median_pct)
+    decide_steps = sum(r["steps"] for r in doc["rows"] if r["part"] == "decide" and r["context_bucket"] == "all")
+    held_steps = sum(r["steps"] for r in doc["rows"] if r["part"] == "held_out" and r["context_bucket"] == "all")
+    assert decide_steps > 0 and held_steps == sum(g.errors[AWARE].n for g in want.overall)
+    # the goal reads the held-out buckets of >= 20 steps only: this run's 16k buckets miss it
+    goal = doc["goal"]["shipped"]
+    assert goal["met"] is False and goal["buckets"] == 5
+    assert any(m.startswith("verify 16384-32767: 2.65 %") for m in goal["misses"])
+    md = (tmp_path / "j.md").read_text()
+    assert "Held out: median absolute error" in md and "| verify | 16384-32767 | 34 |" in md
+
+
+def test_the_goal_by_hand(jt):
+    def row(kind, bucket, n, med, bias, part="held_out", table="t"):
+        return {"table": table, "part": part, "kind": kind, "context_bucket": bucket, "steps": n,
+                "context_aware": {"median_pct": med, "median_signed_pct": bias}}
+
+    rows = [row("verify", "1024-2047", 20, 2.0, -1.0), row("draft", "1024-2047", 19, 9.0, 9.0),  # too few: not judged
+            row("verify", "all", 500, 9.0, 9.0), row("verify", "2048-4095", 50, 9.0, 0.0, part="decide")]
+    assert jt.goal(rows, "t") == {"buckets": 1, "met": True, "misses": []}
+    rows.append(row("verify", "4096-8191", 30, 1.5, -1.2))
+    assert jt.goal(rows, "t") == {"buckets": 2, "met": False, "misses": ["verify 4096-8191: 1.50 % (bias -1.20 %)"]}
+    assert jt.goal(rows, "other")["met"] is False  # nothing judged is not a pass
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--table", "x=/nope.parquet", "--decide", "ctx1k"], "--table x=/nope.parquet: give NAME=PATH of an existing table"),
+    (["--table", f"s={SHIPPED}", "--decide", "ctx2k"], "--decide ctx2k: not a workload of this arm"),
+    (["--table", f"s={SHIPPED}", "--decide", "ctx1k,ctx16k,mix,ctx8k"], "leave others held out"),
+])
+def test_bad_input_is_one_line_and_exit_2(jt, capsys, args, says):
+    assert jt.main([str(RUN), "stock", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
