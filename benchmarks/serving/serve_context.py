@@ -1829,33 +1829,24 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{_f(t.get('target_p90_ms'), 2)} | {_f(t.get('drafter_p50_ms'), 2)} / "
                          f"{_f(t.get('drafter_p90_ms'), 2)} |")
     if report.get("ab"):
-        lines += ["", "The in-engine A/B (one engine started stock serves each workload under vLLM's pricing and "
-                      "the table's in turn, stock, table, table, stock; per turn tok/s, TPOT p50 ms, drafts verified "
-                      "a request on the all-decode steps, the drafter's GPU ms p50; the ratio of the means, and the "
-                      "noise: the larger spread between a pricing's two turns):", "",
-                  "| arm | workload | " + " | ".join(f"{p}{n}" for p, n in AB_ORDER)
-                  + " | table / stock tok/s | stock / table TPOT | noise |",
-                  "|---|---|" + "---|" * len(AB_ORDER) + "---:|---:|---:|"]
-        for a in report["ab"]:
-            cells = [f"{_f(t['output_tok_s'], 0)} tok/s, {_f(t['tpot_p50_ms'], 2)} ms, "
-                     f"{_f(t['verified_drafts_per_request'], 2)} drafts, drafter {_f(t['drafter_p50_ms'], 1)} ms"
-                     for t in a["turns"].values()]
-            lines.append(f"| {a['arm']} | {a['workload']} | " + " | ".join(cells)
-                         + f" | {_f(a['table_vs_stock_tok_s'], 3)} | {_f(a['stock_vs_table_tpot_p50'], 3)} | "
-                         f"{_f(a['noise'], 3)} |")
-        lines += ["", "The same with the drafter held (each turn's tok/s scaled by its mean step over that step with "
-                      "the turn's drafter mean replaced by the pooled mean of the four turns: the host-bound drafter "
-                      "changes pace whatever the pricing; this assumes its time does not follow the pricing; per turn "
-                      "the drafter's mean ms, the rest of the mean step, and the held tok/s):", "",
-                  "| arm | workload | " + " | ".join(f"{p}{n}" for p, n in AB_ORDER)
-                  + " | pooled drafter ms | table / stock tok/s, held | noise, held |",
-                  "|---|---|" + "---|" * len(AB_ORDER) + "---:|---:|---:|"]
-        for a in report["ab"]:
-            cells = [f"drafter {_f(t['drafter_mean_ms'], 1)} + rest {_f(t['rest_mean_ms'], 2)} ms, "
-                     f"{_f(t['output_tok_s_drafter_held'], 0)} tok/s" for t in a["turns"].values()]
-            lines.append(f"| {a['arm']} | {a['workload']} | " + " | ".join(cells)
-                         + f" | {_f(a['drafter_pool_ms'], 1)} | {_f(a['table_vs_stock_drafter_held'], 3)} | "
-                         f"{_f(a['noise_drafter_held'], 3)} |")
+        lines += ab_table(
+            report["ab"], "The in-engine A/B (one engine started stock serves each workload under vLLM's pricing and "
+            "the table's in turn, stock, table, table, stock; per turn tok/s, TPOT p50 ms, drafts verified a request on "
+            "the all-decode steps, the drafter's GPU ms p50; the ratio of the means, and the noise: the larger spread "
+            "between a pricing's two turns):", ("table / stock tok/s", "stock / table TPOT", "noise"),
+            lambda t: f"{_f(t['output_tok_s'], 0)} tok/s, {_f(t['tpot_p50_ms'], 2)} ms, "
+                      f"{_f(t['verified_drafts_per_request'], 2)} drafts, drafter {_f(t['drafter_p50_ms'], 1)} ms",
+            lambda a: (_f(a["table_vs_stock_tok_s"], 3), _f(a["stock_vs_table_tpot_p50"], 3), _f(a["noise"], 3)))
+        lines += ab_table(
+            report["ab"], "The same with the drafter held (each turn's tok/s scaled by its mean step over that step "
+            "with the turn's drafter mean replaced by the pooled mean of the four turns: the host-bound drafter changes "
+            "pace whatever the pricing; this assumes its time does not follow the pricing; per turn the drafter's mean "
+            "ms, the rest of the mean step, and the held tok/s):",
+            ("pooled drafter ms", "table / stock tok/s, held", "noise, held"),
+            lambda t: f"drafter {_f(t['drafter_mean_ms'], 1)} + rest {_f(t['rest_mean_ms'], 2)} ms, "
+                      f"{_f(t['output_tok_s_drafter_held'], 0)} tok/s",
+            lambda a: (_f(a["drafter_pool_ms"], 1), _f(a["table_vs_stock_drafter_held"], 3),
+                       _f(a["noise_drafter_held"], 3)))
     if report.get("observe_cost"):
         lines += ["", "Observe mode's own cost: each observing arm over the same pricing with observe off, per "
                       "workload (> 1: slower with observe on; TPOT is the steady decode, tok/s includes the "
@@ -2173,6 +2164,17 @@ def advice_markdown(advice: dict[str, Any]) -> list[str]:
                          f"{order[0]}, measured {order[1]}: agrees {agrees}; every workload ratio within "
                          f"{100 * WITHIN:g} %: {'-' if r['all_within'] is None else 'yes' if r['all_within'] else 'no'}; "
                          f"noise (rerun / stock) {_f(r['noise'], 3)}")
+    return lines
+
+
+def ab_table(ab: list[dict[str, Any]], title: str, heads: tuple[str, ...], cell: Callable[[dict[str, Any]], str],
+             tail: Callable[[dict[str, Any]], tuple[str, ...]]) -> list[str]:
+    """One markdown table of the A/B: a row per arm and workload, a cell per turn, then the tail columns."""
+    lines = ["", title, "", "| arm | workload | " + " | ".join(f"{p}{n}" for p, n in AB_ORDER) + " | "
+             + " | ".join(heads) + " |", "|---|---|" + "---|" * len(AB_ORDER) + "---:|" * len(heads)]
+    for a in ab:
+        lines.append(f"| {a['arm']} | {a['workload']} | " + " | ".join(cell(t) for t in a["turns"].values())
+                     + " | " + " | ".join(tail(a)) + " |")
     return lines
 
 
