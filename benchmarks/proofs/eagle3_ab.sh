@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Pricing with a drafter whose time holds still: vLLM's EAGLE-3 speculator drafts through CUDA
+# graphs (the draft-model speculator launches every draft step eagerly, and its host-bound pace
+# moved two turns of one pricing 16-21 % apart: docs/results/2026-12-02-draft-ab-low.md).
+#   1. profile the EAGLE-3 engine (profiles/configs/eagle3-qwen3-8b on Qwen3-8B) at 1024 / 8192 /
+#      16384 -> OUT/eagle3.parquet
+#   2. `dspark-calib advise` on it at the decaying schedule, 1 to 256 requests at 1024 / 4096 /
+#      16384, written before anything is served -> OUT/advise-decaying.{json,txt}
+#   3. the in-engine A/B (one engine started stock serves each workload under vLLM's pricing and
+#      the table's in turn) and fixed K=7, both at the decaying schedule on ctx1k-c32 and
+#      ctx4k-c32, the cells fixed here in advance -> OUT/arms, then the report
+# Usage, from the repository root on a GPU host where `pip install '.[vllm]'` is done:
+#   bash benchmarks/proofs/eagle3_ab.sh OUT END_EPOCH
+set -u
+out=${1:?usage: eagle3_ab.sh OUT END_EPOCH}; end=${2:?END_EPOCH}
+mkdir -p "$out/arms"
+py=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+left() { echo $(( end - $(date +%s) )); }
+killgpu() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9; sleep 3; }
+{ date -u; hostname; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$py" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; } 2>&1
+echo "== profile eagle3 $(date -u +%T)"
+METHOD=eagle3 DRAFT=profiles/configs/eagle3-qwen3-8b OUT="$out" timeout -k 10 $(( $(left) - 420 )) \
+  bash benchmarks/proofs/profile.sh eagle3 --tp 1 --context-len 1024 --context-len 8192 --context-len 16384 \
+  --replays 10 --max-model-len 32768
+echo "profile rc=$? $(date -u +%T)"; killgpu
+table=$out/eagle3.parquet
+[ -f "$table" ] || { echo "no table: stop"; exit 1; }
+"$py" -m dspark_calib inspect "$table" | head -30
+"$py" -m dspark_calib advise "$table" --acceptance 0.9,0.8,0.7,0.55,0.4,0.3,0.2 --context 1024 --context 4096 \
+  --context 16384 --json > "$out/advise-decaying.json"
+"$py" -m dspark_calib advise "$table" --acceptance 0.9,0.8,0.7,0.55,0.4,0.3,0.2 --context 1024 --context 4096 \
+  --context 16384 > "$out/advise-decaying.txt" 2>&1
+tail -3 "$out/advise-decaying.txt"
+cp "$table" "$out/arms/"
+arm() {  # arm NAME NEED_S SHARE_S
+  if [ "$(left)" -lt "$2" ]; then echo "skip $1: $(left) s left"; return; fi
+  local share=$3; [ "$share" -gt "$(( $(left) - 5 ))" ] && share=$(( $(left) - 5 ))
+  echo "== arm $1 $(date -u +%T), at most $share s"
+  "$py" benchmarks/serving/serve_context.py arm "$1" --table "$out/arms/eagle3.parquet" --out "$out/arms" \
+    --workloads ctx1k-c32,ctx4k-c32 --acceptance-rates decaying --waves 2 --policy warn \
+    --deadline-epoch $(( $(date +%s) + share ))
+  echo "arm $1 rc=$? $(date -u +%T)"; killgpu
+}
+arm eagle3-ab-tail20-chunks-noobs-pinned 300 480
+arm eagle3-fixed 120 200
+"$py" benchmarks/serving/serve_context.py report --results "$out/arms"; echo "report rc=$?"
