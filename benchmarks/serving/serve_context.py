@@ -855,7 +855,7 @@ def add_drafter_share(summary: dict[str, Any], steps: dict[str, Any]) -> None:
     for name, w in summary.get("workloads", {}).items():
         one = steps.get(name)
         if one and isinstance(w.get("step_timer"), dict):
-            w["step_timer"] |= drafter_share(one["interval_ms"][1:], one["drafter_ms"])
+            w["step_timer"] |= drafter_share(one["interval_ms"][1:], one.get("drafter_ms") or ())
 
 
 def forward_tokens(raw: dict[str, Any]) -> dict[str, Any]:

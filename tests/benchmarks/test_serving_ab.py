@@ -187,6 +187,14 @@ def test_the_ab_report_holds_the_drafter_at_the_pooled_mean_by_hand(sc, tmp_path
     assert ab["table_vs_stock_tok_s"] == round(185 / 170, 4)  # raw: the drafter's pace decides it
     md = (tmp_path / "r.md").read_text()
     assert f"| 80.0 | {ab['table_vs_stock_drafter_held']:.3f} | {ab['noise_drafter_held']:.3f} |" in md
+    # a steps file from a timer without CUDA events (no drafter_ms): no share, nothing held, the report still made
+    no_events = {f"x@{t}": {k: v for k, v in steps(d, rest).items() if k not in ("drafter_ms", "target_ms")}
+                 for t, (d, rest, _) in per_turn.items()}
+    (tmp_path / "context-draft-ab-tail20-chunks-noobs-pinned-steps.json").write_text(json.dumps(no_events))
+    assert sc.main(["report", "--results", str(tmp_path), "--json", str(tmp_path / "r.json"),
+                    "--md", str(tmp_path / "r.md")]) == 0
+    (ab,) = json.loads((tmp_path / "r.json").read_text())["ab"]
+    assert ab["drafter_pool_ms"] is None and ab["table_vs_stock_drafter_held"] is None
 
 
 def test_cpus_pins_the_engine_child_and_the_step_timer_says_where_it_ran(sc, tmp_path):
