@@ -40,7 +40,7 @@ for t in startup serving; do [ -f "$out/tables/$t.parquet" ] && tables+=(--table
 if [ "$(left)" -ge 200 ]; then
   echo "== arm stock $(date -u +%T)"
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$py" benchmarks/serving/serve_context.py arm stock \
-    --table "$shipped" --out "$out/arms" --workloads ctx3k,ctx12k,mix-2-4-12k --waves 1 --observe-every 1 \
+    --table "$shipped" --out "$out/arms" --workloads ctx3k,ctx12k,mix-2-4-12k --waves 2 --observe-every 1 \
     --deadline-epoch $(( end - 5 ))
   echo "arm stock rc=$? $(date -u +%T)"; killgpu
 else
