@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pricing with a drafter whose time holds still: vLLM's EAGLE-3 speculator drafts through CUDA
-# graphs (the draft-model speculator launches every draft step eagerly, and its host-bound pace
-# moved two turns of one pricing 16-21 % apart: docs/results/2026-12-02-draft-ab-low.md).
+# graphs, where the draft-model speculator launches every draft step eagerly, so its pace follows
+# the host and moves a turn's throughput by more than a pricing does.
 #   1. profile the EAGLE-3 engine (profiles/configs/eagle3-qwen3-8b on Qwen3-8B) at 1024 / 8192 /
 #      16384 -> OUT/eagle3.parquet
 #   2. `dspark-calib advise` on it at the decaying schedule, 1 to 256 requests at 1024 / 4096 /
@@ -20,8 +20,14 @@ left() { echo $(( end - $(date +%s) )); }
 killgpu() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9; sleep 3; }
 { date -u; hostname; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$py" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; } 2>&1
-echo "== profile eagle3 $(date -u +%T)"
-METHOD=eagle3 DRAFT=profiles/configs/eagle3-qwen3-8b OUT="$out" timeout -k 10 $(( $(left) - 420 )) \
+# the arms' shares, kept back from the profile: an arm's engine child stops 65 s before its
+# deadline (serve_context.py's KILL_MARGIN_S), and an EAGLE-3 engine started stock runs vLLM's
+# own start-up profile first
+ab_share=420; fixed_share=260
+budget=$(( $(left) - ab_share - fixed_share ))
+if [ "$budget" -lt 240 ]; then echo "only $(left) s left: no time to profile and serve"; exit 1; fi
+echo "== profile eagle3 $(date -u +%T), at most $budget s"
+METHOD=eagle3 DRAFT=profiles/configs/eagle3-qwen3-8b OUT="$out" timeout -k 10 "$budget" \
   bash benchmarks/proofs/profile.sh eagle3 --tp 1 --context-len 1024 --context-len 8192 --context-len 16384 \
   --replays 10 --max-model-len 32768
 echo "profile rc=$? $(date -u +%T)"; killgpu
@@ -43,6 +49,6 @@ arm() {  # arm NAME NEED_S SHARE_S
     --deadline-epoch $(( $(date +%s) + share ))
   echo "arm $1 rc=$? $(date -u +%T)"; killgpu
 }
-arm eagle3-ab-tail20-chunks-noobs-pinned 300 480
-arm eagle3-fixed 120 200
+arm eagle3-ab-tail20-chunks-noobs-pinned 360 "$ab_share"
+arm eagle3-fixed 220 "$fixed_share"
 "$py" benchmarks/serving/serve_context.py report --results "$out/arms"; echo "report rc=$?"

@@ -26,6 +26,7 @@ profile() {  # profile NAME STATE NEED_S SHARE_S [options...]
   if [ "$(left)" -lt "$need" ]; then echo "skip profile $name: $(left) s left"; return 1; fi
   [ "$share" -gt "$(( $(left) - 5 ))" ] && share=$(( $(left) - 5 ))
   echo "== profile $name ($state) $(date -u +%T), at most $share s"
+  rm -f "$out/tables/$name.parquet"  # a table left by an earlier run is not this run's
   OUT="$out/tables" timeout -k 10 "$share" bash benchmarks/proofs/profile.sh "$name" --tp 1 \
     --context-len 1024 --context-len 8192 --context-len 16384 --replays 5 --max-model-len 32768 \
     --gpu-state "$state" "$@"
@@ -33,15 +34,17 @@ profile() {  # profile NAME STATE NEED_S SHARE_S [options...]
 }
 { date -u; hostname; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$py" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; } 2>&1
-profile startup startup 300 420
-profile serving serving 300 420 --settle 5
 tables=(--table "shipped=$shipped")
-for t in startup serving; do [ -f "$out/tables/$t.parquet" ] && tables+=(--table "$t=$out/tables/$t.parquet"); done
-if [ "$(left)" -ge 200 ]; then
-  echo "== arm stock $(date -u +%T)"
+profile startup startup 300 420 && tables+=(--table "startup=$out/tables/startup.parquet")
+profile serving serving 300 420 --settle 5 && tables+=(--table "serving=$out/tables/serving.parquet")
+# the arm's engine child stops 65 s before its deadline (KILL_MARGIN_S); a stock start runs vLLM's
+# own start-up profile, then the warm-up and the three workloads
+if [ "$(left)" -ge 420 ]; then
+  share=540; [ "$share" -gt "$(( $(left) - 30 ))" ] && share=$(( $(left) - 30 ))
+  echo "== arm stock $(date -u +%T), at most $share s"
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$py" benchmarks/serving/serve_context.py arm stock \
     --table "$shipped" --out "$out/arms" --workloads ctx3k,ctx12k,mix-2-4-12k --waves 2 --observe-every 1 \
-    --deadline-epoch $(( end - 5 ))
+    --deadline-epoch $(( $(date +%s) + share ))
   echo "arm stock rc=$? $(date -u +%T)"; killgpu
 else
   echo "skip arm stock: $(left) s left"

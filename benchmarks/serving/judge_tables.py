@@ -9,7 +9,9 @@ observed (context-ARM.json and context-ARM-observed.parquet there). Each table p
 observed steps as `dspark-calib validate` does (context-aware and at the table's context nearest
 vLLM's 8192: vLLM's one curve), per kind (drafts, decode verifies, prefill-carrying verifies) and
 context bucket (powers of two), once over the --decide workloads' steps and once over the rest.
-A table, a profile state or a correction is chosen on the first part; only the second says how
+A table of another engine than the one the observe files record (a blocking fingerprint key
+differs) is not judged, and says why; the other tables still are. A table, a profile state or a
+correction is chosen on the first part; only the second says how
 well the choice prices steps it was not chosen on (a choice judged on its own steps looks better
 than it is). The goal line reads the held-out part: every bucket with at least MIN_STEPS steps
 within GOAL_MEDIAN_PCT median and GOAL_BIAS_PCT bias.
@@ -52,6 +54,7 @@ def split_rows(arm_json: dict[str, Any], cols: dict[str, Any], decide: set[str])
 
 
 def judge(tables: dict[str, str], results: str, arm: str, decide: set[str]) -> dict[str, Any]:
+    from dspark_calib.errors import CalibError
     from dspark_calib.observe.file import ObservedSteps, read_observed
     from dspark_calib.table.file import read_table
     from dspark_calib.validate import AWARE, SINGLE, validate
@@ -67,23 +70,46 @@ def judge(tables: dict[str, str], results: str, arm: str, decide: set[str]) -> d
                                          "held_out": [w for w in workloads if w not in decide]},
                            "tables": {}, "rows": [], "by_clock": [], "goal": {}}
     for name, path in tables.items():
-        table = read_table(path)
+        try:  # one table that cannot price these steps costs its own rows, not the others'
+            table = read_table(path)
+            recorded = [meta.check_engine(table.fingerprint, file) for file, meta in zip(obs.files, obs.metadata)]
+            if not all(recorded):  # files before the engine was recorded: the arm's own speculator
+                problem = speculator_mismatch(table.fingerprint.to_dict(), arm_json)
+                if problem:
+                    raise CalibError(f"served by another speculator than the table's: {problem}")
+            rows = []
+            for part, picked in parts.items():
+                sub = ObservedSteps({k: v[picked] for k, v in cols.items()}, obs.files, obs.metadata)
+                if len(sub) == 0:
+                    continue
+                result = validate(table, sub)
+                rows += [{"table": name, "part": part, "kind": g.kind, "context_bucket": g.context_bucket,
+                          "steps": g.errors[AWARE].n, "one_curve": g.errors[SINGLE].to_dict(),
+                          "context_aware": g.errors[AWARE].to_dict()}
+                         for g in list(result.overall) + list(result.by_context)]
+                out["by_clock"] += [{"table": name, "part": part, "kind": c.kind, "clock_bucket_mhz": c.clock_bucket,
+                                     "steps": c.errors[AWARE].n, "context_aware": c.errors[AWARE].to_dict()}
+                                    for c in result.by_clock]
+        except CalibError as exc:
+            out["tables"][name] = {"path": path, "error": str(exc)}
+            continue
         out["tables"][name] = {"path": path, "hash": table.content_hash[:12],
                                "gpu_state": table.fingerprint.to_dict().get("gpu_state")}
-        for part, rows in parts.items():
-            sub = ObservedSteps({k: v[rows] for k, v in cols.items()}, obs.files, obs.metadata)
-            if len(sub) == 0:
-                continue
-            result = validate(table, sub)
-            for g in list(result.overall) + list(result.by_context):
-                out["rows"].append({"table": name, "part": part, "kind": g.kind, "context_bucket": g.context_bucket,
-                                    "steps": g.errors[AWARE].n,
-                                    "one_curve": g.errors[SINGLE].to_dict(), "context_aware": g.errors[AWARE].to_dict()})
-            for c in result.by_clock:
-                out["by_clock"].append({"table": name, "part": part, "kind": c.kind, "clock_bucket_mhz": c.clock_bucket,
-                                        "steps": c.errors[AWARE].n, "context_aware": c.errors[AWARE].to_dict()})
+        out["rows"] += rows
         out["goal"][name] = goal(out["rows"], name)
     return out
+
+
+def speculator_mismatch(fp: dict[str, Any], arm_json: dict[str, Any]) -> str | None:
+    """The first of the table's speculator keys the arm's engine (its summary's speculative_config)
+    says otherwise, as "key: table X, arm Y", or None."""
+    spec = (arm_json.get("engine") or {}).get("speculative_config") or {}
+    draft = os.path.basename(str(spec.get("model") or "").rstrip("/")) or None
+    for key, served in (("speculative_method", spec.get("method")), ("draft_model", draft),
+                        ("num_speculative_tokens", spec.get("num_speculative_tokens"))):
+        if served is not None and fp.get(key) is not None and str(fp[key]) != str(served):
+            return f"{key}: table {fp[key]}, arm {served}"
+    return None
 
 
 def goal(rows: list[dict[str, Any]], table: str) -> dict[str, Any]:
@@ -102,21 +128,26 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [f"Tables judged on arm `{doc['arm']}` ({doc['results']}); decided on "
              f"{', '.join(doc['workloads']['decide'])}, held out: {', '.join(doc['workloads']['held_out'])}.", ""]
     for n, t in doc["tables"].items():
-        lines.append(f"- {n}: `{t['path']}` (hash {t['hash']}, GPU state {t['gpu_state'] or 'startup'})")
+        lines.append(f"- {n}: `{t['path']}` " + (f"not judged: {t['error']}" if "error" in t else
+                                                  f"(hash {t['hash']}, GPU state {t['gpu_state'] or 'startup'})"))
+    names = [n for n in names if "error" not in doc["tables"][n]]
+    if not names:
+        return "\n".join(lines) + "\n"
     for part in PARTS:
         rows = [r for r in doc["rows"] if r["part"] == part]
         if not rows:
             continue
         lines += ["", f"{'Decide' if part == 'decide' else 'Held out'}: median absolute error % (bias %) per kind "
-                      f"and context bucket; the one curve is the first table's at its context nearest 8192:", "",
+                      f"and context bucket; the one curve is {names[0]}'s at its context nearest 8192:", "",
                   "| kind | context | steps | one curve | " + " | ".join(names) + " |",
                   "|---|---|---:|---:|" + "---:|" * len(names)]
         keys = list(dict.fromkeys((r["kind"], r["context_bucket"]) for r in rows))
         for kind, bucket in keys:
             got = {r["table"]: r for r in rows if (r["kind"], r["context_bucket"]) == (kind, bucket)}
-            first = got.get(names[0]) or next(iter(got.values()))
+            first = got.get(names[0])  # every table prices the same steps: the first one's count and one curve
             cells = [_cell(got[n]["context_aware"]) if n in got else "-" for n in names]
-            lines.append(f"| {kind} | {bucket} | {first['steps']} | {_cell(first['one_curve'])} | " + " | ".join(cells) + " |")
+            lines.append(f"| {kind} | {bucket} | {first['steps'] if first else '-'} | "
+                         f"{_cell(first['one_curve']) if first else '-'} | " + " | ".join(cells) + " |")
     lines += ["", f"Goal on the held-out part (every bucket of >= {MIN_STEPS} steps within {GOAL_MEDIAN_PCT:g} % median "
                   f"and {GOAL_BIAS_PCT:g} % bias):", ""]
     for n, g in doc["goal"].items():
@@ -146,7 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         if not eq or not name or not os.path.isfile(path):
             print(f"--table {t}: give NAME=PATH of an existing table", file=sys.stderr)
             return 2
+        if name in tables:
+            print(f"--table {t}: the name {name} is given twice", file=sys.stderr)
+            return 2
         tables[name] = path
+    for option, target in (("--json", args.json), ("--md", args.md)):
+        if target and not os.path.isdir(os.path.dirname(os.path.abspath(target))):
+            print(f"{option} {target}: no such directory", file=sys.stderr)
+            return 2
     from dspark_calib.errors import CalibError
 
     try:

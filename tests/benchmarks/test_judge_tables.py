@@ -11,6 +11,7 @@ from tests.benchmarks.conftest import REPO
 
 RUN = REPO / "benchmarks" / "results" / "h200" / "2026-12-01-0742-context"
 SHIPPED = REPO / "profiles" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet"
+DRAFT_TABLE = REPO / "profiles" / "h200" / "qwen3-8b__qwen3-0.6b__tp1__nvidia-h200__a9f289a525a3.parquet"
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,22 @@ def test_the_goal_by_hand(jt):
     assert jt.goal(rows, "other")["met"] is False  # nothing judged is not a pass
 
 
+def test_a_table_of_another_speculator_is_not_judged_and_the_others_still_are(jt, tmp_path):
+    """This run's observe files record no engine: the arm's own speculative config decides."""
+    out = tmp_path / "j.json"
+    assert jt.main([str(RUN), "stock", "--table", f"draft={DRAFT_TABLE}", "--table", f"shipped={SHIPPED}",
+                    "--decide", "ctx1k", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["tables"]["draft"]["error"].endswith("speculative_method: table draft_model, arm dspark")
+    assert {r["table"] for r in doc["rows"]} == {"shipped"} and set(doc["goal"]) == {"shipped"}
+    assert jt.speculator_mismatch({"speculative_method": "dspark", "draft_model": "dspark-qwen3-8b-block7"},
+                                  {"engine": {"speculative_config": {"method": "dspark",
+                                                                     "model": "/x/dspark-qwen3-8b-block7/"}}}) is None
+
+
 @pytest.mark.parametrize("args, says", [
+    (["--table", f"s={SHIPPED}", "--table", f"s={SHIPPED}", "--decide", "ctx1k"], "the name s is given twice"),
+    (["--table", f"s={SHIPPED}", "--decide", "ctx1k", "--md", "/no/such/dir/j.md"], "--md /no/such/dir/j.md: no such directory"),
     (["--table", "x=/nope.parquet", "--decide", "ctx1k"], "--table x=/nope.parquet: give NAME=PATH of an existing table"),
     (["--table", f"s={SHIPPED}", "--decide", "ctx2k"], "--decide ctx2k: not a workload of this arm"),
     (["--table", f"s={SHIPPED}", "--decide", "ctx1k,ctx16k,mix,ctx8k"], "leave others held out"),

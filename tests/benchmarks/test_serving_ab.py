@@ -156,6 +156,22 @@ def test_forward_tokens_and_the_ab_report_by_hand(sc):
     assert half["table_vs_stock_tok_s"] is None and half["noise"] is None  # a turn missing: no ratio
 
 
+def test_the_drafter_share_pairs_each_call_with_its_own_step_in_the_summary_and_the_steps_file(sc):
+    """Call i's step is start[i+1] - start[i] and its drafter drafter_ms[i]; the last call and a call
+    without a drafter count in neither. The live summary and the report's reading of the per-step
+    file (interval_ms[i + 1]) agree."""
+    start = [0.0, 0.100, 0.130, 0.300, 0.310, 0.500]
+    drafter = [60.0, 20.0, None, 5.0, 150.0, 70.0]
+    raw = {"start_s": start, "end_s": [t + 0.001 for t in start], "num_tokens": [8] * 6, "num_reqs": [1] * 6,
+           "drafter_ms": drafter, "target_ms": [1.0] * 6}
+    # pairs: (100, 60), (30, 20), (10, 5), (190, 150); call 2 has no drafter, call 5 no successor
+    want = {"drafter_share_steps": 4, "step_mean_ms": 82.5, "drafter_mean_ms": 58.75, "rest_mean_ms": 23.75}
+    got = sc.step_timer_summary(raw)
+    assert {k: got[k] for k in want} == want
+    steps = sc.step_times(raw)
+    assert sc.drafter_share(steps["interval_ms"][1:], steps["drafter_ms"]) == want
+
+
 def test_the_ab_report_holds_the_drafter_at_the_pooled_mean_by_hand(sc, tmp_path):
     """Turns whose drafter changed pace (60 and 100 ms a step) around the same rest: held at the
     pooled 80 ms, each turn's tok/s is scaled by its step over rest + 80. The figures come from the
