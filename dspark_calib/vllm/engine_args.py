@@ -37,7 +37,7 @@ def resolve(argv: Sequence[str], hardware: Mapping[str, Any], environ: Mapping[s
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     env["VLLM_LOGGING_LEVEL"] = "ERROR"  # vLLM logs to stdout: check's output (and --json) stays check's
     facts = {k: v for k, v in hardware.items() if k in HARDWARE_KEYS and v not in (None, "")}
-    with _environment(env), _quiet_vllm(), _stand_in_platform(facts), _kernel_free_constants():
+    with _environment(env), _quiet_vllm(), _stand_in_platform(facts), _kernel_free_constants(), _no_modelinfo_write():
         config, args = _engine_config(strip_command(argv))
         from dspark_calib.vllm.engine_info import describe_engine
 
@@ -128,6 +128,24 @@ def _kernel_free_constants() -> Iterator[None]:
     finally:
         for name in placed:
             sys.modules.pop(name, None)
+
+
+@contextlib.contextmanager
+def _no_modelinfo_write() -> Iterator[None]:
+    """vLLM inspects a model class it has no cached record of in a subprocess (this machine's own
+    platform), then writes the record to its cache through its model loader, whose attention
+    layers import the CUDA flash-attention extension under the stand-in CUDA platform: on a machine
+    without CUDA that import fails and vLLM reports the architecture as not inspectable. check needs
+    vLLM's answer, not its cache: the write is skipped while check resolves."""
+    from vllm.model_executor.models import registry
+
+    lazy = registry._LazyRegisteredModel
+    save = lazy._save_modelinfo_to_cache
+    lazy._save_modelinfo_to_cache = lambda self, mi, module_hash: None
+    try:
+        yield
+    finally:
+        lazy._save_modelinfo_to_cache = save
 
 
 @contextlib.contextmanager

@@ -180,6 +180,26 @@ def test_vllms_refusal_of_the_flags_is_one_line():
     one_line_error(r, "serve flags: vLLM refuses them", "full CUDA graphs")
 
 
+def test_check_resolves_in_a_fresh_process_with_vllms_model_cache_empty(tmp_path):
+    """A machine that never ran vLLM has no model-info record in vLLM's cache: vLLM inspects the
+    architecture in a subprocess, and its cache write (which imports the CUDA flash-attention
+    extension under check's stand-in CUDA platform) must not turn that into a refusal."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "vllm-cache"
+    options = [f"--gpu-name={HARDWARE['gpu_name']}", *(f"--engine={k}={v}" for k, v in HARDWARE.items()
+                                                       if k != "gpu_name"),
+               *(f"--engine={k}={v}" for k, v in BACKENDS.items())]
+    r = subprocess.run([sys.executable, "-m", "dspark_calib", "check", SHELF, *options, "--json", "--", *README],
+                       env={**os.environ, "VLLM_CACHE_ROOT": str(cache)}, capture_output=True, text=True,
+                       timeout=600, cwd=REPO, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout)
+    assert d["loads"] and d["resolution"].startswith("resolved through vLLM's EngineArgs")
+    assert not (cache / "modelinfos").exists()  # check leaves vLLM's cache as it found it
+
+
 def test_resolution_leaves_vllms_platform_and_logging_as_they_were():
     """check resolves inside its own process: vLLM's platform, its logging and the environment
     are as they were afterwards (the engine would configure them for itself)."""
