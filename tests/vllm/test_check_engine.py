@@ -82,6 +82,10 @@ CONFIGS = [
     # the engine: decided at start)
     ("no-method", replaced("--speculative-config", json.dumps(
         {"model": DRAFT, "num_speculative_tokens": 7, "enable_adaptive_verification": True})), {}, TP1),
+    # an EAGLE-3 head (profiles/configs): vLLM builds its config on this machine; no shipped table is its
+    ("eagle3", replaced("--speculative-config", json.dumps(
+        {"method": "eagle3", "model": str(REPO / "profiles" / "configs" / "eagle3-qwen3-8b"),
+         "num_speculative_tokens": 7, "enable_adaptive_verification": True})), {}, None),
 ]
 
 
@@ -95,7 +99,8 @@ def vllm_config(argv, env):
     from dspark_calib.vllm import engine_args as EA
 
     full = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1", **env}
-    with EA._environment(full), EA._quiet_vllm(), EA._stand_in_platform(HARDWARE), EA._kernel_free_constants():
+    with (EA._environment(full), EA._quiet_vllm(), EA._stand_in_platform(HARDWARE), EA._kernel_free_constants(),
+          EA._no_modelinfo_write()):
         ns = make_arg_parser(FlexibleArgumentParser()).parse_args(EA.strip_command(argv))
         ns.model = ns.model_tag or ns.model
         return AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
