@@ -139,8 +139,11 @@ def _no_modelinfo_write() -> Iterator[None]:
     vLLM's answer, not its cache: the write is skipped while check resolves."""
     from vllm.model_executor.models import registry
 
-    lazy = registry._LazyRegisteredModel
-    save = lazy._save_modelinfo_to_cache
+    lazy = getattr(registry, "_LazyRegisteredModel", None)
+    save = getattr(lazy, "_save_modelinfo_to_cache", None)
+    if save is None:  # a vLLM without this cache write: nothing to skip
+        yield
+        return
     lazy._save_modelinfo_to_cache = lambda self, mi, module_hash: None
     try:
         yield
