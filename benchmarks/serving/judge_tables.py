@@ -148,9 +148,22 @@ def markdown(doc: dict[str, Any]) -> str:
             cells = [_cell(got[n]["context_aware"]) if n in got else "-" for n in names]
             lines.append(f"| {kind} | {bucket} | {first['steps'] if first else '-'} | "
                          f"{_cell(first['one_curve']) if first else '-'} | " + " | ".join(cells) + " |")
+    clocked = [c for c in doc["by_clock"] if c["part"] == "held_out" and c["table"] in names]
+    if clocked:
+        lines += ["", "Held out, by the GPU's SM clock as sampled with each step (context-aware pricing; the profile's "
+                      "blocks ran at the clocks its telemetry records: `dspark-calib inspect TABLE`):", "",
+                  "| kind | SM MHz | steps | " + " | ".join(names) + " |", "|---|---|---:|" + "---:|" * len(names)]
+        for kind, bucket in dict.fromkeys((c["kind"], c["clock_bucket_mhz"]) for c in clocked):
+            got = {c["table"]: c for c in clocked if (c["kind"], c["clock_bucket_mhz"]) == (kind, bucket)}
+            steps = next(iter(got.values()))["steps"]
+            lines.append(f"| {kind} | {bucket} | {steps} | "
+                         + " | ".join(_cell(got[n]["context_aware"]) if n in got else "-" for n in names) + " |")
     lines += ["", f"Goal on the held-out part (every bucket of >= {MIN_STEPS} steps within {GOAL_MEDIAN_PCT:g} % median "
                   f"and {GOAL_BIAS_PCT:g} % bias):", ""]
     for n, g in doc["goal"].items():
+        if not g["buckets"]:
+            lines.append(f"- {n}: not judged: no held-out bucket has {MIN_STEPS} steps")
+            continue
         lines.append(f"- {n}: {'met' if g['met'] else 'not met'} over {g['buckets']} buckets"
                      + (f"; misses: {'; '.join(g['misses'])}" if g["misses"] else ""))
     return "\n".join(lines) + "\n"

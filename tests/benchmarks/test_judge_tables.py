@@ -58,6 +58,17 @@ def test_the_held_out_part_is_the_other_workloads_and_validate_prices_each_part(
     assert "Held out: median absolute error" in md and "| verify | 16384-32767 | 34 |" in md
 
 
+def test_held_out_steps_by_sm_clock_and_a_goal_with_no_bucket_to_judge(jt, tmp_path):
+    """A draft-model run whose observe files record the SM clock per step (and the engine: its table fits)."""
+    run = REPO / "benchmarks" / "results" / "h200" / "2026-12-02-0537-draft-goodput-warm"
+    md = tmp_path / "j.md"
+    assert jt.main([str(run), "draft-stock-pinned", "--table", f"t={DRAFT_TABLE}", "--decide", "ctx1k",
+                    "--md", str(md), "--json", str(tmp_path / "j.json")]) == 0
+    text = md.read_text()
+    assert "Held out, by the GPU's SM clock" in text and "| verify | 1950-1999 | 37 |" in text
+    assert "- t: not judged: no held-out bucket has 20 steps" in text
+
+
 def test_the_goal_by_hand(jt):
     def row(kind, bucket, n, med, bias, part="held_out", table="t"):
         return {"table": table, "part": part, "kind": kind, "context_bucket": bucket, "steps": n,
