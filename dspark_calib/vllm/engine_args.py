@@ -37,7 +37,7 @@ def resolve(argv: Sequence[str], hardware: Mapping[str, Any], environ: Mapping[s
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     env["VLLM_LOGGING_LEVEL"] = "ERROR"  # vLLM logs to stdout: check's output (and --json) stays check's
     facts = {k: v for k, v in hardware.items() if k in HARDWARE_KEYS and v not in (None, "")}
-    with _environment(env), _quiet_vllm(), _stand_in_platform(facts), _kernel_free_constants(), _no_modelinfo_write():
+    with resolving(env, facts):
         config, args = _engine_config(strip_command(argv))
         from dspark_calib.vllm.engine_info import describe_engine
 
@@ -49,6 +49,15 @@ def resolve(argv: Sequence[str], hardware: Mapping[str, Any], environ: Mapping[s
     if dropped:
         how += f"; left to the engine (GPU facts not given): {', '.join(dropped)}"
     return Resolved(engine, profile_context(env), how)
+
+
+@contextlib.contextmanager
+def resolving(env: Mapping[str, str], facts: Mapping[str, Any]) -> Iterator[None]:
+    """Everything vLLM's config classes need to resolve serve flags here as on the GPU host: its
+    environment, its logging quiet, the stand-in CUDA platform with these facts, the kernel-bound
+    constants and no write to its model cache; all as they were afterwards."""
+    with _environment(env), _quiet_vllm(), _stand_in_platform(facts), _kernel_free_constants(), _no_modelinfo_write():
+        yield
 
 
 def _unknown_without_facts(facts: Mapping[str, Any], args: Any) -> list[str]:

@@ -99,8 +99,7 @@ def vllm_config(argv, env):
     from dspark_calib.vllm import engine_args as EA
 
     full = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1", **env}
-    with (EA._environment(full), EA._quiet_vllm(), EA._stand_in_platform(HARDWARE), EA._kernel_free_constants(),
-          EA._no_modelinfo_write()):
+    with EA.resolving(full, HARDWARE):
         ns = make_arg_parser(FlexibleArgumentParser()).parse_args(EA.strip_command(argv))
         ns.model = ns.model_tag or ns.model
         return AsyncEngineArgs.from_cli_args(ns).create_engine_config(UsageContext.OPENAI_API_SERVER)
