@@ -8,10 +8,11 @@ measured / predicted over the drafts (full CUDA-graph steps) and over the decode
 too, and moved with it, but fitted on by nobody). A region with fewer than ``MIN_STEPS``
 steps takes its kind's factor over both regions; a kind with fewer is left at 1.
 
-Why this model: every residual of the served steps leans the same way (serving sustains
-lower SM clocks than the profile's short blocks), a uniform scale is what a clock change
-does to a step, and graph replays and eager steps are the two kinds of step whose slowdown
-may differ. A per-context scale (more parameters) made held-out steps worse before; the
+Why this model: the part of the residuals a factor can carry is a host's level (H200s of one
+pool serve a few % apart at the profile's own step shape), uniform over a curve, and graph
+replays and eager steps are the two kinds of step whose level may differ. Decode verifies of
+fewer, longer requests than the profile times (validate's by-shape split) lean further, by
+their shape; one factor per kind cannot follow that and leaves it in validate's report. A per-context scale (more parameters) made held-out steps worse before; the
 factors here are what docs/pricing.md reports on held-out served steps.
 
 Which files: only evidence of this table's engine. A file recording the table it served

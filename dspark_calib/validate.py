@@ -22,7 +22,13 @@ Errors are absolute % of the measured cost, median and p90, per kind x
 size bucket x context bucket (powers of two), per kind x context bucket, and per
 kind; and per kind x SM-clock bucket (CLOCK_BUCKET_MHZ wide) where the files record the GPU's
 clock per step (observe schema 1.4), so a run can show whether the residuals follow the clock
-(a profile's clocks against serving's). Where the files record the host's step interval (observe
+(a profile's clocks against serving's). Decode verifies also per context bucket x shape
+(``ShapeErrors``): the step's requests over the profile's at its size, R(N) = min(N, the profiling
+engine's max_num_seqs). The profile times R(N) requests of one token each (vLLM's dummy batches)
+and the KV-sum rule prices a step of fewer, longer requests as that shape at the same KV read;
+a step whose requests fill R(N) is the profile's own shape, one that fills it partly (requests
+with several tokens each, or a size padded to a captured graph) is a shape no profile ran, and
+the split shows whether the residuals follow it. Where the files record the host's step interval (observe
 schema 1.6: the previous execute_model call's start to the step's, on TP rank 0), the interval per
 kind and context bucket beside the GPU-timed forward + drafter (``HostTime``): what no event prices
 (sampling, scheduling, the host's own work, a compile), and the stalls (intervals over STALL_MS).
@@ -83,6 +89,11 @@ MIXED_SPREAD = 1.25  # a decode step is "mixed" when its longest context is >= 1
 MIN_TAIL_STEPS = 20  # fewer mixed steps than this: no tail is suggested
 TAIL_STEP_MILLI = 50
 CLOCK_BUCKET_MHZ = 50  # an H200 serves at 1515-1575 MHz at its power limit, profiles at up to 1980
+# Shape buckets of a decode verify: its requests over the profile's R(N) (ShapeErrors). Above the
+# last edge the step is the profile's own shape (up to a few padded slots); at or below the first,
+# most requests verify drafts (several tokens each)
+FILL_EDGES = (0.5, 0.9)
+FILL_LABELS = ("<=0.5", "0.5-0.9", ">0.9")
 
 
 @dataclass(frozen=True)
@@ -254,6 +265,20 @@ class EngineAgreement:
 
 
 @dataclass(frozen=True)
+class ShapeErrors:
+    """One context bucket's decode verifies whose requests fill the profile's R(N) by one share."""
+
+    kind: str
+    context_bucket: str
+    fill_bucket: str  # FILL_LABELS: the step's num_reqs / R(num_target_tokens)
+    errors: dict[str, ErrorStats]  # pricing -> stats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "context_bucket": self.context_bucket, "fill_bucket": self.fill_bucket,
+                **{p: s.to_dict() for p, s in self.errors.items()}}
+
+
+@dataclass(frozen=True)
 class ValidationResult:
     table_hash: str
     files: tuple[str, ...]
@@ -268,6 +293,7 @@ class ValidationResult:
     groups: tuple[GroupErrors, ...]  # per kind x size bucket x context bucket
     clocked_steps: int  # steps whose SM clock the files record (observe schema >= 1.4, NVML)
     by_clock: tuple[ClockErrors, ...]  # per kind x SM-clock bucket, over the clocked steps
+    by_shape: tuple[ShapeErrors, ...]  # decode verifies per context bucket x fill of the profile's R(N)
     interval_steps: int  # steps whose host interval the files record (observe schema >= 1.6)
     host_time: tuple[HostTime, ...]  # per kind (context "all"), then per kind x context bucket
     budget_change: BudgetChange
@@ -285,6 +311,7 @@ class ValidationResult:
             "by_context": [g.to_dict() for g in self.by_context],
             "groups": [g.to_dict() for g in self.groups],
             "clocked_steps": self.clocked_steps, "by_clock": [g.to_dict() for g in self.by_clock],
+            "by_shape": [g.to_dict() for g in self.by_shape],
             "host_time": {"steps": self.interval_steps, "stall_ms": STALL_MS,
                           "groups": [g.to_dict() for g in self.host_time]},
             "budget_change": self.budget_change.to_dict(), "tail_fit": self.tail_fit.to_dict(),
@@ -480,8 +507,10 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     clock_bucket = (np.nan_to_num(c["gpu_sm_mhz"]) // CLOCK_BUCKET_MHZ).astype(np.int64) * CLOCK_BUCKET_MHZ
 
     intervals = ~np.isnan(c["step_interval_ms"])
+    fill = num_reqs / np.minimum(num_tokens, costs.profile_num_reqs).clip(1)
+    fill_bucket = np.searchsorted(np.asarray(FILL_EDGES), fill, side="left")  # (0, .5] -> 0, (.5, .9] -> 1, else 2
 
-    overall, by_context, groups, by_clock, host_time = [], [], [], [], []
+    overall, by_context, groups, by_clock, by_shape, host_time = [], [], [], [], [], []
     for kind in KINDS:
         keep = steps[kind]
         size_bucket = pow2_bucket(sizes[kind])
@@ -505,6 +534,10 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
             power = power[~np.isnan(power)]
             by_clock.append(ClockErrors(kind, f"{lo}-{lo + CLOCK_BUCKET_MHZ - 1}",
                                         float(np.median(power)) if len(power) else math.nan, stats(sel)))
+        if kind == "verify":
+            by_shape += [ShapeErrors(kind, bucket_label(int(cb), context_floor), FILL_LABELS[fb],
+                                     stats((ctx_bucket == cb) & (fill_bucket == fb)))
+                         for cb in np.unique(ctx_bucket[keep]) for fb in np.unique(fill_bucket[keep & (ctx_bucket == cb)])]
         timed = keep & intervals
         if timed.any():
             host_time.append(HostTime.of(kind, ALL, c, timed))
@@ -530,7 +563,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
         out_of_range_steps=int(((ctx < lo) | (ctx > hi)).sum()),
         verify_out_of_range_steps=int((steps["verify"] & ((vctx < lo) | (vctx > hi))).sum()), grid=grid.describe(),
         overall=tuple(overall), by_context=tuple(by_context), groups=tuple(groups),
-        clocked_steps=int(clocked.sum()), by_clock=tuple(by_clock),
+        clocked_steps=int(clocked.sum()), by_clock=tuple(by_clock), by_shape=tuple(by_shape),
         interval_steps=int(intervals.sum()), host_time=tuple(host_time),
         budget_change=BudgetChange(int(both.sum()), changed), tail_fit=tail_fit, prefill=prefill,
         engine=_agreement(observed, p.as_recorded, aware_draft, aware_verify),

@@ -14,7 +14,9 @@ differs) is not judged, and says why; the other tables still are. A table, a pro
 correction is chosen on the first part; only the second says how
 well the choice prices steps it was not chosen on (a choice judged on its own steps looks better
 than it is). The goal line reads the held-out part: every bucket with at least MIN_STEPS steps
-within GOAL_MEDIAN_PCT median and GOAL_BIAS_PCT bias.
+within GOAL_MEDIAN_PCT median and GOAL_BIAS_PCT bias. The held-out steps are also shown by the SM
+clock sampled with each step and, for decode verifies, by shape (validate's ShapeErrors): whether
+the residuals follow the GPU's clock or the step's requests against the profile's.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def judge(tables: dict[str, str], results: str, arm: str, decide: set[str]) -> d
     out: dict[str, Any] = {"arm": arm, "results": results, "host": arm_json.get("host"),
                            "workloads": {"decide": [w for w in workloads if w in decide],
                                          "held_out": [w for w in workloads if w not in decide]},
-                           "tables": {}, "rows": [], "by_clock": [], "goal": {}}
+                           "tables": {}, "rows": [], "by_clock": [], "by_shape": [], "goal": {}}
     for name, path in tables.items():
         try:  # one table that cannot price these steps costs its own rows, not the others'
             table = read_table(path)
@@ -90,6 +92,9 @@ def judge(tables: dict[str, str], results: str, arm: str, decide: set[str]) -> d
                 out["by_clock"] += [{"table": name, "part": part, "kind": c.kind, "clock_bucket_mhz": c.clock_bucket,
                                      "steps": c.errors[AWARE].n, "context_aware": c.errors[AWARE].to_dict()}
                                     for c in result.by_clock]
+                out["by_shape"] += [{"table": name, "part": part, "kind": g.kind, "context_bucket": g.context_bucket,
+                                     "fill_bucket": g.fill_bucket, "steps": g.errors[AWARE].n,
+                                     "context_aware": g.errors[AWARE].to_dict()} for g in result.by_shape]
         except CalibError as exc:
             out["tables"][name] = {"path": path, "error": str(exc)}
             continue
@@ -157,6 +162,18 @@ def markdown(doc: dict[str, Any]) -> str:
             got = {c["table"]: c for c in clocked if (c["kind"], c["clock_bucket_mhz"]) == (kind, bucket)}
             steps = next(iter(got.values()))["steps"]
             lines.append(f"| {kind} | {bucket} | {steps} | "
+                         + " | ".join(_cell(got[n]["context_aware"]) if n in got else "-" for n in names) + " |")
+    shaped = [g for g in doc["by_shape"] if g["part"] == "held_out" and g["table"] in names]
+    if shaped:
+        lines += ["", "Held out, decode verifies by shape: the step's requests over the R(N) = min(N, max_num_seqs) "
+                      "requests the profile times at its size N (> 0.9: the profile's own shape; fewer: longer "
+                      "requests at the same KV read, a shape no profile runs):", "",
+                  "| context | requests / R(N) | steps | " + " | ".join(names) + " |",
+                  "|---|---|---:|" + "---:|" * len(names)]
+        for bucket, fill in dict.fromkeys((g["context_bucket"], g["fill_bucket"]) for g in shaped):
+            got = {g["table"]: g for g in shaped if (g["context_bucket"], g["fill_bucket"]) == (bucket, fill)}
+            steps = next(iter(got.values()))["steps"]
+            lines.append(f"| {bucket} | {fill} | {steps} | "
                          + " | ".join(_cell(got[n]["context_aware"]) if n in got else "-" for n in names) + " |")
     lines += ["", f"Goal on the held-out part (every bucket of >= {MIN_STEPS} steps within {GOAL_MEDIAN_PCT:g} % median "
                   f"and {GOAL_BIAS_PCT:g} % bias):", ""]

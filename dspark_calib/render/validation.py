@@ -41,6 +41,7 @@ def _style(value: float, limit: float | None) -> str:
 Columns = Sequence[tuple[str, Callable[[Any], str]]]
 CONTEXT: Columns = (("context", lambda g: g.context_bucket),)
 SIZE_CONTEXT: Columns = (("size", lambda g: g.size_bucket), *CONTEXT)
+SHAPE: Columns = (*CONTEXT, ("requests / R(N)", lambda g: g.fill_bucket))
 CLOCK: Columns = (("SM clock MHz", lambda g: g.clock_bucket),
                   ("power W", lambda g: "—" if math.isnan(g.power_w) else f"{g.power_w:.0f}"))
 
@@ -158,6 +159,10 @@ def render_validation(result: ValidationResult, console: Console | None = None, 
                                     f"{result.num_steps} steps)", result.by_clock, limit=None, columns=CLOCK))
     else:
         console.print("by GPU SM clock: not recorded in these files (observe schema 1.5 with NVML records it)")
+    if result.by_shape:
+        console.print(_errors_table("decode verifies by shape (requests over the profile's R(N) = min(N, max_num_seqs) "
+                                    "at the step's size; > 0.9: the shape the profile times)", result.by_shape,
+                                    limit=max_error, columns=SHAPE))
     if result.host_time:
         console.print(_host_table(result))
     else:

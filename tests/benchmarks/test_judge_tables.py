@@ -106,3 +106,31 @@ def test_bad_input_is_one_line_and_exit_2(jt, capsys, args, says):
     assert jt.main([str(RUN), "stock", *args]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
+
+
+def test_held_out_decode_verifies_by_shape_match_validate_on_the_held_out_rows(jt, tmp_path):
+    from dspark_calib.observe.file import ObservedSteps, read_observed
+    from dspark_calib.table.file import read_table
+    from dspark_calib.validate import AWARE, validate
+    import numpy as np
+
+    out, md = tmp_path / "j.json", tmp_path / "j.md"
+    assert jt.main([str(RUN), "stock", "--table", f"shipped={SHIPPED}", "--decide", "ctx1k,ctx8k",
+                    "--json", str(out), "--md", str(md)]) == 0
+    got = {(g["context_bucket"], g["fill_bucket"]): g for g in json.loads(out.read_text())["by_shape"]
+           if g["part"] == "held_out"}
+    obs = read_observed([str(RUN / "context-stock-observed.parquet")])
+    cols = jt.sc.sorted_columns(dict(obs.columns))
+    segs, _ = jt.sc.segment_steps(cols, 4)
+    held = np.concatenate([segs[1], segs[2]])
+    want = validate(read_table(str(SHIPPED)), ObservedSteps({k: v[held] for k, v in cols.items()}, obs.files,
+                                                            obs.metadata)).by_shape
+    assert want and set(got) == {(g.context_bucket, g.fill_bucket) for g in want}
+    for g in want:
+        row = got[(g.context_bucket, g.fill_bucket)]
+        assert row["steps"] == g.errors[AWARE].n
+        assert row["context_aware"]["median_signed_pct"] == pytest.approx(g.errors[AWARE].median_signed_pct)
+    assert sum(g.errors[AWARE].n for g in want) == sum(
+        r["steps"] for r in json.loads(out.read_text())["rows"]
+        if r["part"] == "held_out" and r["kind"] == "verify" and r["context_bucket"] == "all")
+    assert "Held out, decode verifies by shape" in md.read_text()

@@ -684,3 +684,35 @@ def test_host_time_beside_the_priced_time_by_kind_and_context(reference_table, t
     console = Console(record=True, width=250)
     render_validation(older, console)
     assert "host time between steps: not recorded in these files (observe schema 1.6 records it)" in console.export_text()
+
+
+def test_decode_verifies_by_shape_split_the_profiles_own_shape_from_fewer_longer_requests(reference_table, tmp_path):
+    """Steps of the profile's shape (requests fill R(N)) measured as priced, steps of fewer requests
+    at the same size measured 10 % slower, steps of drafts (<= half of R(N)) 3 % slower: the shape
+    buckets show each lean apart in one context bucket, and the render names them."""
+    grid = ContextGrid.from_table(reference_table)
+    rng = np.random.default_rng(3)
+    rows, want = [], {">0.9": 0.0, "0.5-0.9": 0.10, "<=0.5": 0.03}
+    for i in range(240):
+        tokens = int(rng.choice([16, 32, 48, 64]))
+        label = (">0.9", "0.5-0.9", "<=0.5")[i % 3]
+        reqs = {">0.9": tokens, "0.5-0.9": int(tokens * 0.7), "<=0.5": tokens // 4}[label]
+        total = reqs * int(rng.integers(9000, 16000))
+        (gd,), (gv,) = grid.price([total], [reqs], [tokens])
+        rows.append(ObservedStep(step=i, forward_ms=float(gv) * (1 + want[label]), drafter_ms=float(gd),
+                                 num_target_tokens=tokens, num_reqs=reqs, full_cudagraph=True,
+                                 context_mean=total / reqs, context_max=-(-total // reqs), context_sum=total,
+                                 scheduled_drafts=7 * reqs, draft_budget=tokens - reqs, priced_context=0,
+                                 predicted_draft_ms=1.0, predicted_verify_ms=1.0))
+    res = validate(reference_table, write_steps(tmp_path, rows), tail_milli=0, chunks=False)
+    shape = {g.fill_bucket: g for g in res.by_shape}
+    assert set(shape) == set(want) and {g.context_bucket for g in res.by_shape} == {"8192-16383"}
+    for label, slower in want.items():
+        e = shape[label].errors[AWARE]
+        assert e.n == 80
+        assert e.median_signed_pct == pytest.approx(-100 * slower / (1 + slower), abs=1e-6)  # priced below the step
+    assert json.loads(json.dumps(res.to_dict()))["by_shape"][0]["fill_bucket"] in want
+    console = Console(record=True, width=220)
+    render_validation(res, console)
+    text = console.export_text()
+    assert "decode verifies by shape" in text and "0.5-0.9" in text and "-9.09%" in text
