@@ -24,6 +24,7 @@ def test_each_method_checks_its_drafter():
     assert speculator("dspark").check_drafter(config("dspark-qwen3-8b-block7"), DRAFT) == 7  # its block size
     assert speculator("draft_model").check_drafter(config("qwen3-0.6b"), "d") is None  # K must be given
     assert speculator("eagle3").check_drafter(config("eagle3-qwen3-8b"), "e") is None
+    assert speculator("dflash").check_drafter(config("dflash-qwen3-8b-b16"), "f") is None  # its block is not K
     with pytest.raises(CalibError, match="not a DSpark drafter: .*Qwen3ForCausalLM.*for --method dspark"):
         speculator("dspark").check_drafter(config("qwen3-0.6b"), "d")
     assert not SPECULATORS["mtp"].own_drafter  # the target's own layers draft

@@ -86,6 +86,10 @@ CONFIGS = [
     ("eagle3", replaced("--speculative-config", json.dumps(
         {"method": "eagle3", "model": str(REPO / "profiles" / "configs" / "eagle3-qwen3-8b"),
          "num_speculative_tokens": 7, "enable_adaptive_verification": True})), {}, None),
+    # a DFlash drafter (profiles/configs, block 16): the same, 15 drafts a step
+    ("dflash", replaced("--speculative-config", json.dumps(
+        {"method": "dflash", "model": str(REPO / "profiles" / "configs" / "dflash-qwen3-8b-b16"),
+         "num_speculative_tokens": 15, "enable_adaptive_verification": True})), {}, None),
 ]
 
 
