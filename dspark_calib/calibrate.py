@@ -11,9 +11,10 @@ steps takes its kind's factor over both regions; a kind with fewer is left at 1.
 Why this model: the part of the residuals a factor can carry is a host's level (H200s of one
 pool serve a few % apart at the profile's own step shape), uniform over a curve, and graph
 replays and eager steps are the two kinds of step whose level may differ. Decode verifies of
-fewer, longer requests than the profile times (validate's by-shape split) lean further, by
-their shape; one factor per kind cannot follow that and leaves it in validate's report. A per-context scale (more parameters) made held-out steps worse before; the
-factors here are what docs/pricing.md reports on held-out served steps.
+another shape than the profile's (validate's by-shape split) lean further, each shape its own
+way; one factor per kind cannot follow that and leaves it in validate's report. A per-context
+scale (more parameters) made held-out steps worse; the factors here are what docs/pricing.md
+reports on held-out served steps.
 
 Which files: only evidence of this table's engine. A file recording the table it served
 with must record this table (another table's steps would be fitted on another pricing); a

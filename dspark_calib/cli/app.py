@@ -783,6 +783,13 @@ def profile_cmd(
         help="serving state: most seconds of the block's heaviest step, back to back, before each block "
              "(default 5; 0: none, at most 120; ends early, after at least 1 s, once the SM clock and power "
              "have held still for 0.5 s).")] = None,
+    shape_replays: Annotated[int, typer.Option(
+        "--shape-replays", metavar="N",
+        help="Also time, after each context's blocks, every size that is a multiple of k + 1 (at most "
+             "max_num_seqs requests) as size / (k + 1) requests of k + 1 tokens (vLLM's uniform-decode batch: a "
+             "verify of every draft), N times each; "
+             "kept in --keep-capture's samples (shape_samples) for the analysis of served verify shapes, never "
+             "in the table's curves (default 0: none).")] = 0,
     load_format: Annotated[Optional[str], typer.Option(
         "--load-format", help="dummy (the default): random weights, only config.json is read (timings do not "
                               "depend on weights); auto: real weights.")] = None,

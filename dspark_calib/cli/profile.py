@@ -28,7 +28,8 @@ def check_ranges(*, context_len: Sequence[int], max_num_seqs: int, max_num_batch
                  gpu_memory_utilization: float, replays: int, warmup: int, tp: int,
                  num_speculative_tokens: int | None, max_model_len: int | None, load_format: str,
                  distributed_executor_backend: str | None, cooldown: float | None = None,
-                 gpu_state: str = "startup", settle: float | None = None) -> tuple[float, float]:
+                 gpu_state: str = "startup", settle: float | None = None,
+                 shape_replays: int = 0) -> tuple[float, float]:
     """Options that can be wrong on their own: one line naming the option and the value. Returns
     the plan's (cooldown_s, settle_s)."""
     for value in context_len:
@@ -37,7 +38,7 @@ def check_ranges(*, context_len: Sequence[int], max_num_seqs: int, max_num_batch
     for name, value, low in (("--max-num-seqs", max_num_seqs, 1), ("--max-num-batched-tokens", max_num_batched_tokens, 1),
                              ("--replays", replays, 1), ("--warmup", warmup, 0), ("--tp", tp, 1),
                              ("--num-speculative-tokens", num_speculative_tokens, 1),
-                             ("--max-model-len", max_model_len, 1)):
+                             ("--max-model-len", max_model_len, 1), ("--shape-replays", shape_replays, 0)):
         if value is not None and value < low:
             raise CalibError(f"{name} must be >= {low}, got {value}")
     if not 0 < gpu_memory_utilization <= 1:
@@ -168,7 +169,8 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
          max_model_len: int | None, distributed_executor_backend: str | None, out: str,
          keep_capture: str | None, engine_arg: Sequence[str], engine_args_json: str | None,
          strict_stability: bool = False, cooldown: float | None = None, force: bool = False,
-         from_capture: str | None = None, gpu_state: str = "startup", settle: float | None = None) -> None:
+         from_capture: str | None = None, gpu_state: str = "startup", settle: float | None = None,
+         shape_replays: int = 0) -> None:
     """The `profile` command: everything checkable first (options, the output path, the model
     configs, vLLM's presence and the GPUs, all without importing vllm or torch), then one
     engine start. With `from_capture`, no engine: the table from that kept capture (rebuild).
@@ -180,7 +182,7 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
                                ("--gpu-memory-utilization", gpu_memory_utilization is not None),
                                ("--distributed-executor-backend", distributed_executor_backend is not None),
                                ("--engine-arg", bool(engine_arg)), ("--engine-args-json", engine_args_json is not None),
-                               ("--keep-capture", keep_capture is not None)))
+                               ("--keep-capture", keep_capture is not None), ("--shape-replays", shape_replays != 0)))
     load_format = ProfileOptions.load_format if load_format is None else load_format
     if gpu_memory_utilization is None:
         gpu_memory_utilization = ProfileOptions.gpu_memory_utilization
@@ -189,7 +191,7 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
         gpu_memory_utilization=gpu_memory_utilization, replays=replays, warmup=warmup, tp=tp,
         num_speculative_tokens=num_speculative_tokens, max_model_len=max_model_len, load_format=load_format,
         distributed_executor_backend=distributed_executor_backend, cooldown=cooldown, gpu_state=gpu_state,
-        settle=settle)
+        settle=settle, shape_replays=shape_replays)
     from dspark_calib.fingerprint import check_model_dtype
 
     check_model_dtype(dtype, "--dtype")
@@ -208,6 +210,7 @@ def main(*, model: str, draft: str | None, method: str, tp: int, num_speculative
         model=model_dir, draft=draft_dir, method=method, tp=tp, num_speculative_tokens=num_speculative_tokens,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         context_lens=tuple(sorted(set(context_len))), replays=replays, warmup=warmup, gpu_state=gpu_state,
+        shape_replays=shape_replays,
         cooldown_s=cooldown_s, settle_s=settle_s, load_format=load_format,
         dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
@@ -303,7 +306,9 @@ def _profile(opts: Any, out: TableOut, log_path: str, keep_capture: str | None, 
                 profiling = True
                 progress.reset(task, total=state["total"], completed=state["done"])
             where = f"profiling ctx {state['context_len']}"
-            if "block" in state:
+            if state.get("shape"):
+                where += ", shape block (k + 1 tokens a request: the capture's shape_samples)"
+            elif "block" in state:
                 kind = "warm-up" if state["warmup"] else f"{state['samples_per_size']} samples/size"
                 where += f", block {state['block']}/{state['blocks']} of vLLM's {state['vllm_replays']} replays ({kind})"
             progress.update(task, total=state["total"], completed=state["done"], description=where)

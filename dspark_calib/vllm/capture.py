@@ -6,7 +6,7 @@ the `profile` command through one directory, whose layout is owned by
 `CaptureDir` below (nobody else builds these paths):
 
 * plan.json (written by `profile`): context lengths, timed and warm-up replays per size, the GPU
-  state blocks start in and its cool-down or settle time.
+  state blocks start in and its cool-down or settle time, and the shape replays (below).
 * .lock (TP rank 0, for the whole capture): one engine per directory.
 * progress.json (TP rank 0, while profiling): batches done / total.
 * samples-rank{R}.json (every TP rank, atomically, when profiling ends): the tagged
@@ -21,6 +21,17 @@ sequence, in vLLM's order and grouping, once per block (warm-up blocks first,
 discarded), for every context length, TP rank 0 cooling down before every block but
 the first, or every rank settling under load before every block (gpu_state.py). A sample's
 replay index counts block x vLLM's replays of that size (negative: warm-up and settle steps).
+
+Shape blocks (plan.shape_replays > 0): vLLM's profile times every size N as R(N) = min(N,
+max_num_seqs) requests of about one token, the only verify shape a table holds; served verifies
+carry several tokens a request, fewer requests reading the same KV, and run slower than that
+shape at the same KV read (docs/results/2026-12-02-serving-state.md). After a context's timed
+blocks, one more block times each size that vLLM's uniform-decode dummy batch can take (N a
+multiple of k + 1, at most max_num_seqs requests) as N / (k + 1) requests of k + 1 tokens
+(`uniform_decode=True`, the shape of a verify that checks every draft), shape_replays times
+back to back. Those samples go to the payload's ``shape_samples``, never to the curves, vLLM's
+fit or the block telemetry: the table stays vLLM's one shape, and the kept capture holds the
+second for the analysis that decides whether pricing should use it.
 
 Imports only the standard library at module level: the plugin may import this
 module in processes that never capture.
@@ -81,12 +92,14 @@ class Plan:
     cooldown_s: float = DEFAULT_COOLDOWN_S
     gpu_state: str = STARTUP
     settle_s: float = DEFAULT_SETTLE_S
+    shape_replays: int = 0  # timed replays of each size in the uniform-decode shape (0: no shape block)
 
     def __post_init__(self) -> None:
         if not self.context_lens or any(int(c) <= 0 for c in self.context_lens):
             raise ValueError(f"context lengths must be positive, got {self.context_lens}")
-        if self.replays < 1 or self.warmup < 0:
-            raise ValueError(f"need replays >= 1 and warmup >= 0, got {self.replays}, {self.warmup}")
+        if self.replays < 1 or self.warmup < 0 or self.shape_replays < 0:
+            raise ValueError(f"need replays >= 1, warmup >= 0 and shape replays >= 0, got {self.replays}, "
+                             f"{self.warmup}, {self.shape_replays}")
         object.__setattr__(self, "context_lens", tuple(int(c) for c in self.context_lens))
         object.__setattr__(self, "cooldown_s", check_cooldown(self.cooldown_s))
         object.__setattr__(self, "settle_s", check_settle(self.settle_s))
@@ -143,7 +156,8 @@ class CaptureDir:
                         warmup=int(data["warmup"]),  # an older plan.json has no cool-down: the default
                         cooldown_s=float(data.get("cooldown_s", DEFAULT_COOLDOWN_S)),
                         gpu_state=str(data.get("gpu_state", STARTUP)),
-                        settle_s=float(data.get("settle_s", DEFAULT_SETTLE_S)))
+                        settle_s=float(data.get("settle_s", DEFAULT_SETTLE_S)),
+                        shape_replays=int(data.get("shape_replays", 0)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CaptureError(PREFIX + f"{E.CAPTURE}={self.path}: no usable {PLAN_FILE} ({exc}); "
                                "capture mode is set by `dspark-calib profile` only") from None
@@ -236,6 +250,7 @@ class BatchTag:
     replay: int  # block x vLLM's replays of this size + k; < 0: warm-up or settle, timed by vLLM but discarded
     num_tokens: int
     block: int = 0  # < 0: a warm-up block
+    shape: bool = False  # a shape block's uniform-decode batch: shape_samples only
 
 
 @dataclass(frozen=True)
@@ -249,7 +264,8 @@ class Schedule:
     timed_blocks: int
 
     @classmethod
-    def build(cls, plan: Plan, vllm_batches: list[dict]) -> "Schedule":
+    def build(cls, plan: Plan, vllm_batches: list[dict], query_len: int = 0, max_reqs: int = 0) -> "Schedule":
+        """query_len (k + 1) and max_reqs (max_num_seqs) size the shape blocks; 0: none can run."""
         if not vllm_batches:
             raise CaptureError(PREFIX + "vLLM's batches_to_profile yielded no batch (no CUDA graph captured?); "
                                "nothing to profile, no table written")
@@ -266,7 +282,25 @@ class Schedule:
                     tags.append(BatchTag(ctx, block * counts[n] + seen[n], n, block))
                     seen[n] += 1
                     batches.append({**batch, "context_len": ctx})  # vLLM's dict, passed through
+            shaped: Counter = Counter()
+            for batch in shape_batches(vllm_batches, plan.shape_replays, query_len, max_reqs):
+                n = batch["num_tokens"]
+                tags.append(BatchTag(ctx, shaped[n], n, timed_blocks, shape=True))
+                shaped[n] += 1
+                batches.append({**batch, "context_len": ctx})
         return cls(tuple(tags), tuple(batches), per, warmup_blocks, timed_blocks)
+
+
+def shape_batches(vllm_batches: list[dict], replays: int, query_len: int, max_reqs: int) -> list[dict]:
+    """A shape block: each size of vLLM's sequence that its uniform-decode dummy batch can take
+    (a multiple of query_len, at most max_reqs requests), replays times back to back, in vLLM's
+    size order (the module docstring)."""
+    if replays <= 0 or query_len <= 1 or max_reqs <= 0:
+        return []
+    first = {b["num_tokens"]: b for b in reversed(vllm_batches)}  # each size's first dict, its keys kept
+    sizes = [n for n in dict.fromkeys(b["num_tokens"] for b in vllm_batches)
+             if n % query_len == 0 and n // query_len <= max_reqs]
+    return [{**first[n], "uniform_decode": True} for n in sizes for _ in range(replays)]
 
 
 @dataclass
@@ -343,7 +377,8 @@ class CaptureMode:
         with self._reported(rank):  # e.g. vLLM yielded no batch: the line must reach `profile`
             if isinstance(plan_or_error, str):
                 raise CaptureError(plan_or_error)
-            schedule = Schedule.build(plan_or_error, vllm_batches)
+            schedule = Schedule.build(plan_or_error, vllm_batches, int(manager.num_speculative_steps) + 1,
+                                      int(manager.req_states.max_num_reqs))
         plan = plan_or_error
         recorder = block_recorder() if rank == 0 else None
         reader = recorder.reader if recorder is not None else None
@@ -371,7 +406,7 @@ class CaptureMode:
                 first, current = current is None, (tag.context_len, tag.block)
                 if run.settle is not None:
                     yield from self._settle(run, {**settle_step, "context_len": tag.context_len})
-                reading = recorder.start(*current) if recorder is not None else None
+                reading = recorder.start(*current) if recorder is not None and not tag.shape else None
                 if cooler is not None and first:
                     cooler.baseline(reading)
             now = time.monotonic()
@@ -408,7 +443,7 @@ class CaptureMode:
                 self.dir.unlock()
         # vLLM still needs cost curves to finish starting: its own rule, on the timed
         # samples of the profiled context nearest the one it would have profiled itself.
-        original([s for s, t in zip(samples, run.ran) if t.replay >= 0 and t.context_len == vllm_ctx])
+        original([s for s, t in zip(samples, run.ran) if t.replay >= 0 and not t.shape and t.context_len == vllm_ctx])
 
     @contextlib.contextmanager
     def _reported(self, rank: int) -> Iterator[None]:
@@ -442,7 +477,8 @@ class CaptureMode:
             if not _same_batch(int(s.num_target_tokens), t.num_tokens, max_reqs, max_tokens):
                 raise CaptureError(PREFIX + f"step timing {i} reports {s.num_target_tokens} tokens for a "
                                    f"{t.num_tokens}-token profile batch: samples out of batch order, no table written")
-        timed = [(s, t) for s, t in zip(samples, tags) if t.replay >= 0]
+        timed = [(s, t) for s, t in zip(samples, tags) if t.replay >= 0 and not t.shape]
+        shaped = [(s, t) for s, t in zip(samples, tags) if t.shape]
         curves: dict[str, dict[str, list]] = {}
         for ctx in run.plan.context_lens:
             ctx_samples = [s for s, t in timed if t.context_len == ctx]
@@ -469,5 +505,7 @@ class CaptureMode:
             **({"cooldown": run.cooldown.to_json()} if run.cooldown is not None else {}),
             **({"settle": run.settle.to_json()} if run.settle is not None and run.settle.reader is not None else {}),
             "samples": [Sample.from_vllm(s, context_len=t.context_len, replay=t.replay).to_dict() for s, t in timed],
+            **({"shape_samples": [Sample.from_vllm(s, context_len=t.context_len, replay=t.replay).to_dict()
+                                  for s, t in shaped]} if shaped else {}),
         }
         return payload, nearest(run.plan.context_lens, current_context_len())

@@ -235,6 +235,7 @@ def test_a_rebuild_with_another_engine_limit_is_refused_naming_the_key(tmp_path)
     (["--engine-arg", "block_size=32"], "--engine-arg"),
     (["--engine-args-json", '{"block_size": 32}'], "--engine-args-json"),
     (["--keep-capture", "kept"], "--keep-capture"),
+    (["--shape-replays", "3"], "--shape-replays"),
 ])
 def test_a_rebuild_refuses_the_options_only_an_engine_uses(tmp_path, args, flag):
     """A rebuild starts no engine: an engine's option given to it would be accepted and do nothing
@@ -267,3 +268,10 @@ def test_a_rebuild_records_the_load_format_and_engine_args_the_capture_recorded(
     launched.write_text(json.dumps({**capture, "launch": {"load_format": 1, "engine_args": {}}}))
     args[args.index("--out") + 1] = str(tmp_path / "bad.parquet")
     one_line_error(CliRunner().invoke(app, args), "launch is not a load_format and engine_args")
+
+
+def test_negative_shape_replays_is_one_line_before_any_engine(tmp_path):
+    r = CliRunner().invoke(app, ["profile", "--model", MODEL, "--draft", str(REPO / "profiles" / "configs" /
+                                 "dspark-qwen3-8b-block7"), "--shape-replays", "-1", "--out", str(tmp_path) + "/"])
+    one_line_error(r, "--shape-replays must be >= 0, got -1")
+    assert list(tmp_path.iterdir()) == []

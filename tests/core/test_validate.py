@@ -716,3 +716,21 @@ def test_decode_verifies_by_shape_split_the_profiles_own_shape_from_fewer_longer
     render_validation(res, console)
     text = console.export_text()
     assert "decode verifies by shape" in text and "0.5-0.9" in text and "-9.09%" in text
+
+
+def test_shape_buckets_at_their_edges_and_only_decode_verifies(reference_table, tmp_path):
+    """Requests / R(N) of exactly 0.5 is "<=0.5", of exactly 0.9 "0.5-0.9", above it ">0.9" (R(N) is
+    min(N, max_num_seqs): 600 tokens over 256 requests is 1.0); a step carrying a prefill chunk (more
+    non-draft tokens than requests) is in no shape bucket."""
+    rows = []
+    for i, (tokens, reqs, budget) in enumerate([(100, 50, 50), (100, 90, 10), (100, 91, 9), (600, 256, 344),
+                                                (100, 95, 0), (100, 95, 0)]):
+        total = reqs * 9000
+        rows.append(ObservedStep(step=i, forward_ms=10.0, drafter_ms=1.0, num_target_tokens=tokens, num_reqs=reqs,
+                                 full_cudagraph=True, context_mean=9000.0, context_max=9000, context_sum=total,
+                                 scheduled_drafts=7 * reqs, draft_budget=budget, priced_context=0,
+                                 predicted_draft_ms=1.0, predicted_verify_ms=1.0))
+    res = validate(reference_table, write_steps(tmp_path, rows), tail_milli=0, chunks=False)
+    counts = {g.fill_bucket: g.errors[AWARE].n for g in res.by_shape}
+    assert counts == {"<=0.5": 1, "0.5-0.9": 1, ">0.9": 2}  # the two prefill-carrying steps in none
+    assert {g.context_bucket for g in res.by_shape} == {"8192-16383"}

@@ -562,3 +562,49 @@ def test_a_lock_file_that_is_not_a_regular_file_is_one_line(tmp_path, kind):
         assert target.read_text() == "keep me"
     if kind == "dangling symlink":
         assert not target.exists()
+
+
+# -- shape blocks: the uniform-decode verify shape, kept apart -------------------------------
+def shaped_samples(batches, seed=3):
+    """random_samples, with vLLM's uniform-decode request count (size / (k + 1)) for shape batches
+    and a much slower step, so any leak into a curve or vLLM's fit moves a median."""
+    out = random_samples(batches, seed=seed)
+    return [dataclasses.replace(s, num_reqs=b["num_tokens"] // 8, forward_ms=s.forward_ms + 100.0)
+            if b.get("uniform_decode") else s for s, b in zip(out, batches)]
+
+
+def test_shape_blocks_time_the_uniform_decode_shape_after_each_context_and_stay_out_of_the_curves(
+        monkeypatch, tmp_path):
+    contexts = (1024, 4096)
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=contexts, replays=5, warmup=0, shape_replays=3))
+    seq = vllm_sequence()
+    m = make_manager()  # k = 7: a uniform-decode request is 8 tokens, at most 256 of them
+    batches, samples = run_capture(m, samples_for=shaped_samples)
+    sizes = [n for n in dict.fromkeys(b["num_tokens"] for b in seq) if n % 8 == 0 and n // 8 <= 256]
+    assert 8 in sizes and 2048 in sizes and 1 not in sizes and 4096 not in sizes
+    shape = [{**next(b for b in seq if b["num_tokens"] == n), "uniform_decode": True} for n in sizes for _ in range(3)]
+    assert batches == [{**b, "context_len": ctx} for ctx in contexts for b in seq + shape]
+    payload = CaptureDir(tmp_path).read_samples(0)
+    assert payload["num_batches"] == len(batches) and payload["plan"]["shape_replays"] == 3
+    regular = [i for i, b in enumerate(batches) if not b.get("uniform_decode")]
+    assert [s["forward_ms"] for s in payload["samples"]] == [samples[i].forward_ms for i in regular]
+    kept = payload["shape_samples"]
+    assert len(kept) == len(contexts) * len(sizes) * 3
+    assert all(s["num_reqs"] == s["num_target_tokens"] // 8 for s in kept)
+    assert [s["replay"] for s in kept[:3]] == [0, 1, 2] and {s["context_len"] for s in kept} == set(contexts)
+    # vLLM's own fit (context 4096, nearest its 8192) saw the regular timed samples only
+    at_4096 = [samples[i] for i in regular if batches[i]["context_len"] == 4096]
+    assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, vllm_fit(at_4096)))
+
+
+def test_no_shape_block_without_shape_replays_and_the_plan_reads_an_older_file_as_none(monkeypatch, tmp_path):
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=5, warmup=0))
+    batches, _ = run_capture(make_manager())
+    assert not any(b.get("uniform_decode") for b in batches)
+    assert "shape_samples" not in CaptureDir(tmp_path).read_samples(0)
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "plan.json").write_text(json.dumps({"context_lens": [1024], "replays": 5, "warmup": 0}))
+    assert CaptureDir(older).read_plan().shape_replays == 0
+    with pytest.raises(ValueError, match="shape replays"):
+        Plan(context_lens=(1024,), shape_replays=-1)

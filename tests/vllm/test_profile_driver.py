@@ -506,6 +506,11 @@ def test_tp1_in_process_capture_to_table_and_env_restored(engine_stand_in, tmp_p
 def test_driver_checks_the_table_against_vllms_curves(engine_stand_in, tmp_path, monkeypatch):
     o, cap, _, _ = _profile_in_process(tmp_path, monkeypatch, replays=5, warmup=5)
     assert profile_table.table_from_capture(o, cap).fingerprint.warmup_replays == 5
+    assert "shape_samples" not in profile_table.table_from_capture(o, cap).fingerprint.extra
+    shaped = {**cap, "shape_samples": [dict(s, num_reqs=1) for s in cap["samples"][:6]]}
+    with_shapes = profile_table.table_from_capture(o, shaped)  # counted, never in a curve
+    assert with_shapes.fingerprint.extra["shape_samples"] == 6
+    assert with_shapes.curves[8192].as_vllm() == profile_table.table_from_capture(o, cap).curves[8192].as_vllm()
     bent = json.loads(json.dumps(cap))
     bent["vllm_curves"]["8192"]["verify"][3][1] *= 1.001
     with pytest.raises(CalibError) as err:
@@ -558,6 +563,28 @@ def test_expected_schedule_is_the_workers(tmp_path):
     assert (pos["block"], pos["blocks"], pos["warmup"]) == (3, 5, False)
     assert e.position({"done": 5 * per_block, "total": len(want.tags), "context_len": 8192})["warmup"] is True
     assert e.seconds > 0 and "samples per size" in e.line(20) and "rounded" not in e.line(20)
+
+
+def test_expected_schedule_with_shape_blocks_is_the_workers_and_the_progress_names_them():
+    """--shape-replays: the driver's schedule is the worker's (k + 1 from the options, max_num_seqs
+    requests at most), the plan line says so, and progress places a step in its block or in the
+    context's shape block."""
+    import tests.vllm.test_capture as tc
+
+    from dspark_calib.vllm.capture import Plan, Schedule
+    from dspark_calib.vllm.profile.plan import expected
+
+    o = resolve_options(opts(context_lens=(1024, 8192), replays=5, warmup=0, shape_replays=3))
+    e = expected(o, tc.SIZES)
+    want = Schedule.build(Plan((1024, 8192), 5, 0, shape_replays=3), tc.vllm_sequence(), 8, 256)
+    assert e.schedule == want and e.shape_steps == sum(t.shape for t in want.tags) > 0
+    assert "then a shape block per context" in e.line(5)
+    per_ctx = len(want.tags) // 2
+    regular = per_ctx - e.shape_steps // 2
+    at = lambda done: e.position({"done": done, "total": len(want.tags), "context_len": 1024})  # noqa: E731
+    assert (at(0)["block"], at(0)["shape"]) == (1, False)
+    assert at(regular)["shape"] is True and at(per_ctx - 1)["shape"] is True
+    assert (at(per_ctx)["block"], at(per_ctx)["shape"]) == (1, False)  # the next context's first block
 
 
 def test_the_estimate_says_it_models_dspark_for_other_methods():

@@ -34,6 +34,7 @@ class ProfileOptions:
     gpu_state: str = STARTUP  # the state blocks start in (vllm/gpu_state.py)
     cooldown_s: float = DEFAULT_COOLDOWN_S  # startup: the most rank 0 pauses before each block but the first
     settle_s: float = DEFAULT_SETTLE_S  # serving: the most the settle steps before each block last
+    shape_replays: int = 0  # a shape block per context (capture.py): uniform-decode replays of each size
     load_format: str = "dummy"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -78,7 +79,8 @@ MS_PER_1K_CONTEXT = 6.4  # and with the dummy requests' context length
 def plan_of(opts: Any) -> Plan:
     """The plan the driver writes for the worker, and the one the estimate is made from."""
     return Plan(context_lens=tuple(opts.context_lens), replays=opts.replays, warmup=opts.warmup,
-                cooldown_s=opts.cooldown_s, gpu_state=opts.gpu_state, settle_s=opts.settle_s)
+                cooldown_s=opts.cooldown_s, gpu_state=opts.gpu_state, settle_s=opts.settle_s,
+                shape_replays=opts.shape_replays)
 
 
 def default_capture_sizes(opts: Any) -> list[int]:
@@ -123,13 +125,19 @@ class Expected:
     def samples_per_size(self) -> int:
         return self.schedule.timed_blocks * self.schedule.vllm_replays
 
+    @property
+    def shape_steps(self) -> int:
+        return sum(t.shape for t in self.schedule.tags)
+
     def line(self, replays: int) -> str:
         """One line, printed before the engine starts."""
         s = self.schedule
         rounded = "" if self.samples_per_size == replays else f" (--replays {replays} rounded up to whole blocks)"
+        shapes = (f", then a shape block per context ({self.shape_steps // max(self.contexts, 1)} uniform-decode "
+                  "steps: k + 1 tokens a request, kept in the capture only)" if self.shape_steps else "")
         return (f"profile plan: {self.contexts} context(s) x ~{self.sizes} sizes x {self.blocks} blocks of vLLM's "
                 f"{s.vllm_replays} back-to-back replays ({s.timed_blocks} timed: {self.samples_per_size} samples per "
-                f"size{rounded}; {s.warmup_blocks} warm-up) = ~{len(s.tags)} steps; expected ~{_human(self.seconds)} "
+                f"size{rounded}; {s.warmup_blocks} warm-up){shapes} = ~{len(s.tags)} steps; expected ~{_human(self.seconds)} "
                 f"of profiling once the engine is up (an estimate: ~{STEP_MS:g} ms a step + a cost growing with "
                 f"tokens and context; measured on one H200 with Qwen3-8B{self._between_blocks_note()})"
                 + ("" if self.method == DSPARK else
@@ -145,22 +153,28 @@ class Expected:
         return ""
 
     def position(self, state: dict) -> dict:
-        """progress.json plus where it is: block b of B in its context (warm-up or timed)."""
+        """progress.json plus where it is: block b of B in its context (warm-up or timed), or its
+        shape block (each context's steps end with it)."""
         total, done = int(state.get("total") or 0), int(state.get("done") or 0)
-        per_block = total // max(self.contexts * self.blocks, 1)
-        block = (done // per_block) % self.blocks + 1 if per_block else 1
+        per_ctx = total // max(self.contexts, 1)
+        regular = per_ctx - self.shape_steps // max(self.contexts, 1)
+        at = done % per_ctx if per_ctx else 0
+        per_block = regular // max(self.blocks, 1)
+        block = at // per_block + 1 if per_block else 1
         return {**state, "block": min(block, self.blocks), "blocks": self.blocks,
-                "warmup": block <= self.schedule.warmup_blocks, "samples_per_size": self.samples_per_size,
-                "vllm_replays": self.schedule.vllm_replays}
+                "warmup": block <= self.schedule.warmup_blocks, "shape": bool(self.shape_steps) and at >= regular,
+                "samples_per_size": self.samples_per_size, "vllm_replays": self.schedule.vllm_replays}
 
 
 def expected(opts: Any, capture_sizes: list[int] | None = None) -> Expected:
     batches = vllm_batches(opts, capture_sizes)
     plan = plan_of(opts)
-    schedule = Schedule.build(plan, batches)
+    k = int(opts.num_speculative_tokens or 0)
+    schedule = Schedule.build(plan, batches, k + 1 if k else 0, opts.max_num_seqs)
     ms = sum(STEP_MS + MS_PER_1K_TOKENS * t.num_tokens / 1000 + MS_PER_1K_CONTEXT * t.context_len / 1000
              for t in schedule.tags)
-    blocks = len(plan.context_lens) * (schedule.warmup_blocks + schedule.timed_blocks)
+    blocks = len(plan.context_lens) * (schedule.warmup_blocks + schedule.timed_blocks + (1 if any(
+        t.shape for t in schedule.tags) else 0))
     # startup: a cool-down before every block but the capture's first; serving: a settle before every block
     cooldown = plan.cooldown_s * (blocks - 1) if plan.gpu_state == STARTUP else 0.0
     settle = plan.settle_s * blocks if plan.gpu_state == SERVING else 0.0

@@ -84,7 +84,9 @@ def fingerprint_from_capture(opts: "ProfileOptions", capture: dict[str, Any]) ->
                "profile_batches": capture.get("num_batches"), "hostname": host_of(capture),
                "replays_asked": opts.replays, "warmup_asked": opts.warmup,
                "vllm_replays_per_block": int(capture["schedule"]["vllm_replays_per_block"]),
-               **_between_blocks_of(capture)},
+               **_between_blocks_of(capture),
+               # the capture's second verify shape (capture.py's shape blocks): counted here, kept there
+               **({"shape_samples": len(capture["shape_samples"])} if capture.get("shape_samples") else {})},
     )
 
 
