@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A second verify shape beside the profile's, judged on held-out served steps, on one idle H200
 # (the DSpark engine of profile.sh):
-#   1. profile 1024 / 8192 / 16384 (replays 5, startup state) with --shape-replays 5: each context
-#      also timed as size / 8 requests of 8 tokens -> OUT/tables/shapes.parquet and the kept
+#   1. profile 1024 / 8192 / 16384 (replays 5, startup state) with --shape-replays 5: the sizes above
+#      the capture limit also timed as size / 8 requests of 8 tokens -> OUT/tables/shapes.parquet and the kept
 #      capture OUT/tables/shapes-samples-rank0.json (its shape_samples)
 #   2. stock vLLM serves ctx3k, ctx12k and mix-2-4-12k (arms.json) with observe on every step -> OUT/arms
 #   3. the context-aware engine with table 1 at the plugin's defaults, the same workloads -> OUT/arms

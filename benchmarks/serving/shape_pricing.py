@@ -6,8 +6,9 @@
 CAPTURE is rank 0's kept capture of a `profile --shape-replays N` run (samples-rank0.json with
 ``shape_samples``), TABLE the table that run wrote (the profile's own shape: R(N) = min(N,
 max_num_seqs) requests of about one token), RESULTS / ARM a serving run's folder and an arm that
-observed (as judge_tables.py takes them). The capture's shape samples time each size N as
-N / q requests of q = k + 1 tokens at every profiled context.
+observed (as judge_tables.py takes them). The capture's shape samples time each size N above
+the CUDA-graph capture limit as N / q requests of q = k + 1 tokens at every profiled context
+(capture.py says why not below it).
 
 Every decode verify of the arm is priced two ways:
 
@@ -15,6 +16,7 @@ Every decode verify of the arm is priced two ways:
 * **two shapes**: the step's tokens a request t = N / requests (1 <= t <= q) place it between the
   profile's shape (t = 1, the price above) and the uniform-decode shape (t = q: the shape curve
   at N, at the context whose N / q requests read the step's KV sum, q x S / N), linearly in t.
+  S is the KV sum the engine prices (raised by its mixed-context tail, as the price above).
   Sizes outside the shape curve's range (below its smallest N, above its largest) keep the
   profile shape's price.
 
@@ -88,6 +90,7 @@ def two_shapes(profile: np.ndarray, curves: dict[int, dict[int, float]], q: int,
 
 def compare(capture: dict[str, Any], table_path: str, results: str, arm: str, decide: set[str]) -> dict[str, Any]:
     from dspark_calib.observe.file import ObservedSteps, read_observed
+    from dspark_calib.pricing.rules import tail_context_sum
     from dspark_calib.table.file import read_table
     from dspark_calib.validate import AWARE, FILL_EDGES, FILL_LABELS, ErrorStats, bucket_label, pow2_bucket, price_steps
 
@@ -107,8 +110,9 @@ def compare(capture: dict[str, Any], table_path: str, results: str, arm: str, de
         c = sub.columns
         keep = np.asarray(p.steps["verify"])
         profile = np.asarray(p.predicted["verify"][AWARE], dtype=float)
+        kv = tail_context_sum(c["context_sum"], c["context_max"], c["num_reqs"], p.tail, p.tail_rule)
         priced = {"profile_shape": profile,
-                  "two_shapes": two_shapes(profile, curves, q, c["num_reqs"], c["num_target_tokens"], c["context_sum"])}
+                  "two_shapes": two_shapes(profile, curves, q, c["num_reqs"], c["num_target_tokens"], kv)}
         measured = np.asarray(c["forward_ms"], dtype=float)
         ctx_bucket = pow2_bucket(c["context_mean"].astype(np.int64), 1024)
         fill = c["num_reqs"] / np.minimum(c["num_target_tokens"], p.costs.profile_num_reqs).clip(1)

@@ -785,9 +785,9 @@ def profile_cmd(
              "have held still for 0.5 s).")] = None,
     shape_replays: Annotated[int, typer.Option(
         "--shape-replays", metavar="N",
-        help="Also time, after each context's blocks, every size that is a multiple of k + 1 (at most "
-             "max_num_seqs requests) as size / (k + 1) requests of k + 1 tokens (vLLM's uniform-decode batch: a "
-             "verify of every draft), N times each; "
+        help="Also time, after each context's blocks, every size above the CUDA-graph capture limit that is a "
+             "multiple of k + 1 (fewer than max_num_seqs requests) as size / (k + 1) requests of k + 1 tokens "
+             "(vLLM's uniform-decode batch: a verify of every draft), N times each; "
              "kept in --keep-capture's samples (shape_samples) for the analysis of served verify shapes, never "
              "in the table's curves (default 0: none).")] = 0,
     load_format: Annotated[Optional[str], typer.Option(

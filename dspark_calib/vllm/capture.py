@@ -24,14 +24,17 @@ replay index counts block x vLLM's replays of that size (negative: warm-up and s
 
 Shape blocks (plan.shape_replays > 0): vLLM's profile times every size N as R(N) = min(N,
 max_num_seqs) requests of about one token, the only verify shape a table holds; served verifies
-carry several tokens a request, fewer requests reading the same KV, and run slower than that
-shape at the same KV read (docs/results/2026-12-02-serving-state.md). After a context's timed
-blocks, one more block times each size that vLLM's uniform-decode dummy batch can take (N a
-multiple of k + 1, at most max_num_seqs requests) as N / (k + 1) requests of k + 1 tokens
-(`uniform_decode=True`, the shape of a verify that checks every draft), shape_replays times
-back to back. Those samples go to the payload's ``shape_samples``, never to the curves, vLLM's
-fit or the block telemetry: the table stays vLLM's one shape, and the kept capture holds the
-second for the analysis that decides whether pricing should use it.
+carry several tokens a request. After a context's timed blocks, one more block times each size
+above the CUDA-graph capture limit that vLLM's uniform-decode dummy batch can take (N a multiple
+of q = k + 1, N / q below R(N)) as N / q requests of q tokens (`uniform_decode=True`, a verify of
+every draft; eager, as such a served step runs), shape_replays times back to back: the verify
+sizes above the capture limit with several tokens a request that no profile runs. Not below the
+limit: there vLLM replays a decode graph captured for R(N) requests and builds the dummy batch
+with that graph's request count, so a uniform-decode dummy run is the profile's own batch again
+(and a served step with fewer requests runs that graph with empty slots, a batch no dummy run
+builds). Those samples go to the payload's ``shape_samples``, never to the curves, vLLM's fit or
+the block telemetry: the table stays vLLM's one shape, and the kept capture holds the second for
+the analysis that decides whether pricing should use it.
 
 Imports only the standard library at module level: the plugin may import this
 module in processes that never capture.
@@ -264,8 +267,10 @@ class Schedule:
     timed_blocks: int
 
     @classmethod
-    def build(cls, plan: Plan, vllm_batches: list[dict], query_len: int = 0, max_reqs: int = 0) -> "Schedule":
-        """query_len (k + 1) and max_reqs (max_num_seqs) size the shape blocks; 0: none can run."""
+    def build(cls, plan: Plan, vllm_batches: list[dict], query_len: int = 0, max_reqs: int = 0,
+              graph_limit: int = 0) -> "Schedule":
+        """query_len (the engine's decode query length, k + 1), max_reqs (max_num_seqs) and
+        graph_limit (the largest captured size) size the shape blocks; query_len 0: none."""
         if not vllm_batches:
             raise CaptureError(PREFIX + "vLLM's batches_to_profile yielded no batch (no CUDA graph captured?); "
                                "nothing to profile, no table written")
@@ -283,7 +288,7 @@ class Schedule:
                     seen[n] += 1
                     batches.append({**batch, "context_len": ctx})  # vLLM's dict, passed through
             shaped: Counter = Counter()
-            for batch in shape_batches(vllm_batches, plan.shape_replays, query_len, max_reqs):
+            for batch in shape_batches(vllm_batches, plan.shape_replays, query_len, max_reqs, graph_limit):
                 n = batch["num_tokens"]
                 tags.append(BatchTag(ctx, shaped[n], n, timed_blocks, shape=True))
                 shaped[n] += 1
@@ -291,15 +296,16 @@ class Schedule:
         return cls(tuple(tags), tuple(batches), per, warmup_blocks, timed_blocks)
 
 
-def shape_batches(vllm_batches: list[dict], replays: int, query_len: int, max_reqs: int) -> list[dict]:
-    """A shape block: each size of vLLM's sequence that its uniform-decode dummy batch can take
-    (a multiple of query_len, at most max_reqs requests), replays times back to back, in vLLM's
-    size order (the module docstring)."""
+def shape_batches(vllm_batches: list[dict], replays: int, query_len: int, max_reqs: int,
+                  graph_limit: int) -> list[dict]:
+    """A shape block: each size of vLLM's sequence above graph_limit that its uniform-decode dummy
+    batch takes as fewer requests than the profile's (a multiple of query_len, N / query_len below
+    min(N, max_reqs)), replays times back to back, in vLLM's size order (the module docstring)."""
     if replays <= 0 or query_len <= 1 or max_reqs <= 0:
         return []
     first = {b["num_tokens"]: b for b in reversed(vllm_batches)}  # each size's first dict, its keys kept
     sizes = [n for n in dict.fromkeys(b["num_tokens"] for b in vllm_batches)
-             if n % query_len == 0 and n // query_len <= max_reqs]
+             if n > graph_limit and n % query_len == 0 and n // query_len < min(n, max_reqs)]
     return [{**first[n], "uniform_decode": True} for n in sizes for _ in range(replays)]
 
 
@@ -377,8 +383,10 @@ class CaptureMode:
         with self._reported(rank):  # e.g. vLLM yielded no batch: the line must reach `profile`
             if isinstance(plan_or_error, str):
                 raise CaptureError(plan_or_error)
-            schedule = Schedule.build(plan_or_error, vllm_batches, int(manager.num_speculative_steps) + 1,
-                                      int(manager.req_states.max_num_reqs))
+            # the runner's decode_query_len: drafts + the tokens each step samples (vLLM's bonus)
+            query_len = int(manager.num_speculative_steps) + int(getattr(manager, "num_bonus_tokens", 1))
+            schedule = Schedule.build(plan_or_error, vllm_batches, query_len, int(manager.req_states.max_num_reqs),
+                                      max(capture_sizes, default=0))
         plan = plan_or_error
         recorder = block_recorder() if rank == 0 else None
         reader = recorder.reader if recorder is not None else None
@@ -479,6 +487,11 @@ class CaptureMode:
                                    f"{t.num_tokens}-token profile batch: samples out of batch order, no table written")
         timed = [(s, t) for s, t in zip(samples, tags) if t.replay >= 0 and not t.shape]
         shaped = [(s, t) for s, t in zip(samples, tags) if t.shape]
+        query_len = int(manager.num_speculative_steps) + int(getattr(manager, "num_bonus_tokens", 1))
+        # a shape step vLLM ran as another batch than N / q requests (its dummy run changed) is no
+        # sample of the shape: kept out, and counted
+        other = [s for s, t in shaped if int(s.num_reqs) * query_len != t.num_tokens]
+        shaped = [(s, t) for s, t in shaped if int(s.num_reqs) * query_len == t.num_tokens]
         curves: dict[str, dict[str, list]] = {}
         for ctx in run.plan.context_lens:
             ctx_samples = [s for s, t in timed if t.context_len == ctx]
@@ -506,6 +519,7 @@ class CaptureMode:
             **({"settle": run.settle.to_json()} if run.settle is not None and run.settle.reader is not None else {}),
             "samples": [Sample.from_vllm(s, context_len=t.context_len, replay=t.replay).to_dict() for s, t in timed],
             **({"shape_samples": [Sample.from_vllm(s, context_len=t.context_len, replay=t.replay).to_dict()
-                                  for s, t in shaped]} if shaped else {}),
+                                  for s, t in shaped], "shape_query_len": query_len,
+                "shape_other_batches": len(other)} if shaped or other else {}),
         }
         return payload, nearest(run.plan.context_lens, current_context_len())

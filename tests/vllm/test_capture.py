@@ -580,8 +580,10 @@ def test_shape_blocks_time_the_uniform_decode_shape_after_each_context_and_stay_
     seq = vllm_sequence()
     m = make_manager()  # k = 7: a uniform-decode request is 8 tokens, at most 256 of them
     batches, samples = run_capture(m, samples_for=shaped_samples)
-    sizes = [n for n in dict.fromkeys(b["num_tokens"] for b in seq) if n % 8 == 0 and n // 8 <= 256]
-    assert 8 in sizes and 2048 in sizes and 1 not in sizes and 4096 not in sizes
+    # above the 512 capture limit, fewer requests than the profile's min(N, 256): 768 and 1024 (2048 is
+    # 256 requests of 8 tokens either way)
+    sizes = [n for n in dict.fromkeys(b["num_tokens"] for b in seq) if n > 512 and n % 8 == 0 and n // 8 < min(n, 256)]
+    assert sizes == [768, 1024]
     shape = [{**next(b for b in seq if b["num_tokens"] == n), "uniform_decode": True} for n in sizes for _ in range(3)]
     assert batches == [{**b, "context_len": ctx} for ctx in contexts for b in seq + shape]
     payload = CaptureDir(tmp_path).read_samples(0)
@@ -590,11 +592,28 @@ def test_shape_blocks_time_the_uniform_decode_shape_after_each_context_and_stay_
     assert [s["forward_ms"] for s in payload["samples"]] == [samples[i].forward_ms for i in regular]
     kept = payload["shape_samples"]
     assert len(kept) == len(contexts) * len(sizes) * 3
+    assert (payload["shape_query_len"], payload["shape_other_batches"]) == (8, 0)
     assert all(s["num_reqs"] == s["num_target_tokens"] // 8 for s in kept)
     assert [s["replay"] for s in kept[:3]] == [0, 1, 2] and {s["context_len"] for s in kept} == set(contexts)
     # vLLM's own fit (context 4096, nearest its 8192) saw the regular timed samples only
     at_4096 = [samples[i] for i in regular if batches[i]["context_len"] == 4096]
     assert all(np.array_equal(a, b) for a, b in zip(m.cost_tables, vllm_fit(at_4096)))
+
+
+def test_a_shape_step_vllm_ran_as_another_batch_is_kept_out_and_counted(monkeypatch, tmp_path):
+    start_capture(monkeypatch, tmp_path, Plan(context_lens=(1024,), replays=5, warmup=0, shape_replays=2))
+    m = make_manager()
+
+    def one_other(batches):  # the first shape step recorded at the profile's request count
+        out = shaped_samples(batches)
+        i = next(i for i, b in enumerate(batches) if b.get("uniform_decode"))
+        out[i] = dataclasses.replace(out[i], num_reqs=256)
+        return out
+
+    run_capture(m, samples_for=one_other)
+    payload = CaptureDir(tmp_path).read_samples(0)
+    assert payload["shape_other_batches"] == 1 and len(payload["shape_samples"]) == 2 * 2 - 1
+    assert all(s["num_reqs"] * 8 == s["num_target_tokens"] for s in payload["shape_samples"])
 
 
 def test_no_shape_block_without_shape_replays_and_the_plan_reads_an_older_file_as_none(monkeypatch, tmp_path):

@@ -576,7 +576,7 @@ def test_expected_schedule_with_shape_blocks_is_the_workers_and_the_progress_nam
 
     o = resolve_options(opts(context_lens=(1024, 8192), replays=5, warmup=0, shape_replays=3))
     e = expected(o, tc.SIZES)
-    want = Schedule.build(Plan((1024, 8192), 5, 0, shape_replays=3), tc.vllm_sequence(), 8, 256)
+    want = Schedule.build(Plan((1024, 8192), 5, 0, shape_replays=3), tc.vllm_sequence(), 8, 256, tc.SIZES[-1])
     assert e.schedule == want and e.shape_steps == sum(t.shape for t in want.tags) > 0
     assert "then a shape block per context" in e.line(5)
     per_ctx = len(want.tags) // 2

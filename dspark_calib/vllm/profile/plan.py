@@ -170,7 +170,8 @@ def expected(opts: Any, capture_sizes: list[int] | None = None) -> Expected:
     batches = vllm_batches(opts, capture_sizes)
     plan = plan_of(opts)
     k = int(opts.num_speculative_tokens or 0)
-    schedule = Schedule.build(plan, batches, k + 1 if k else 0, opts.max_num_seqs)
+    sizes = default_capture_sizes(opts) if capture_sizes is None else capture_sizes
+    schedule = Schedule.build(plan, batches, k + 1 if k else 0, opts.max_num_seqs, max(sizes, default=0))
     ms = sum(STEP_MS + MS_PER_1K_TOKENS * t.num_tokens / 1000 + MS_PER_1K_CONTEXT * t.context_len / 1000
              for t in schedule.tags)
     blocks = len(plan.context_lens) * (schedule.warmup_blocks + schedule.timed_blocks + (1 if any(
