@@ -211,10 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--table {t}: the name {name} is given twice", file=sys.stderr)
             return 2
         tables[name] = path
-    for option, target in (("--json", args.json), ("--md", args.md)):
-        if target and not os.path.isdir(os.path.dirname(os.path.abspath(target))):
-            print(f"{option} {target}: no such directory", file=sys.stderr)
-            return 2
+    if missing_output_dir(args):
+        return 2
     from dspark_calib.errors import CalibError
 
     try:
@@ -222,7 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, CalibError) as exc:  # one line: a file or an option, named
         print(f"judge_tables: {exc}", file=sys.stderr)
         return 2
-    md = markdown(doc)
+    emit(doc, markdown(doc), args)
+    return 0
+
+
+def missing_output_dir(args: argparse.Namespace) -> bool:
+    """--json / --md into a folder that does not exist: said in one line (before any work)."""
+    for option, target in (("--json", args.json), ("--md", args.md)):
+        if target and not os.path.isdir(os.path.dirname(os.path.abspath(target))):
+            print(f"{option} {target}: no such directory", file=sys.stderr)
+            return True
+    return False
+
+
+def emit(doc: dict[str, Any], md: str, args: argparse.Namespace) -> None:
+    """The document to --json, its markdown to --md and to stdout."""
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=1)
@@ -230,7 +242,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.md, "w") as fh:
             fh.write(md)
     print(md)
-    return 0
 
 
 if __name__ == "__main__":

@@ -157,10 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     p.add_argument("--md")
     args = p.parse_args(argv)
-    for option, target in (("--json", args.json), ("--md", args.md)):
-        if target and not os.path.isdir(os.path.dirname(os.path.abspath(target))):
-            print(f"{option} {target}: no such directory", file=sys.stderr)
-            return 2
+    if jt.missing_output_dir(args):
+        return 2
     from dspark_calib.errors import CalibError
 
     try:
@@ -170,14 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError, CalibError) as exc:  # one line: a file or an option, named
         print(f"shape_pricing: {exc}", file=sys.stderr)
         return 2
-    md = markdown(doc)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(doc, fh, indent=1)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(md)
-    print(md)
+    jt.emit(doc, markdown(doc), args)
     return 0
 
 
