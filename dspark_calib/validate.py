@@ -96,6 +96,13 @@ FILL_EDGES = (0.5, 0.9)
 FILL_LABELS = ("<=0.5", "0.5-0.9", ">0.9")
 
 
+def fill_buckets(num_reqs: np.ndarray, num_tokens: np.ndarray, profile_num_reqs: int) -> np.ndarray:
+    """Each step's shape bucket, an index into FILL_LABELS: its requests over R(N) = min(N, the
+    profiling engine's max_num_seqs); (0, .5] -> 0, (.5, .9] -> 1, above -> 2."""
+    fill = num_reqs / np.minimum(num_tokens, profile_num_reqs).clip(1)
+    return np.searchsorted(np.asarray(FILL_EDGES), fill, side="left")
+
+
 @dataclass(frozen=True)
 class ErrorStats:
     """Absolute % errors of one group of steps under one pricing."""
@@ -507,8 +514,7 @@ def validate(table: Any, observed: ObservedSteps, *, single_context: int | None 
     clock_bucket = (np.nan_to_num(c["gpu_sm_mhz"]) // CLOCK_BUCKET_MHZ).astype(np.int64) * CLOCK_BUCKET_MHZ
 
     intervals = ~np.isnan(c["step_interval_ms"])
-    fill = num_reqs / np.minimum(num_tokens, costs.profile_num_reqs).clip(1)
-    fill_bucket = np.searchsorted(np.asarray(FILL_EDGES), fill, side="left")  # (0, .5] -> 0, (.5, .9] -> 1, else 2
+    fill_bucket = fill_buckets(num_reqs, num_tokens, costs.profile_num_reqs)
 
     overall, by_context, groups, by_clock, by_shape, host_time = [], [], [], [], [], []
     for kind in KINDS:

@@ -21,7 +21,7 @@ Every decode verify of the arm is priced two ways:
   profile shape's price.
 
 The errors are reported per part (the --decide workloads, and the rest held out), context bucket
-and shape bucket (validate.FILL_EDGES), as judge_tables.py splits them; the verdict reads the
+and shape bucket (validate.fill_buckets), as judge_tables.py splits them; the verdict reads the
 held-out part only. Analysis only: numpy and this repository, no GPU.
 """
 
@@ -92,7 +92,7 @@ def compare(capture: dict[str, Any], table_path: str, results: str, arm: str, de
     from dspark_calib.observe.file import ObservedSteps, read_observed
     from dspark_calib.pricing.rules import tail_context_sum
     from dspark_calib.table.file import read_table
-    from dspark_calib.validate import AWARE, FILL_EDGES, FILL_LABELS, ErrorStats, bucket_label, pow2_bucket, price_steps
+    from dspark_calib.validate import AWARE, FILL_LABELS, ErrorStats, bucket_label, fill_buckets, pow2_bucket, price_steps
 
     q, curves = shape_curves(capture)
     table = read_table(table_path)
@@ -115,8 +115,7 @@ def compare(capture: dict[str, Any], table_path: str, results: str, arm: str, de
                   "two_shapes": two_shapes(profile, curves, q, c["num_reqs"], c["num_target_tokens"], kv)}
         measured = np.asarray(c["forward_ms"], dtype=float)
         ctx_bucket = pow2_bucket(c["context_mean"].astype(np.int64), 1024)
-        fill = c["num_reqs"] / np.minimum(c["num_target_tokens"], p.costs.profile_num_reqs).clip(1)
-        fill_bucket = np.searchsorted(np.asarray(FILL_EDGES), fill, side="left")
+        fill_bucket = fill_buckets(c["num_reqs"], c["num_target_tokens"], p.costs.profile_num_reqs)
         groups = [("all", "all", keep)]
         groups += [(bucket_label(int(cb), 1024), "all", keep & (ctx_bucket == cb)) for cb in np.unique(ctx_bucket[keep])]
         groups += [(bucket_label(int(cb), 1024), FILL_LABELS[fb], keep & (ctx_bucket == cb) & (fill_bucket == fb))

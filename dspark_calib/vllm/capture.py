@@ -296,6 +296,12 @@ class Schedule:
         return cls(tuple(tags), tuple(batches), per, warmup_blocks, timed_blocks)
 
 
+def decode_query_len(manager: Any) -> int:
+    """The runner's decode_query_len from vLLM's manager: drafts + the tokens each step samples
+    (its bonus tokens)."""
+    return int(manager.num_speculative_steps) + int(getattr(manager, "num_bonus_tokens", 1))
+
+
 def shape_batches(vllm_batches: list[dict], replays: int, query_len: int, max_reqs: int,
                   graph_limit: int) -> list[dict]:
     """A shape block: each size of vLLM's sequence above graph_limit that its uniform-decode dummy
@@ -383,9 +389,8 @@ class CaptureMode:
         with self._reported(rank):  # e.g. vLLM yielded no batch: the line must reach `profile`
             if isinstance(plan_or_error, str):
                 raise CaptureError(plan_or_error)
-            # the runner's decode_query_len: drafts + the tokens each step samples (vLLM's bonus)
-            query_len = int(manager.num_speculative_steps) + int(getattr(manager, "num_bonus_tokens", 1))
-            schedule = Schedule.build(plan_or_error, vllm_batches, query_len, int(manager.req_states.max_num_reqs),
+            schedule = Schedule.build(plan_or_error, vllm_batches, decode_query_len(manager),
+                                      int(manager.req_states.max_num_reqs),
                                       max(capture_sizes, default=0))
         plan = plan_or_error
         recorder = block_recorder() if rank == 0 else None
@@ -487,7 +492,7 @@ class CaptureMode:
                                    f"{t.num_tokens}-token profile batch: samples out of batch order, no table written")
         timed = [(s, t) for s, t in zip(samples, tags) if t.replay >= 0 and not t.shape]
         shaped = [(s, t) for s, t in zip(samples, tags) if t.shape]
-        query_len = int(manager.num_speculative_steps) + int(getattr(manager, "num_bonus_tokens", 1))
+        query_len = decode_query_len(manager)
         # a shape step vLLM ran as another batch than N / q requests (its dummy run changed) is no
         # sample of the shape: kept out, and counted
         other = [s for s, t in shaped if int(s.num_reqs) * query_len != t.num_tokens]

@@ -1,6 +1,6 @@
 """The simplest shape correction, decided on one workload and judged on the others.
 
-One factor per shape bucket of the decode verifies (validate.FILL_EDGES: the step's requests
+One factor per shape bucket of the decode verifies (validate.fill_buckets: the step's requests
 over the profile's R(N)), the median of measured / priced over the stock arm's ctx3k steps of
 this run (the decide part, the startup table), applied to steps it was not fitted on: this run's
 stock arm on ctx12k and the mix, the context-aware arm's ctx12k and mix steps (same table), and
@@ -27,7 +27,7 @@ import serve_context as sc  # noqa: E402 - the harness's segmentation of an arm'
 
 from dspark_calib.observe.file import ObservedSteps, read_observed  # noqa: E402
 from dspark_calib.table.file import read_table  # noqa: E402
-from dspark_calib.validate import AWARE, FILL_EDGES, FILL_LABELS, bucket_label, pow2_bucket, price_steps  # noqa: E402
+from dspark_calib.validate import AWARE, FILL_LABELS, bucket_label, fill_buckets, pow2_bucket, price_steps  # noqa: E402
 
 H = "benchmarks/results/h200/"
 RUN = H + "2026-12-02-1524-serving-state/"
@@ -49,9 +49,8 @@ def decode_verifies(results: str, arm: str, table: str, workloads: set[str] | No
     sub = ObservedSteps({k: v[rows] for k, v in cols.items()}, obs.files, obs.metadata)
     p = price_steps(read_table(table), sub)
     c, keep = sub.columns, np.asarray(p.steps["verify"])
-    fill = c["num_reqs"] / np.minimum(c["num_target_tokens"], p.costs.profile_num_reqs).clip(1)
     return {"measured": c["forward_ms"][keep], "priced": np.asarray(p.predicted["verify"][AWARE])[keep],
-            "shape": np.searchsorted(np.asarray(FILL_EDGES), fill, side="left")[keep],
+            "shape": fill_buckets(c["num_reqs"], c["num_target_tokens"], p.costs.profile_num_reqs)[keep],
             "context": pow2_bucket(c["context_mean"].astype(np.int64), 1024)[keep]}
 
 
