@@ -55,17 +55,26 @@ def split_rows(arm_json: dict[str, Any], cols: dict[str, Any], decide: set[str])
     return {p: np.concatenate(segs) if segs else np.array([], dtype=int) for p, segs in pick.items()}
 
 
-def judge(tables: dict[str, str], results: str, arm: str, decide: set[str]) -> dict[str, Any]:
-    from dspark_calib.errors import CalibError
+def arm_parts(results: str, arm: str, decide: set[str]) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """An observing arm's summary, its observe files, and their steps split into the decide and the
+    held-out part (split_rows), each an ObservedSteps of the files' steps; an empty part left out."""
     from dspark_calib.observe.file import ObservedSteps, read_observed
-    from dspark_calib.table.file import read_table
-    from dspark_calib.validate import AWARE, SINGLE, validate
 
     with open(os.path.join(results, f"context-{arm}.json")) as fh:
         arm_json = json.load(fh)
     obs = read_observed([os.path.join(results, f"context-{arm}-observed.parquet")])
     cols = sc.sorted_columns(dict(obs.columns))
-    parts = split_rows(arm_json, cols, decide)
+    parts = {part: ObservedSteps({k: v[picked] for k, v in cols.items()}, obs.files, obs.metadata)
+             for part, picked in split_rows(arm_json, cols, decide).items()}
+    return arm_json, obs, {part: sub for part, sub in parts.items() if len(sub)}
+
+
+def judge(tables: dict[str, str], results: str, arm: str, decide: set[str]) -> dict[str, Any]:
+    from dspark_calib.errors import CalibError
+    from dspark_calib.table.file import read_table
+    from dspark_calib.validate import AWARE, SINGLE, validate
+
+    arm_json, obs, parts = arm_parts(results, arm, decide)
     workloads = list(arm_json["workloads"])
     out: dict[str, Any] = {"arm": arm, "results": results, "host": arm_json.get("host"),
                            "workloads": {"decide": [w for w in workloads if w in decide],
@@ -80,10 +89,7 @@ def judge(tables: dict[str, str], results: str, arm: str, decide: set[str]) -> d
                 if problem:
                     raise CalibError(f"served by another speculator than the table's: {problem}")
             rows = []
-            for part, picked in parts.items():
-                sub = ObservedSteps({k: v[picked] for k, v in cols.items()}, obs.files, obs.metadata)
-                if len(sub) == 0:
-                    continue
+            for part, sub in parts.items():
                 result = validate(table, sub)
                 rows += [{"table": name, "part": part, "kind": g.kind, "context_bucket": g.context_bucket,
                           "steps": g.errors[AWARE].n, "one_curve": g.errors[SINGLE].to_dict(),

@@ -39,7 +39,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import judge_tables as jt  # noqa: E402 - a sibling script, found by the path above
-import serve_context as sc  # noqa: E402
 
 PRICINGS = ("profile_shape", "two_shapes")
 
@@ -89,23 +88,15 @@ def two_shapes(profile: np.ndarray, curves: dict[int, dict[int, float]], q: int,
 
 
 def compare(capture: dict[str, Any], table_path: str, results: str, arm: str, decide: set[str]) -> dict[str, Any]:
-    from dspark_calib.observe.file import ObservedSteps, read_observed
     from dspark_calib.pricing.rules import tail_context_sum
     from dspark_calib.table.file import read_table
     from dspark_calib.validate import AWARE, FILL_LABELS, ErrorStats, bucket_label, fill_buckets, pow2_bucket, price_steps
 
     q, curves = shape_curves(capture)
     table = read_table(table_path)
-    with open(os.path.join(results, f"context-{arm}.json")) as fh:
-        arm_json = json.load(fh)
-    obs = read_observed([os.path.join(results, f"context-{arm}-observed.parquet")])
-    cols = sc.sorted_columns(dict(obs.columns))
-    parts = jt.split_rows(arm_json, cols, decide)
+    arm_json, _, parts = jt.arm_parts(results, arm, decide)
     rows = []
-    for part, picked in parts.items():
-        sub = ObservedSteps({k: v[picked] for k, v in cols.items()}, obs.files, obs.metadata)
-        if len(sub) == 0:
-            continue
+    for part, sub in parts.items():
         p = price_steps(table, sub)
         c = sub.columns
         keep = np.asarray(p.steps["verify"])
