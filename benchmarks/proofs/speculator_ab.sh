@@ -7,10 +7,15 @@
 #   2. `dspark-calib advise` on it at the decaying schedule, 1 to 256 requests at 1024 / 4096 /
 #      16384, written before anything is served -> OUT/advise-decaying.{json,txt}
 #   3. the in-engine A/B (one engine started stock serves each workload under vLLM's pricing and
-#      the table's in turn) and fixed K=7, both at the decaying schedule on ctx1k-c32 and
-#      ctx4k-c32, the cells fixed here in advance -> OUT/arms, then the report
+#      the table's in turn) and fixed K=7 at the first schedule of SCHEDULES -> OUT/arms, the A/B
+#      again at each further schedule -> OUT/arms-SCHEDULE, then the table loaded at engine start
+#      under --policy strict (load and probe lines, observe on every step) on the first workload
+#      -> OUT/arms-strict; the report of each
 # Usage, from the repository root on a GPU host where `pip install '.[vllm]'` is done:
 #   bash benchmarks/proofs/speculator_ab.sh SPEC OUT END_EPOCH      SPEC: eagle3 or dflash
+# Settings (env): TABLE=path skips step 1 and serves that table (e.g. the shipped one);
+# WORKLOADS (default ctx1k-c32,ctx4k-c32: the cells fixed in advance from advise);
+# SCHEDULES (default decaying; e.g. decaying,flat).
 set -u
 spec=${1:?usage: speculator_ab.sh SPEC OUT END_EPOCH}; out=${2:?OUT}; end=${3:?END_EPOCH}
 read -r method draft < <(python3 -c "import json, sys; s = json.load(open('benchmarks/serving/arms.json'))['speculators']
@@ -23,35 +28,53 @@ left() { echo $(( end - $(date +%s) )); }
 killgpu() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9; sleep 3; }
 { date -u; hostname; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$py" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; } 2>&1
+workloads=${WORKLOADS:-ctx1k-c32,ctx4k-c32}; schedules=${SCHEDULES:-decaying}
+first=${schedules%%,*}
 # the arms' shares, kept back from the profile: an arm's engine child stops 65 s before its
 # deadline (serve_context.py's KILL_MARGIN_S), and an engine started stock runs vLLM's own
 # start-up profile first
-ab_share=420; fixed_share=260
-budget=$(( $(left) - ab_share - fixed_share ))
-if [ "$budget" -lt 240 ]; then echo "only $(left) s left: no time to profile and serve"; exit 1; fi
-echo "== profile $spec ($method, $draft) $(date -u +%T), at most $budget s"
-METHOD=$method DRAFT=$draft OUT="$out" timeout -k 10 "$budget" \
-  bash benchmarks/proofs/profile.sh "$spec" --tp 1 --context-len 1024 --context-len 8192 --context-len 16384 \
-  --replays 10 --max-model-len 32768
-echo "profile rc=$? $(date -u +%T)"; killgpu
+ab_share=${AB_SHARE:-420}; fixed_share=${FIXED_SHARE:-260}
 table=$out/$spec.parquet
+if [ -n "${TABLE:-}" ]; then
+  cp "$TABLE" "$table" || exit 2
+  echo "== table $TABLE (not profiled here)"
+else
+  budget=$(( $(left) - ab_share - fixed_share ))
+  if [ "$budget" -lt 240 ]; then echo "only $(left) s left: no time to profile and serve"; exit 1; fi
+  echo "== profile $spec ($method, $draft) $(date -u +%T), at most $budget s"
+  METHOD=$method DRAFT=$draft OUT="$out" timeout -k 10 "$budget" \
+    bash benchmarks/proofs/profile.sh "$spec" --tp 1 --context-len 1024 --context-len 8192 --context-len 16384 \
+    --replays 10 --max-model-len 32768
+  echo "profile rc=$? $(date -u +%T)"; killgpu
+fi
 [ -f "$table" ] || { echo "no table: stop"; exit 1; }
 "$py" -m dspark_calib inspect "$table" | head -30
-"$py" -m dspark_calib advise "$table" --acceptance 0.9,0.8,0.7,0.55,0.4,0.3,0.2 --context 1024 --context 4096 \
-  --context 16384 --json > "$out/advise-decaying.json"
-"$py" -m dspark_calib advise "$table" --acceptance 0.9,0.8,0.7,0.55,0.4,0.3,0.2 --context 1024 --context 4096 \
-  --context 16384 > "$out/advise-decaying.txt" 2>&1
-tail -3 "$out/advise-decaying.txt"
-cp "$table" "$out/arms/"
-arm() {  # arm NAME NEED_S SHARE_S
-  if [ "$(left)" -lt "$2" ]; then echo "skip $1: $(left) s left"; return; fi
-  local share=$3; [ "$share" -gt "$(( $(left) - 5 ))" ] && share=$(( $(left) - 5 ))
-  echo "== arm $1 $(date -u +%T), at most $share s"
-  "$py" benchmarks/serving/serve_context.py arm "$1" --table "$out/arms/$spec.parquet" --out "$out/arms" \
-    --workloads ctx1k-c32,ctx4k-c32 --acceptance-rates decaying --waves 2 --policy warn \
-    --deadline-epoch $(( $(date +%s) + share ))
-  echo "arm $1 rc=$? $(date -u +%T)"; killgpu
+for sched in ${schedules//,/ }; do
+  rates=$("$py" -c "import json, sys; print(','.join(map(str, json.load(open('benchmarks/serving/arms.json'))['schedules'][sys.argv[1]])))" "$sched") || exit 2
+  "$py" -m dspark_calib advise "$table" --acceptance "$rates" --context 1024 --context 4096 --context 8192 \
+    --context 16384 --json > "$out/advise-$sched.json"
+  "$py" -m dspark_calib advise "$table" --acceptance "$rates" --context 1024 --context 4096 --context 8192 \
+    --context 16384 > "$out/advise-$sched.txt" 2>&1
+  tail -3 "$out/advise-$sched.txt"
+done
+arm() {  # arm NAME NEED_S SHARE_S DIR SCHEDULE WORKLOADS [serve_context options]
+  if [ "$(left)" -lt "$2" ]; then echo "skip $1 ($5): $(left) s left"; return; fi
+  local name=$1 share=$3 dir=$4 sched=$5 wl=$6; shift 6
+  [ "$share" -gt "$(( $(left) - 5 ))" ] && share=$(( $(left) - 5 ))
+  mkdir -p "$dir"; cp "$table" "$dir/"
+  echo "== arm $name ($sched) $(date -u +%T), at most $share s"
+  "$py" benchmarks/serving/serve_context.py arm "$name" --table "$dir/$spec.parquet" --out "$dir" \
+    --workloads "$wl" --acceptance-rates "$sched" --waves 2 "$@" --deadline-epoch $(( $(date +%s) + share ))
+  echo "arm $name rc=$? $(date -u +%T)"; killgpu
 }
-arm "$spec-ab-tail20-chunks-noobs-pinned" 360 "$ab_share"
-arm "$spec-fixed" 220 "$fixed_share"
-"$py" benchmarks/serving/serve_context.py report --results "$out/arms"; echo "report rc=$?"
+arm "$spec-ab-tail20-chunks-noobs-pinned" 360 "$ab_share" "$out/arms" "$first" "$workloads" --policy warn
+arm "$spec-fixed" 220 "$fixed_share" "$out/arms" "$first" "$workloads" --policy warn
+for sched in ${schedules//,/ }; do
+  [ "$sched" = "$first" ] && continue
+  arm "$spec-ab-tail20-chunks-noobs-pinned" 360 "$ab_share" "$out/arms-$sched" "$sched" "$workloads" --policy warn
+done
+arm "$spec-aware-tail20-chunks-pinned" 200 "${STRICT_SHARE:-240}" "$out/arms-strict" "$first" "${workloads%%,*}" \
+  --policy strict
+for d in "$out"/arms*; do
+  "$py" benchmarks/serving/serve_context.py report --results "$d"; echo "report $d rc=$?"
+done

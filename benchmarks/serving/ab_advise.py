@@ -1,0 +1,165 @@
+"""`advise`'s prediction beside an in-engine A/B's measurement, on the decode steps the A/B served.
+
+    python3 benchmarks/serving/ab_advise.py RESULTS ARM TABLE --schedule NAME [--json OUT.json] [--md OUT.md]
+
+RESULTS / ARM: a run folder and its ``ab`` arm (pricing_swap.py: one engine serves each workload
+under vLLM's pricing and the table's in turn, stock1, table1, table2, stock2); TABLE: the table
+it swapped in; NAME: the arms.json schedule the engine enforced (vLLM's synthetic rejection
+sampler, with the acceptance estimator pinned to it, so the expected tokens of a step are known).
+
+Per workload, from the arm's per-step file (its step timer: each call's requests, scheduled and
+forwarded tokens, and its length, one call's start to the next's):
+
+* **measured decode goodput** per turn: over the steps whose requests all decode (scheduled
+  tokens = requests x (1 + k)), the expected generated tokens over the steps' summed length. A
+  step of r requests that forwarded f tokens verified D = f - r drafts; vLLM's budget rule, with
+  every position's acceptance equal across requests, gives each request floor(D / r) or one more
+  (the first D mod r), and a request verifying d drafts generates 1 + rates[0] + ... + rates[d-1]
+  tokens in expectation. The turn's tokens are the enforced schedule's expectation, its time is
+  measured;
+* **predicted decode goodput**: ``advise.predict_steps`` on the stock turns' decode steps (their
+  batch sizes), each at the workload's mean context (its prompts' mean + half the output: the A/B
+  runs with observe off, so a step's own context is not recorded), context-aware (the table's
+  pricing) over adaptive@8192 (the table's 8192 curves deciding, as vLLM's start-up profile does);
+* **predicted tok/s ratio** of the whole workload: each stock turn's wall time with its decode
+  steps' time divided by the predicted decode ratio (prefill-carrying steps and the rest kept),
+  over the stock turn's wall time, averaged over the two stock turns.
+
+The measured tok/s ratio is the harness report's (ab_comparison). Analysis only: numpy and this
+repository, no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import serve_context as sc  # noqa: E402 - a sibling script, found by the path above
+
+from dspark_calib.advise import ADAPTIVE, Acceptance, predict_steps  # noqa: E402
+from dspark_calib.table.file import read_table  # noqa: E402
+
+TURNS = tuple(f"{p}{n}" for p, n in sc.AB_ORDER)
+
+
+def expected_tokens(num_reqs: int, drafts: int, rates: list[float]) -> float:
+    """A decode step's expected generated tokens: D drafts over r requests, floor(D / r) each and
+    one more for the first D mod r, each request 1 + the survival of the drafts it verifies."""
+    each, extra = divmod(drafts, num_reqs)
+    cum = [0.0]
+    for r in rates:
+        cum.append(cum[-1] + r)
+    each = min(each, len(rates))
+    return num_reqs + (num_reqs - extra) * cum[each] + extra * cum[min(each + 1, len(rates))]
+
+
+def decode_steps(raw: dict[str, Any], k: int) -> list[tuple[int, int, float]]:
+    """(requests, drafts verified, step ms) of each all-decode call that has a successor (its length)."""
+    interval = raw["interval_ms"]
+    out = []
+    for i, (t, r, f) in enumerate(zip(raw["num_tokens"], raw["num_reqs"], raw.get("forward_tokens") or ())):
+        if i + 1 >= len(interval) or interval[i + 1] is None or f is None or r <= 0 or t != r * (1 + k):
+            continue
+        out.append((r, f - r, interval[i + 1]))
+    return out
+
+
+def analyse(results: str, arm: str, table_path: str, rates: list[float]) -> list[dict[str, Any]]:
+    summary = json.load(open(os.path.join(results, f"context-{arm}.json")))
+    steps = json.load(open(os.path.join(results, f"context-{arm}-steps.json")))
+    table = read_table(table_path, samples=False)
+    k = len(rates)
+    acceptance = Acceptance(tuple(rates), "given")
+    bases = list(dict.fromkeys(n.partition("@")[0] for n in summary["workloads"]))  # in served order
+    out = []
+    for base in bases:
+        turns, spec = {}, None
+        for turn in TURNS:
+            w = summary["workloads"].get(f"{base}@{turn}")
+            raw = steps.get(f"{base}@{turn}")
+            if w is None or raw is None:
+                break
+            spec = w["workload"]
+            dec = decode_steps(raw, k)
+            tokens = sum(expected_tokens(r, d, rates) for r, d, _ in dec)
+            ms = sum(s for _, _, s in dec)
+            turns[turn] = {"wall_s": w["wall_s"], "output_tok_s": w["output_tok_s"], "decode_steps": len(dec),
+                           "decode_ms": round(ms, 1), "decode_tokens": round(tokens, 1),
+                           "drafts_per_request": round(sum(d for _, d, _ in dec) / max(1, sum(r for r, _, _ in dec)), 3),
+                           "decode_goodput": tokens / ms if ms else None, "requests": [r for r, _, _ in dec]}
+        if len(turns) < len(TURNS):
+            continue
+        context = sum(spec["prompt_lens"]) / len(spec["prompt_lens"]) + spec["output_len"] / 2
+        stock_reqs = turns["stock1"]["requests"] + turns["stock2"]["requests"]
+        mix = predict_steps(table, acceptance, stock_reqs, [context] * len(stock_reqs))
+        aware, one = mix.option(ADAPTIVE), mix.option(mix.one_context_name)
+        predicted = aware.goodput / one.goodput
+
+        def mean(key: str, pricing: str) -> float:
+            return (turns[f"{pricing}1"][key] + turns[f"{pricing}2"][key]) / 2
+
+        def spread(key: str) -> float:
+            return max(abs(turns[f"{p}2"][key] / turns[f"{p}1"][key] - 1) for p in ("stock", "table"))
+
+        whole = [t["wall_s"] * 1000 / (t["wall_s"] * 1000 - t["decode_ms"] + t["decode_ms"] / predicted)
+                 for t in (turns["stock1"], turns["stock2"])]
+        out.append({
+            "workload": base, "context_modelled": context, "turns": {t: {k2: v for k2, v in x.items() if k2 != "requests"}
+                                                                    for t, x in turns.items()},
+            "decode_share_stock": round(mean("decode_ms", "stock") / (mean("wall_s", "stock") * 1000), 3),
+            "drafts_modelled": {"table": aware.drafts / mix.requests, "stock": one.drafts / mix.requests},
+            "drafts_measured": {"table": mean("drafts_per_request", "table"), "stock": mean("drafts_per_request", "stock")},
+            "decode_goodput_ratio": {"predicted": predicted,
+                                     "measured": mean("decode_goodput", "table") / mean("decode_goodput", "stock"),
+                                     "noise": spread("decode_goodput")},
+            "tok_s_ratio": {"predicted": sum(whole) / len(whole),
+                            "measured": mean("output_tok_s", "table") / mean("output_tok_s", "stock"),
+                            "noise": spread("output_tok_s")},
+            "fixed_k_vs_stock_predicted": {o.name: o.goodput / one.goodput for o in mix.options if o.name.startswith("K=")},
+        })
+    return out
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| workload | drafts a request stock / table: modelled | measured | decode share (stock) "
+             "| decode goodput table / stock: predicted | measured (noise) | tok/s table / stock: predicted "
+             "| measured (noise) | apart |",
+             "|---|---|---|---:|---:|---|---:|---|---:|"]
+    for r in rows:
+        dm, dd = r["drafts_modelled"], r["drafts_measured"]
+        g, t = r["decode_goodput_ratio"], r["tok_s_ratio"]
+        lines.append(f"| {r['workload']} | {dm['stock']:.2f} / {dm['table']:.2f} | {dd['stock']:.2f} / {dd['table']:.2f} "
+                     f"| {r['decode_share_stock']:.2f} | {g['predicted']:.3f} | {g['measured']:.3f} ({g['noise']:.3f}) "
+                     f"| {t['predicted']:.3f} | {t['measured']:.3f} ({t['noise']:.3f}) "
+                     f"| {100 * (t['predicted'] / t['measured'] - 1):+.1f} % |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results")
+    p.add_argument("arm")
+    p.add_argument("table")
+    p.add_argument("--schedule", required=True, choices=sorted(sc.CONFIG["schedules"]))
+    p.add_argument("--json")
+    p.add_argument("--md")
+    a = p.parse_args(argv)
+    rows = analyse(a.results, a.arm, a.table, list(sc.CONFIG["schedules"][a.schedule]))
+    text = markdown(rows)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"schedule": a.schedule, "rows": rows}, f, indent=1)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(text)
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""benchmarks/serving/ab_advise.py: advise's prediction beside an A/B's measurement, by hand."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark_calib.advise import ADAPTIVE, Acceptance, predict_steps
+from dspark_calib.table.file import read_table
+
+REPO = Path(__file__).resolve().parents[2]
+TABLE = REPO / "profiles" / "h200" / "qwen3-8b__eagle3-qwen3-8b__tp1__nvidia-h200__81458b2ae409.parquet"
+RATES = [0.9, 0.8, 0.7, 0.55, 0.4, 0.3, 0.2]
+
+
+@pytest.fixture()
+def ab(sc, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "serving"))
+    import ab_advise
+
+    return ab_advise
+
+
+def test_expected_tokens_spread_the_drafts_position_by_position(ab):
+    # 3 drafts over 2 requests: one verifies 2 (1 + 0.9 + 0.8), the other 1 (1 + 0.9)
+    assert ab.expected_tokens(2, 3, [0.9, 0.8, 0.7]) == pytest.approx(2 + 1.7 + 0.9)
+    assert ab.expected_tokens(4, 0, [0.9, 0.8]) == 4  # nothing verified: the bonus token each
+    assert ab.expected_tokens(1, 2, [0.9, 0.8]) == pytest.approx(2.7)  # every draft
+    assert ab.expected_tokens(3, 6, [0.5, 0.25]) == pytest.approx(3 * 1.75)
+
+
+def test_decode_steps_pair_each_call_with_its_own_length_and_keep_all_decode_calls_only(ab):
+    raw = {"interval_ms": [None, 10.0, 20.0, 30.0, 40.0],
+           "num_tokens": [4096, 16, 24, 16, 16],  # a prefill, two requests x 8, three x 8, ...
+           "num_reqs": [4, 2, 3, 2, 2],
+           "forward_tokens": [4096, 9, 24, None, 16]}
+    # call 0 prefills; call 1 (2 x 8) forwarded 9 (7 drafts) and lasted until call 2 (20 ms);
+    # call 2 lasted 30 ms; call 3 has no forward count; call 4 has no successor
+    assert ab.decode_steps(raw, 7) == [(2, 7, 20.0), (3, 21, 30.0)]
+
+
+def _turn(wall_s, tok_s, steps):
+    """A turn's summary entry and its per-step file from (requests, drafts, ms) decode steps, after
+    one prefill call of 100 ms."""
+    interval = [None, 100.0] + [ms for _, _, ms in steps] + [None]
+    return ({"wall_s": wall_s, "output_tok_s": tok_s},
+            {"interval_ms": interval[:-1],
+             "num_tokens": [8192] + [r * 8 for r, _, _ in steps],
+             "num_reqs": [8] + [r for r, _, _ in steps],
+             "forward_tokens": [8192] + [r + d for r, d, _ in steps]})
+
+
+def test_analyse_by_hand(ab, tmp_path):
+    stock = [(16, 48, 12.0), (16, 48, 12.0), (8, 24, 10.0)]
+    table = [(16, 112, 13.0), (8, 56, 11.0)]
+    turns = {"stock1": _turn(2.0, 1000.0, stock), "table1": _turn(1.8, 1100.0, table),
+             "table2": _turn(1.8, 1120.0, table), "stock2": _turn(2.0, 990.0, stock)}
+    spec = {"name": "w", "prompt_lens": [1024, 8192], "concurrency": 16, "num_requests": 32, "output_len": 256}
+    summary = {"workloads": {f"w@{t}": {**s, "workload": {**spec, "name": f"w@{t}"}} for t, (s, _) in turns.items()}}
+    steps = {f"w@{t}": raw for t, (_, raw) in turns.items()}
+    (tmp_path / "context-a.json").write_text(json.dumps(summary))
+    (tmp_path / "context-a-steps.json").write_text(json.dumps(steps))
+
+    (row,) = ab.analyse(str(tmp_path), "a", str(TABLE), RATES)
+    assert row["workload"] == "w" and row["context_modelled"] == (1024 + 8192) / 2 + 128
+    s1 = row["turns"]["stock1"]
+    assert (s1["decode_steps"], s1["decode_ms"]) == (3, 34.0)
+    stock_tokens = 16 * (1 + sum(RATES[:3])) * 2 + 8 * (1 + sum(RATES[:3]))
+    table_tokens = 16 * (1 + sum(RATES)) + 8 * (1 + sum(RATES))
+    assert s1["decode_tokens"] == pytest.approx(stock_tokens, abs=0.05)
+    assert row["drafts_measured"] == {"table": 7.0, "stock": 3.0}
+    g = row["decode_goodput_ratio"]
+    assert g["measured"] == pytest.approx((table_tokens / 24.0) / (stock_tokens / 34.0))
+    assert g["noise"] == 0.0
+    mix = predict_steps(read_table(str(TABLE), samples=False), Acceptance(tuple(RATES), "given"),
+                        [16, 16, 8] * 2, [row["context_modelled"]] * 6)
+    predicted = mix.option(ADAPTIVE).goodput / mix.option(mix.one_context_name).goodput
+    assert g["predicted"] == pytest.approx(predicted)
+    t = row["tok_s_ratio"]
+    assert t["measured"] == pytest.approx(1110.0 / 995.0)
+    assert t["noise"] == pytest.approx(1120.0 / 1100.0 - 1)  # the larger of the two pricings' spreads
+    assert t["predicted"] == pytest.approx(2000.0 / (2000.0 - 34.0 + 34.0 / predicted))
+    assert row["decode_share_stock"] == pytest.approx(0.017)
+    assert "| w |" in ab.markdown([row])
+
+
+def test_a_workload_missing_a_turn_is_left_out(ab, tmp_path):
+    summary = {"workloads": {"w@stock1": {"wall_s": 1.0, "output_tok_s": 1.0, "workload": {}}}}
+    (tmp_path / "context-a.json").write_text(json.dumps(summary))
+    (tmp_path / "context-a-steps.json").write_text(json.dumps({}))
+    assert ab.analyse(str(tmp_path), "a", str(TABLE), RATES) == []
