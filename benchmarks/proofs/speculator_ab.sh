@@ -4,32 +4,35 @@
 # follows the host and moves a turn's throughput by more than a pricing does.
 #   1. profile the speculator's engine (its drafter config from arms.json's speculators, on
 #      Qwen3-8B) at 1024 / 8192 / 16384 -> OUT/SPEC.parquet
-#   2. `dspark-calib advise` on it at the decaying schedule, 1 to 256 requests at 1024 / 4096 /
-#      16384, written before anything is served -> OUT/advise-decaying.{json,txt}
+#   2. `dspark-calib advise` on it at each schedule served, 1 to 256 requests at 1024 / 4096 /
+#      8192 / 16384, written before anything is served -> OUT/advise-SCHEDULE.{json,txt}
 #   3. the in-engine A/B (one engine started stock serves each workload under vLLM's pricing and
-#      the table's in turn) and fixed K=7 at the first schedule of SCHEDULES -> OUT/arms, the A/B
-#      again at each further schedule -> OUT/arms-SCHEDULE, then the table loaded at engine start
-#      under --policy strict (load and probe lines, observe on every step) on the first workload
-#      -> OUT/arms-strict; the report of each
+#      the table's in turn) at each schedule of AB_SCHEDULES and fixed K=7 (adaptive verification
+#      off) at each of FIXED_SCHEDULES -> OUT/arms-SCHEDULE, then (STRICT=1) the table loaded at
+#      engine start under --policy strict (load and probe lines, observe on every step) on the
+#      first workload at the first A/B schedule -> OUT/arms-strict; the report of each folder
 # Usage, from the repository root on a GPU host where `pip install '.[vllm]'` is done:
 #   bash benchmarks/proofs/speculator_ab.sh SPEC OUT END_EPOCH      SPEC: eagle3 or dflash
 # Settings (env): TABLE=path skips step 1 and serves that table (e.g. the shipped one);
-# WORKLOADS (default ctx1k-c32,ctx4k-c32: the cells fixed in advance from advise);
-# SCHEDULES (default decaying; e.g. decaying,flat).
+# WORKLOADS (default ctx1k-c32,ctx4k-c32: cells chosen in advance from advise); AB_SCHEDULES and
+# FIXED_SCHEDULES (arms.json schedule names, default decaying each; empty: none); STRICT (default 1).
+# Every arm is skipped when too little time is left before END_EPOCH.
 set -u
 spec=${1:?usage: speculator_ab.sh SPEC OUT END_EPOCH}; out=${2:?OUT}; end=${3:?END_EPOCH}
 read -r method draft < <(python3 -c "import json, sys; s = json.load(open('benchmarks/serving/arms.json'))['speculators']
 if sys.argv[1] not in s or sys.argv[1] in ('dspark', 'draft'): sys.exit(f'{sys.argv[1]}: not a graphed speculator of arms.json')
 print(s[sys.argv[1]]['method'], s[sys.argv[1]]['draft'])" "$spec") || exit 2
-mkdir -p "$out/arms"
+mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 left() { echo $(( end - $(date +%s) )); }
 killgpu() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9; sleep 3; }
 { date -u; hostname; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$py" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; } 2>&1
-workloads=${WORKLOADS:-ctx1k-c32,ctx4k-c32}; schedules=${SCHEDULES:-decaying}
-first=${schedules%%,*}
+workloads=${WORKLOADS:-ctx1k-c32,ctx4k-c32}
+ab_schedules=${AB_SCHEDULES-decaying}; fixed_schedules=${FIXED_SCHEDULES-decaying}
+schedules=$(printf '%s\n' ${ab_schedules//,/ } ${fixed_schedules//,/ } | awk '!seen[$0]++' | paste -sd, -)
+first=${ab_schedules%%,*}; first=${first:-${fixed_schedules%%,*}}
 # the arms' shares, kept back from the profile: an arm's engine child stops 65 s before its
 # deadline (serve_context.py's KILL_MARGIN_S), and an engine started stock runs vLLM's own
 # start-up profile first
@@ -67,14 +70,16 @@ arm() {  # arm NAME NEED_S SHARE_S DIR SCHEDULE WORKLOADS [serve_context options
     --workloads "$wl" --acceptance-rates "$sched" --waves 2 "$@" --deadline-epoch $(( $(date +%s) + share ))
   echo "arm $name rc=$? $(date -u +%T)"; killgpu
 }
-arm "$spec-ab-tail20-chunks-noobs-pinned" 360 "$ab_share" "$out/arms" "$first" "$workloads" --policy warn
-arm "$spec-fixed" 220 "$fixed_share" "$out/arms" "$first" "$workloads" --policy warn
-for sched in ${schedules//,/ }; do
-  [ "$sched" = "$first" ] && continue
+for sched in ${ab_schedules//,/ }; do
   arm "$spec-ab-tail20-chunks-noobs-pinned" 360 "$ab_share" "$out/arms-$sched" "$sched" "$workloads" --policy warn
 done
-arm "$spec-aware-tail20-chunks-pinned" 200 "${STRICT_SHARE:-240}" "$out/arms-strict" "$first" "${workloads%%,*}" \
-  --policy strict
+for sched in ${fixed_schedules//,/ }; do
+  arm "$spec-fixed" 220 "$fixed_share" "$out/arms-$sched" "$sched" "$workloads" --policy warn
+done
+if [ "${STRICT:-1}" = 1 ] && [ -n "$first" ]; then
+  arm "$spec-aware-tail20-chunks-pinned" 200 "${STRICT_SHARE:-240}" "$out/arms-strict" "$first" "${workloads%%,*}" \
+    --policy strict
+fi
 for d in "$out"/arms*; do
   "$py" benchmarks/serving/serve_context.py report --results "$d"; echo "report $d rc=$?"
 done

@@ -39,7 +39,7 @@ def test_plan_is_pinned_and_never_preempts(sc):
     assert {n: (w.concurrency, w.num_requests) for n, w in plan.items()} == {
         "ctx1k": (256, 512), "ctx8k": (64, 128), "ctx16k": (32, 64), "mix": (32, 66), "skewed": (64, 128),
         "ctx1k-c32": (32, 64), "ctx4k-c32": (32, 64), "ctx3k": (128, 256), "ctx12k": (40, 80),
-        "mix-2-4-12k": (32, 66)}
+        "mix-2-4-12k": (32, 66), "ctx16k-c16": (16, 32), "mix-c16": (16, 33)}
     for w in plan.values():
         assert w.worst_case_tokens <= 0.9 * sc.KV_TOKENS_MEASURED, w
         if len(set(w.prompt_lens)) == 1:  # one prompt length: every in-flight request at it
@@ -85,7 +85,9 @@ def test_refit_shrinks_only_what_no_longer_fits(sc):
 
 def test_estimates_fit_one_call(sc):
     total = sum(sc.estimate_seconds(w) for w in sc.plan_workloads())
-    assert 60 < total < 300  # leaves room for a cold engine start (230 s) in a 570 s budget
+    # every workload of arms.json in one arm (the default; the proofs pass --workloads): ~313 s
+    # estimated, so such an arm fits one 570 s call after a warm engine start, not a cold one
+    assert 60 < total < 340
     w = sc.plan_workloads()
     by = {x.name: x for x in w}
     assert sc.estimate_seconds(by["ctx16k"]) > sc.estimate_seconds(by["mix"])  # all long > a third long
