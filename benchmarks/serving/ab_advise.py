@@ -37,6 +37,8 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import serve_context as sc  # noqa: E402 - a sibling script, found by the path above
@@ -69,6 +71,22 @@ def decode_steps(raw: dict[str, Any], k: int) -> list[tuple[int, int, float]]:
     return out
 
 
+def step_vs_model(table: Any, acceptance: Acceptance, steps: list[tuple[int, int, float]], context: float, *,
+                  stock: bool) -> float | None:
+    """The median over a turn's decode steps of the step's measured length over the model's step
+    at its batch size and the turn's pricing (adaptive@8192 for stock turns, context-aware for the
+    table's), at the workload's mean context: are the table's step costs what served?"""
+    modelled: dict[int, float] = {}
+    ratios = []
+    for r, _, ms in steps:
+        if r not in modelled:
+            mix = predict_steps(table, acceptance, [r], [context])
+            o = mix.option(mix.one_context_name if stock else ADAPTIVE)
+            modelled[r] = o.ms
+        ratios.append(ms / modelled[r])
+    return round(float(np.median(ratios)), 4) if ratios else None
+
+
 def analyse(results: str, arm: str, table_path: str, rates: list[float]) -> list[dict[str, Any]]:
     summary = json.load(open(os.path.join(results, f"context-{arm}.json")))
     steps = json.load(open(os.path.join(results, f"context-{arm}-steps.json")))
@@ -89,12 +107,17 @@ def analyse(results: str, arm: str, table_path: str, rates: list[float]) -> list
             tokens = sum(expected_tokens(r, d, rates) for r, d, _ in dec)
             ms = sum(s for _, _, s in dec)
             turns[turn] = {"wall_s": w["wall_s"], "output_tok_s": w["output_tok_s"], "decode_steps": len(dec),
+                           "mean_requests": round(sum(r for r, _, _ in dec) / max(1, len(dec)), 2),
+                           "full_batch_share": round(sum(r == spec["concurrency"] for r, _, _ in dec) / max(1, len(dec)), 3),
                            "decode_ms": round(ms, 1), "decode_tokens": round(tokens, 1),
                            "drafts_per_request": round(sum(d for _, d, _ in dec) / max(1, sum(r for r, _, _ in dec)), 3),
                            "decode_goodput": tokens / ms if ms else None, "requests": [r for r, _, _ in dec]}
         if len(turns) < len(TURNS):
             continue
         context = sum(spec["prompt_lens"]) / len(spec["prompt_lens"]) + spec["output_len"] / 2
+        for turn, t in turns.items():
+            t["step_vs_model_median"] = step_vs_model(table, acceptance, decode_steps(steps[f"{base}@{turn}"], k),
+                                                      context, stock=turn.startswith("stock"))
         stock_reqs = turns["stock1"]["requests"] + turns["stock2"]["requests"]
         mix = predict_steps(table, acceptance, stock_reqs, [context] * len(stock_reqs))
         aware, one = mix.option(ADAPTIVE), mix.option(mix.one_context_name)
@@ -114,6 +137,7 @@ def analyse(results: str, arm: str, table_path: str, rates: list[float]) -> list
             "decode_share_stock": round(mean("decode_ms", "stock") / (mean("wall_s", "stock") * 1000), 3),
             "drafts_modelled": {"table": aware.drafts / mix.requests, "stock": one.drafts / mix.requests},
             "drafts_measured": {"table": mean("drafts_per_request", "table"), "stock": mean("drafts_per_request", "stock")},
+            "mean_requests": {"table": mean("mean_requests", "table"), "stock": mean("mean_requests", "stock")},
             "decode_goodput_ratio": {"predicted": predicted,
                                      "measured": mean("decode_goodput", "table") / mean("decode_goodput", "stock"),
                                      "noise": spread("decode_goodput")},
@@ -137,6 +161,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                      f"| {r['decode_share_stock']:.2f} | {g['predicted']:.3f} | {g['measured']:.3f} ({g['noise']:.3f}) "
                      f"| {t['predicted']:.3f} | {t['measured']:.3f} ({t['noise']:.3f}) "
                      f"| {100 * (t['predicted'] / t['measured'] - 1):+.1f} % |")
+    lines += ["", "| workload | turn | decode steps | mean requests | full-batch share | measured / modelled step (median) |",
+              "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        for turn, t in r["turns"].items():
+            lines.append(f"| {r['workload']} | {turn} | {t['decode_steps']} | {t['mean_requests']:.1f} "
+                         f"| {t['full_batch_share']:.2f} | {t['step_vs_model_median']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

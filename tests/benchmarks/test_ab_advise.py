@@ -69,6 +69,15 @@ def test_analyse_by_hand(ab, tmp_path):
     table_tokens = 16 * (1 + sum(RATES)) + 8 * (1 + sum(RATES))
     assert s1["decode_tokens"] == pytest.approx(stock_tokens, abs=0.05)
     assert row["drafts_measured"] == {"table": 7.0, "stock": 3.0}
+    assert (s1["mean_requests"], s1["full_batch_share"]) == (round(40 / 3, 2), round(2 / 3, 3))
+    assert row["mean_requests"] == {"table": 12.0, "stock": round(40 / 3, 2)}
+    # each turn's steps against the model's at their batch size under the turn's own pricing
+    tab = read_table(str(TABLE), samples=False)
+    at = {n: predict_steps(tab, Acceptance(tuple(RATES), "given"), [n], [row["context_modelled"]]) for n in (8, 16)}
+    one = {n: m.option(m.one_context_name).ms for n, m in at.items()}
+    aware = {n: m.option(ADAPTIVE).ms for n, m in at.items()}
+    assert s1["step_vs_model_median"] == pytest.approx(sorted([12 / one[16], 12 / one[16], 10 / one[8]])[1], abs=1e-4)
+    assert row["turns"]["table1"]["step_vs_model_median"] == pytest.approx((13 / aware[16] + 11 / aware[8]) / 2, abs=1e-4)
     g = row["decode_goodput_ratio"]
     assert g["measured"] == pytest.approx((table_tokens / 24.0) / (stock_tokens / 34.0))
     assert g["noise"] == 0.0
