@@ -76,8 +76,11 @@ def test_analyse_by_hand(ab, tmp_path):
     at = {n: predict_steps(tab, Acceptance(tuple(RATES), "given"), [n], [row["context_modelled"]]) for n in (8, 16)}
     one = {n: m.option(m.one_context_name).ms for n, m in at.items()}
     aware = {n: m.option(ADAPTIVE).ms for n, m in at.items()}
-    assert s1["step_vs_model_median"] == pytest.approx(sorted([12 / one[16], 12 / one[16], 10 / one[8]])[1], abs=1e-4)
-    assert row["turns"]["table1"]["step_vs_model_median"] == pytest.approx((13 / aware[16] + 11 / aware[8]) / 2, abs=1e-4)
+    assert s1["step_vs_model"]["median"] == pytest.approx(sorted([12 / one[16], 12 / one[16], 10 / one[8]])[1],
+                                                          abs=1e-4)
+    assert s1["step_vs_model"]["total"] == pytest.approx(34 / (2 * one[16] + one[8]), abs=1e-4)
+    assert row["turns"]["table1"]["step_vs_model"]["median"] == pytest.approx((13 / aware[16] + 11 / aware[8]) / 2,
+                                                                              abs=1e-4)
     g = row["decode_goodput_ratio"]
     assert g["measured"] == pytest.approx((table_tokens / 24.0) / (stock_tokens / 34.0))
     assert g["noise"] == 0.0
@@ -85,6 +88,9 @@ def test_analyse_by_hand(ab, tmp_path):
                         [16, 16, 8] * 2, [row["context_modelled"]] * 6)
     predicted = mix.option(ADAPTIVE).goodput / mix.option(mix.one_context_name).goodput
     assert g["predicted"] == pytest.approx(predicted)
+    # the table's own batch sizes (16 and 8, once each per table turn) against stock's pricing on them
+    own = predict_steps(tab, Acceptance(tuple(RATES), "given"), [16, 8, 16, 8], [row["context_modelled"]] * 4)
+    assert g["predicted_own_batches"] == pytest.approx(own.option(ADAPTIVE).goodput / mix.option(mix.one_context_name).goodput)
     t = row["tok_s_ratio"]
     assert t["measured"] == pytest.approx(1110.0 / 995.0)
     assert t["noise"] == pytest.approx(1120.0 / 1100.0 - 1)  # the larger of the two pricings' spreads
