@@ -6,11 +6,11 @@
 #      Qwen3-8B) at 1024 / 8192 / 16384 -> OUT/SPEC.parquet
 #   2. `dspark-calib advise` on it at each schedule served, 1 to 256 requests at 1024 / 4096 /
 #      8192 / 16384, written before anything is served -> OUT/advise-SCHEDULE.{json,txt}
-#   3. the in-engine A/B (one engine started stock serves each workload under vLLM's pricing and
-#      the table's in turn) at each schedule of AB_SCHEDULES and fixed K=7 (adaptive verification
-#      off) at each of FIXED_SCHEDULES -> OUT/arms-SCHEDULE, then (STRICT=1) the table loaded at
-#      engine start under --policy strict (load and probe lines, observe on every step) on the
-#      first workload at the first A/B schedule -> OUT/arms-strict; the report of each folder
+#   3. (STRICT=1) the table loaded at engine start under --policy strict (load and probe lines,
+#      observe on every step) on the first workload at the first schedule -> OUT/arms-strict; the
+#      in-engine A/B (one engine started stock serves each workload under vLLM's pricing and the
+#      table's in turn) at each schedule of AB_SCHEDULES and fixed K=7 (adaptive verification off)
+#      at each of FIXED_SCHEDULES -> OUT/arms-SCHEDULE; the report of each folder
 # Usage, from the repository root on a GPU host where `pip install '.[vllm]'` is done:
 #   bash benchmarks/proofs/speculator_ab.sh SPEC OUT END_EPOCH      SPEC: eagle3 or dflash
 # Settings (env): TABLE=path skips step 1 and serves that table (e.g. the shipped one);
@@ -70,16 +70,16 @@ arm() {  # arm NAME NEED_S SHARE_S DIR SCHEDULE WORKLOADS [serve_context options
     --workloads "$wl" --acceptance-rates "$sched" --waves 2 "$@" --deadline-epoch $(( $(date +%s) + share ))
   echo "arm $name rc=$? $(date -u +%T)"; killgpu
 }
+if [ "${STRICT:-1}" = 1 ] && [ -n "$first" ]; then
+  arm "$spec-aware-tail20-chunks-pinned" 200 "${STRICT_SHARE:-240}" "$out/arms-strict" "$first" "${workloads%%,*}" \
+    --policy strict
+fi
 for sched in ${ab_schedules//,/ }; do
   arm "$spec-ab-tail20-chunks-noobs-pinned" 360 "$ab_share" "$out/arms-$sched" "$sched" "$workloads" --policy warn
 done
 for sched in ${fixed_schedules//,/ }; do
   arm "$spec-fixed" 220 "$fixed_share" "$out/arms-$sched" "$sched" "$workloads" --policy warn
 done
-if [ "${STRICT:-1}" = 1 ] && [ -n "$first" ]; then
-  arm "$spec-aware-tail20-chunks-pinned" 200 "${STRICT_SHARE:-240}" "$out/arms-strict" "$first" "${workloads%%,*}" \
-    --policy strict
-fi
 for d in "$out"/arms*; do
   "$py" benchmarks/serving/serve_context.py report --results "$d"; echo "report $d rc=$?"
 done
