@@ -36,7 +36,9 @@ first=${ab_schedules%%,*}; first=${first:-${fixed_schedules%%,*}}
 # the arms' shares, kept back from the profile: an arm's engine child stops 65 s before its
 # deadline (serve_context.py's KILL_MARGIN_S), and an engine started stock runs vLLM's own
 # start-up profile first
-ab_share=${AB_SHARE:-420}; fixed_share=${FIXED_SHARE:-260}
+# the strict arm's engine is the host's first and compiles cold: its share covers that start, the
+# kill margin and the first workload
+ab_share=${AB_SHARE:-420}; fixed_share=${FIXED_SHARE:-260}; strict_share=${STRICT_SHARE:-300}
 table=$out/$spec.parquet
 if [ -n "${TABLE:-}" ]; then
   cp "$TABLE" "$table" || exit 2
@@ -71,7 +73,7 @@ arm() {  # arm NAME NEED_S SHARE_S DIR SCHEDULE WORKLOADS [serve_context options
   echo "arm $name rc=$? $(date -u +%T)"; killgpu
 }
 if [ "${STRICT:-1}" = 1 ] && [ -n "$first" ]; then
-  arm "$spec-aware-tail20-chunks-pinned" 200 "${STRICT_SHARE:-240}" "$out/arms-strict" "$first" "${workloads%%,*}" \
+  arm "$spec-aware-tail20-chunks-pinned" 260 "$strict_share" "$out/arms-strict" "$first" "${workloads%%,*}" \
     --policy strict
 fi
 for sched in ${ab_schedules//,/ }; do

@@ -30,7 +30,14 @@ mean context. Two checks say where it misses: the decode ratio predicted with ea
 own turns' batch sizes (the table's turns finish requests sooner and decode at fewer requests),
 and per turn the served decode steps' length over the model's (the median of the per-step
 ratios, and the summed time over the summed model). The measured tok/s ratio is the harness
-report's (ab_comparison). Analysis only: numpy and this repository, no GPU.
+report's (ab_comparison).
+
+``--fixed RESULTS ARM`` puts a fixed-K arm (adaptive verification off, serve_context.py's
+``fixed``) beside them: its predicted tok/s over stock's is the same whole-workload conversion
+with advise's K=k decode goodput over stock's; measured, its tok/s (and decode goodput, every
+request verifying k drafts) over the A/B's stock turns. A fixed-K arm is its own engine, so the
+comparison crosses engines (and hosts, when run apart): the A/B's in-engine noise does not bound
+it. Analysis only: numpy and this repository, no GPU.
 """
 
 from __future__ import annotations
@@ -95,7 +102,29 @@ def step_vs_model(table: Any, acceptance: Acceptance, steps: list[tuple[int, int
     return {"median": round(float(np.median(ratios)), 4), "total": round(served / model, 4)}
 
 
-def analyse(results: str, arm: str, table_path: str, rates: list[float]) -> list[dict[str, Any]]:
+def fixed_arm(results: str, arm: str, rates: list[float]) -> dict[str, dict[str, float | None]]:
+    """Per workload of a fixed-K arm: its tok/s and measured decode goodput (all-decode steps, each
+    request verifying every draft)."""
+    summary = json.load(open(os.path.join(results, f"context-{arm}.json")))
+    steps = json.load(open(os.path.join(results, f"context-{arm}-steps.json")))
+    out = {}
+    for name, w in summary["workloads"].items():
+        dec = decode_steps(steps[name], len(rates)) if name in steps else []
+        ms = sum(s for _, _, s in dec)
+        tokens = sum(expected_tokens(r, d, rates) for r, d, _ in dec)
+        out[name] = {"output_tok_s": w["output_tok_s"], "decode_goodput": tokens / ms if ms else None}
+    return out
+
+
+def whole_ratio(turns: list[dict[str, Any]], decode_ratio: float) -> float:
+    """A workload's predicted tok/s ratio: each stock turn's wall time over that wall time with its
+    decode steps' time divided by the predicted decode goodput ratio, averaged over the turns."""
+    whole = [t["wall_s"] * 1000 / (t["wall_s"] * 1000 - t["decode_ms"] + t["decode_ms"] / decode_ratio) for t in turns]
+    return sum(whole) / len(whole)
+
+
+def analyse(results: str, arm: str, table_path: str, rates: list[float],
+            fixed: dict[str, dict[str, float | None]] | None = None) -> list[dict[str, Any]]:
     summary = json.load(open(os.path.join(results, f"context-{arm}.json")))
     steps = json.load(open(os.path.join(results, f"context-{arm}-steps.json")))
     table = read_table(table_path, samples=False)
@@ -139,9 +168,8 @@ def analyse(results: str, arm: str, table_path: str, rates: list[float]) -> list
         def spread(key: str) -> float:
             return max(abs(turns[f"{p}2"][key] / turns[f"{p}1"][key] - 1) for p in ("stock", "table"))
 
-        whole = [t["wall_s"] * 1000 / (t["wall_s"] * 1000 - t["decode_ms"] + t["decode_ms"] / predicted)
-                 for t in (turns["stock1"], turns["stock2"])]
-        out.append({
+        stock_turns = [turns["stock1"], turns["stock2"]]
+        row = {
             "workload": base, "context_modelled": context, "turns": {t: {k2: v for k2, v in x.items() if k2 != "requests"}
                                                                     for t, x in turns.items()},
             "decode_share_stock": round(mean("decode_ms", "stock") / (mean("wall_s", "stock") * 1000), 3),
@@ -151,11 +179,24 @@ def analyse(results: str, arm: str, table_path: str, rates: list[float]) -> list
             "decode_goodput_ratio": {"predicted": predicted, "predicted_own_batches": own.goodput / one.goodput,
                                      "measured": mean("decode_goodput", "table") / mean("decode_goodput", "stock"),
                                      "noise": spread("decode_goodput")},
-            "tok_s_ratio": {"predicted": sum(whole) / len(whole),
+            "tok_s_ratio": {"predicted": whole_ratio(stock_turns, predicted),
                             "measured": mean("output_tok_s", "table") / mean("output_tok_s", "stock"),
                             "noise": spread("output_tok_s")},
             "fixed_k_vs_stock_predicted": {o.name: o.goodput / one.goodput for o in mix.options if o.name.startswith("K=")},
-        })
+        }
+        f = (fixed or {}).get(base)
+        if f is not None:
+            kfix = mix.option(f"K={k}").goodput / one.goodput
+            pred = whole_ratio(stock_turns, kfix)
+            goodput = f["decode_goodput"]
+            row["fixed"] = {
+                "k": k, "decode_goodput_ratio_vs_stock": {
+                    "predicted": kfix, "measured": goodput / mean("decode_goodput", "stock") if goodput else None},
+                "tok_s_ratio_vs_stock": {"predicted": pred,
+                                         "measured": f["output_tok_s"] / mean("output_tok_s", "stock")},
+                "tok_s_table_over_fixed": {"predicted": row["tok_s_ratio"]["predicted"] / pred,
+                                           "measured": mean("output_tok_s", "table") / f["output_tok_s"]}}
+        out.append(row)
     return out
 
 
@@ -182,6 +223,17 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             v = t["step_vs_model"]
             lines.append(f"| {r['workload']} | {turn} | {t['decode_steps']} | {t['mean_requests']:.1f} "
                          f"| {t['full_batch_share']:.2f} | {v['median']:.3f} | {v['total']:.3f} |")
+    fixed = [r for r in rows if "fixed" in r]
+    if fixed:
+        lines += ["", "| workload | fixed K: tok/s over stock, predicted | measured | decode goodput over stock, "
+                  "predicted | measured | table over fixed K tok/s, predicted | measured |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in fixed:
+            f = r["fixed"]
+            t, g, tf = f["tok_s_ratio_vs_stock"], f["decode_goodput_ratio_vs_stock"], f["tok_s_table_over_fixed"]
+            gm = "-" if g["measured"] is None else f"{g['measured']:.3f}"
+            lines.append(f"| {r['workload']} (K={f['k']}) | {t['predicted']:.3f} | {t['measured']:.3f} "
+                         f"| {g['predicted']:.3f} | {gm} | {tf['predicted']:.3f} | {tf['measured']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -191,14 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("arm")
     p.add_argument("table")
     p.add_argument("--schedule", required=True, choices=sorted(sc.CONFIG["schedules"]))
+    p.add_argument("--fixed", nargs=2, metavar=("RESULTS", "ARM"), help="a fixed-K arm served at the same schedule")
     p.add_argument("--json")
     p.add_argument("--md")
     a = p.parse_args(argv)
-    rows = analyse(a.results, a.arm, a.table, list(sc.CONFIG["schedules"][a.schedule]))
+    rates = list(sc.CONFIG["schedules"][a.schedule])
+    rows = analyse(a.results, a.arm, a.table, rates, fixed_arm(*a.fixed, rates) if a.fixed else None)
     text = markdown(rows)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"schedule": a.schedule, "rows": rows}, f, indent=1)
+            json.dump({"schedule": a.schedule, "fixed": a.fixed, "rows": rows}, f, indent=1)
     if a.md:
         with open(a.md, "w") as f:
             f.write(text)

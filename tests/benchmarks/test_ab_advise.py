@@ -50,16 +50,24 @@ def _turn(wall_s, tok_s, steps):
              "forward_tokens": [8192] + [r + d for r, d, _ in steps]})
 
 
-def test_analyse_by_hand(ab, tmp_path):
-    stock = [(16, 48, 12.0), (16, 48, 12.0), (8, 24, 10.0)]
+SPEC = {"name": "w", "prompt_lens": [1024, 8192], "concurrency": 16, "num_requests": 32, "output_len": 256}
+STOCK = [(16, 48, 12.0), (16, 48, 12.0), (8, 24, 10.0)]
+
+
+def _ab_arm(tmp_path):
+    """An A/B arm "a" of one workload "w": stock turns of STOCK's steps, table turns of 7 drafts a request."""
     table = [(16, 112, 13.0), (8, 56, 11.0)]
-    turns = {"stock1": _turn(2.0, 1000.0, stock), "table1": _turn(1.8, 1100.0, table),
-             "table2": _turn(1.8, 1120.0, table), "stock2": _turn(2.0, 990.0, stock)}
-    spec = {"name": "w", "prompt_lens": [1024, 8192], "concurrency": 16, "num_requests": 32, "output_len": 256}
-    summary = {"workloads": {f"w@{t}": {**s, "workload": {**spec, "name": f"w@{t}"}} for t, (s, _) in turns.items()}}
+    turns = {"stock1": _turn(2.0, 1000.0, STOCK), "table1": _turn(1.8, 1100.0, table),
+             "table2": _turn(1.8, 1120.0, table), "stock2": _turn(2.0, 990.0, STOCK)}
+    summary = {"workloads": {f"w@{t}": {**s, "workload": {**SPEC, "name": f"w@{t}"}} for t, (s, _) in turns.items()}}
     steps = {f"w@{t}": raw for t, (_, raw) in turns.items()}
     (tmp_path / "context-a.json").write_text(json.dumps(summary))
     (tmp_path / "context-a-steps.json").write_text(json.dumps(steps))
+
+
+def test_analyse_by_hand(ab, tmp_path):
+    stock = STOCK
+    _ab_arm(tmp_path)
 
     (row,) = ab.analyse(str(tmp_path), "a", str(TABLE), RATES)
     assert row["workload"] == "w" and row["context_modelled"] == (1024 + 8192) / 2 + 128
@@ -104,3 +112,35 @@ def test_a_workload_missing_a_turn_is_left_out(ab, tmp_path):
     (tmp_path / "context-a.json").write_text(json.dumps(summary))
     (tmp_path / "context-a-steps.json").write_text(json.dumps({}))
     assert ab.analyse(str(tmp_path), "a", str(TABLE), RATES) == []
+
+
+def test_a_fixed_k_arm_beside_the_ab_by_hand(ab, tmp_path):
+    _ab_arm(tmp_path)
+    fixed_dir = tmp_path / "fixed"
+    fixed_dir.mkdir()
+    summary, raw = _turn(1.9, 1050.0, [(16, 112, 14.0), (8, 56, 12.0)])
+    (fixed_dir / "context-f.json").write_text(json.dumps({"workloads": {"w": {**summary, "workload": SPEC}}}))
+    (fixed_dir / "context-f-steps.json").write_text(json.dumps({"w": raw}))
+    fixed = ab.fixed_arm(str(fixed_dir), "f", RATES)
+    every = 1 + sum(RATES)  # a request verifying all 7 drafts
+    assert fixed["w"]["decode_goodput"] == pytest.approx(24 * every / 26.0)
+
+    (row,) = ab.analyse(str(tmp_path), "a", str(TABLE), RATES, fixed)
+    f = row["fixed"]
+    stock_goodput = (16 * (1 + sum(RATES[:3])) * 2 + 8 * (1 + sum(RATES[:3]))) / 34.0
+    assert f["k"] == 7
+    assert f["decode_goodput_ratio_vs_stock"]["measured"] == pytest.approx((24 * every / 26.0) / stock_goodput)
+    assert f["tok_s_ratio_vs_stock"]["measured"] == pytest.approx(1050.0 / 995.0)
+    assert f["tok_s_table_over_fixed"]["measured"] == pytest.approx(1110.0 / 1050.0)
+    # predicted on the stock turns' batch sizes: advise's K=7 over its adaptive@8192, made whole-workload
+    mix = predict_steps(read_table(str(TABLE), samples=False), Acceptance(tuple(RATES), "given"),
+                        [16, 16, 8] * 2, [row["context_modelled"]] * 6)
+    kfix = mix.option("K=7").goodput / mix.option(mix.one_context_name).goodput
+    assert f["decode_goodput_ratio_vs_stock"]["predicted"] == pytest.approx(kfix)
+    assert f["tok_s_ratio_vs_stock"]["predicted"] == pytest.approx(2000.0 / (2000.0 - 34.0 + 34.0 / kfix))
+    assert f["tok_s_table_over_fixed"]["predicted"] == pytest.approx(
+        row["tok_s_ratio"]["predicted"] / f["tok_s_ratio_vs_stock"]["predicted"])
+    assert "| w (K=7) |" in ab.markdown([row])
+    # without a fixed arm the row has none, and the markdown no fixed-K table
+    (plain,) = ab.analyse(str(tmp_path), "a", str(TABLE), RATES)
+    assert "fixed" not in plain and "fixed K" not in ab.markdown([plain])
