@@ -106,6 +106,12 @@ def fixed_arm(results: str, arm: str, rates: list[float]) -> dict[str, dict[str,
     """Per workload of a fixed-K arm: its tok/s and measured decode goodput (all-decode steps, each
     request verifying every draft)."""
     summary = json.load(open(os.path.join(results, f"context-{arm}.json")))
+    spec = (summary.get("engine") or {}).get("speculative_config") or {}
+    served = (spec.get("enable_adaptive_verification"), spec.get("num_speculative_tokens"),
+              spec.get("synthetic_acceptance_rates"))
+    if served != (False, len(rates), rates):
+        sys.exit(f"{results}: arm {arm} is not fixed K={len(rates)} at rates {rates}: its engine served adaptive "
+                 f"verification {served[0]}, K {served[1]}, rates {served[2]}")
     steps = json.load(open(os.path.join(results, f"context-{arm}-steps.json")))
     out = {}
     for name, w in summary["workloads"].items():

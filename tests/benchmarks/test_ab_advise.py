@@ -119,8 +119,13 @@ def test_a_fixed_k_arm_beside_the_ab_by_hand(ab, tmp_path):
     fixed_dir = tmp_path / "fixed"
     fixed_dir.mkdir()
     summary, raw = _turn(1.9, 1050.0, [(16, 112, 14.0), (8, 56, 12.0)])
-    (fixed_dir / "context-f.json").write_text(json.dumps({"workloads": {"w": {**summary, "workload": SPEC}}}))
+    engine = {"speculative_config": {"enable_adaptive_verification": False, "num_speculative_tokens": 7,
+                                     "synthetic_acceptance_rates": RATES}}
+    (fixed_dir / "context-f.json").write_text(json.dumps({"engine": engine, "workloads": {"w": {**summary, "workload": SPEC}}}))
     (fixed_dir / "context-f-steps.json").write_text(json.dumps({"w": raw}))
+    # an arm that is not fixed K at this schedule is refused in one line
+    with pytest.raises(SystemExit, match="not fixed K=7 .*adaptive verification False, K 7, rates"):
+        ab.fixed_arm(str(fixed_dir), "f", RATES[:-1] + [0.1])
     fixed = ab.fixed_arm(str(fixed_dir), "f", RATES)
     every = 1 + sum(RATES)  # a request verifying all 7 drafts
     assert fixed["w"]["decode_goodput"] == pytest.approx(24 * every / 26.0)

@@ -90,6 +90,11 @@ CONFIGS = [
     ("dflash", replaced("--speculative-config", json.dumps(
         {"method": "dflash", "model": str(REPO / "profiles" / "configs" / "dflash-qwen3-8b-b16"),
          "num_speculative_tokens": 15, "enable_adaptive_verification": True})), {}, None),
+    # MTP: a MiMo-7B target drafts with its own MTP layer (profiles/configs/mimo-7b); vLLM builds
+    # its MiMoMTPModel drafter from the target's config; no shipped table is its
+    ("mtp", [str(REPO / "profiles" / "configs" / "mimo-7b"), "--speculative-config", json.dumps(
+        {"method": "mtp", "num_speculative_tokens": 3, "enable_adaptive_verification": True}),
+        *README[3:]], {}, None),
 ]
 
 
