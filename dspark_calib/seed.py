@@ -92,11 +92,12 @@ class EstimatorSeed:
     refits: int  # refits the recording estimator had done
     steps: int  # its step() calls since its engine started
     source: dict[str, Any] = field(default_factory=dict)  # provenance: files, the file and host read
-    created_at: str = ""
+    # set once, when the seed is made: what `seed --json` prints and the file it writes say the same
+    created_at: str = field(default_factory=lambda: _utc_now())
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "schema_version": SEED_SCHEMA_VERSION, "tool_version": __version__,
-                "created_at": self.created_at or _utc_now(), "keys": dict(self.keys), "slope": self.slope,
+                "created_at": self.created_at, "keys": dict(self.keys), "slope": self.slope,
                 "intercepts": list(self.intercepts), "refits": self.refits, "steps": self.steps,
                 "source": dict(self.source)}
 

@@ -86,6 +86,18 @@ def test_a_seed_round_trips_through_its_file(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # atomic: no temp file left
 
 
+def test_a_seed_keeps_the_time_it_was_made(monkeypatch, tmp_path):
+    """`seed --json` prints the seed and writes its file from one seed: both carry the time it was
+    made, however many seconds pass between the two."""
+    import dspark_calib.seed as seed_module
+
+    ticks = iter(f"2026-12-03T07:27:3{i}Z" for i in range(9))
+    monkeypatch.setattr(seed_module, "_utc_now", lambda: next(ticks))
+    seed = EstimatorSeed(keys=KEYS, slope=0.5, intercepts=(0.0,) * 7, refits=1, steps=100)
+    assert seed.to_dict()["created_at"] == seed.to_dict()["created_at"] == "2026-12-03T07:27:30Z"
+    assert read_seed(write_seed(seed, str(tmp_path / "s.json"))).created_at == "2026-12-03T07:27:30Z"
+
+
 def test_mismatches_name_the_key_and_both_values():
     seed = EstimatorSeed(keys=KEYS, slope=0.5, intercepts=(0.0,) * 7, refits=1, steps=100)
     assert seed_mismatches(seed, KEYS) == []
