@@ -82,6 +82,16 @@ def decode_steps(raw: dict[str, Any], k: int) -> list[tuple[int, int, float]]:
     return out
 
 
+def decode_work(raw: dict[str, Any], rates: list[float]) -> tuple[list[tuple[int, int, float]], float, float,
+                                                                  float | None]:
+    """A turn's all-decode steps (decode_steps), their expected generated tokens, their summed
+    length (ms) and the tokens per ms (None without a step)."""
+    dec = decode_steps(raw, len(rates))
+    tokens = sum(expected_tokens(r, d, rates) for r, d, _ in dec)
+    ms = sum(s for _, _, s in dec)
+    return dec, tokens, ms, tokens / ms if ms else None
+
+
 def step_vs_model(table: Any, acceptance: Acceptance, steps: list[tuple[int, int, float]], context: float, *,
                   stock: bool) -> dict[str, float | None]:
     """A turn's decode steps' measured length over the model's step at its batch size and the
@@ -113,13 +123,9 @@ def fixed_arm(results: str, arm: str, rates: list[float]) -> dict[str, dict[str,
         sys.exit(f"{results}: arm {arm} is not fixed K={len(rates)} at rates {rates}: its engine served adaptive "
                  f"verification {served[0]}, K {served[1]}, rates {served[2]}")
     steps = json.load(open(os.path.join(results, f"context-{arm}-steps.json")))
-    out = {}
-    for name, w in summary["workloads"].items():
-        dec = decode_steps(steps[name], len(rates)) if name in steps else []
-        ms = sum(s for _, _, s in dec)
-        tokens = sum(expected_tokens(r, d, rates) for r, d, _ in dec)
-        out[name] = {"output_tok_s": w["output_tok_s"], "decode_goodput": tokens / ms if ms else None}
-    return out
+    return {name: {"output_tok_s": w["output_tok_s"],
+                   "decode_goodput": decode_work(steps[name], rates)[3] if name in steps else None}
+            for name, w in summary["workloads"].items()}
 
 
 def whole_ratio(turns: list[dict[str, Any]], decode_ratio: float) -> float:
@@ -139,28 +145,26 @@ def analyse(results: str, arm: str, table_path: str, rates: list[float],
     bases = list(dict.fromkeys(n.partition("@")[0] for n in summary["workloads"]))  # in served order
     out = []
     for base in bases:
-        turns, spec = {}, None
+        turns, decs, spec = {}, {}, None
         for turn in TURNS:
             w = summary["workloads"].get(f"{base}@{turn}")
             raw = steps.get(f"{base}@{turn}")
             if w is None or raw is None:
                 break
             spec = w["workload"]
-            dec = decode_steps(raw, k)
-            tokens = sum(expected_tokens(r, d, rates) for r, d, _ in dec)
-            ms = sum(s for _, _, s in dec)
+            dec, tokens, ms, goodput = decode_work(raw, rates)
+            decs[turn] = dec
             turns[turn] = {"wall_s": w["wall_s"], "output_tok_s": w["output_tok_s"], "decode_steps": len(dec),
                            "mean_requests": round(sum(r for r, _, _ in dec) / max(1, len(dec)), 2),
                            "full_batch_share": round(sum(r == spec["concurrency"] for r, _, _ in dec) / max(1, len(dec)), 3),
                            "decode_ms": round(ms, 1), "decode_tokens": round(tokens, 1),
                            "drafts_per_request": round(sum(d for _, d, _ in dec) / max(1, sum(r for r, _, _ in dec)), 3),
-                           "decode_goodput": tokens / ms if ms else None, "requests": [r for r, _, _ in dec]}
+                           "decode_goodput": goodput, "requests": [r for r, _, _ in dec]}
         if len(turns) < len(TURNS):
             continue
         context = sum(spec["prompt_lens"]) / len(spec["prompt_lens"]) + spec["output_len"] / 2
         for turn, t in turns.items():
-            t["step_vs_model"] = step_vs_model(table, acceptance, decode_steps(steps[f"{base}@{turn}"], k),
-                                                      context, stock=turn.startswith("stock"))
+            t["step_vs_model"] = step_vs_model(table, acceptance, decs[turn], context, stock=turn.startswith("stock"))
         stock_reqs = turns["stock1"]["requests"] + turns["stock2"]["requests"]
         mix = predict_steps(table, acceptance, stock_reqs, [context] * len(stock_reqs))
         aware, one = mix.option(ADAPTIVE), mix.option(mix.one_context_name)

@@ -66,7 +66,6 @@ def _ab_arm(tmp_path):
 
 
 def test_analyse_by_hand(ab, tmp_path):
-    stock = STOCK
     _ab_arm(tmp_path)
 
     (row,) = ab.analyse(str(tmp_path), "a", str(TABLE), RATES)
