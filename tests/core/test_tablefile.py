@@ -317,8 +317,8 @@ def test_shipped_tables_of_other_methods_record_theirs(path):
 
 
 def test_non_dspark_tables_ship():
-    assert sorted(read_metadata(p).fingerprint.speculative_method for p in SHIPPED_OTHER_METHODS) == ["draft_model",
-                                                                                                     "eagle3"]
+    assert sorted(read_metadata(p).fingerprint.speculative_method for p in SHIPPED_OTHER_METHODS) == [
+        "dflash", "draft_model", "eagle3", "mtp"]
 
 
 def _arrow_at(version: str, n: int = 5) -> pa.Table:

@@ -22,10 +22,12 @@ from tests.helpers import DRAFT, MODEL, REPO
 
 SHELF = str(REPO / "profiles" / "h200")
 TP1, TP2 = "15b5101f9d84", "00d73c94a383"
-# The H200 the shipped tables were profiled on.
+DRAFT_MODEL, EAGLE3, DFLASH, MTP = "a9f289a525a3", "81458b2ae409", "7e6f4f0df2d4", "cdd0e79fdd2c"
+# The H200 the shipped tables were profiled on (its library builds as the newer tables record them:
+# cuDNN 9.19, no flashinfer).
 HARDWARE = {"gpu_name": "NVIDIA H200", "gpu_compute_capability": "9.0", "gpu_memory_mib": 143155,
             "driver_version": "580.159.04", "cuda_version": "13.0", "torch_version": "2.14.0+cu130",
-            "cudnn_version": "92400", "flashinfer_version": "0.7.2.post1"}
+            "cudnn_version": "91900", "flashinfer_version": "none"}
 BACKENDS = {"attention_backend": "FLASH_ATTN", "draft_attention_backend": "FLASH_ATTN"}
 SPEC = json.dumps({"method": "dspark", "model": DRAFT, "num_speculative_tokens": 7,
                    "enable_adaptive_verification": True})
@@ -74,27 +76,28 @@ CONFIGS = [
     ("server-only-flags", [*README, "--host", "0.0.0.0", "--port", "8001", "--gpu-memory-utilization", "0.9"], {},
      TP1),
     ("block-size-16", [*README, "--block-size", "16"], {}, TP1),
-    # other speculators on the DSpark tables: the method (and the drafter's config) refuse them
+    # other speculators: each loads its own shipped table (profiled with these flags); the method and
+    # the drafter's config refuse every other table
     ("draft-model", replaced("--speculative-config", json.dumps(
         {"method": "draft_model", "model": str(REPO / "profiles" / "configs" / "qwen3-0.6b"),
-         "num_speculative_tokens": 7, "enable_adaptive_verification": True})), {}, None),
+         "num_speculative_tokens": 7, "enable_adaptive_verification": True})), {}, DRAFT_MODEL),
     # no method: vLLM detects DSpark from the drafter's architecture (the light path leaves it to
     # the engine: decided at start)
     ("no-method", replaced("--speculative-config", json.dumps(
         {"model": DRAFT, "num_speculative_tokens": 7, "enable_adaptive_verification": True})), {}, TP1),
-    # an EAGLE-3 head (profiles/configs): vLLM builds its config on this machine; no shipped table is its
+    # an EAGLE-3 head (profiles/configs): vLLM builds its config on this machine
     ("eagle3", replaced("--speculative-config", json.dumps(
         {"method": "eagle3", "model": str(REPO / "profiles" / "configs" / "eagle3-qwen3-8b"),
-         "num_speculative_tokens": 7, "enable_adaptive_verification": True})), {}, None),
+         "num_speculative_tokens": 7, "enable_adaptive_verification": True})), {}, EAGLE3),
     # a DFlash drafter (profiles/configs, block 16): the same, 15 drafts a step
     ("dflash", replaced("--speculative-config", json.dumps(
         {"method": "dflash", "model": str(REPO / "profiles" / "configs" / "dflash-qwen3-8b-b16"),
-         "num_speculative_tokens": 15, "enable_adaptive_verification": True})), {}, None),
+         "num_speculative_tokens": 15, "enable_adaptive_verification": True})), {}, DFLASH),
     # MTP: a MiMo-7B target drafts with its own MTP layer (profiles/configs/mimo-7b); vLLM builds
-    # its MiMoMTPModel drafter from the target's config; no shipped table is its
+    # its MiMoMTPModel drafter from the target's config
     ("mtp", [str(REPO / "profiles" / "configs" / "mimo-7b"), "--speculative-config", json.dumps(
         {"method": "mtp", "num_speculative_tokens": 3, "enable_adaptive_verification": True}),
-        *README[3:]], {}, None),
+        *README[3:]], {}, MTP),
 ]
 
 
