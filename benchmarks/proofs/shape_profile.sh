@@ -8,7 +8,7 @@
 #   3. the context-aware engine with table 1 at the plugin's defaults, the same workloads -> OUT/arms
 #   4. shape_pricing.py prices both arms' decode verifies with the profile's shape and with the two
 #      shapes: decided on ctx3k, reported on ctx12k and the mix -> OUT/shapes-{stock,aware}.{json,md};
-#      judge_tables.py beside it -> OUT/judge-{stock,aware}.{json,md}
+#      judge_tables.py beside it, the shipped table judged too -> OUT/judge-{stock,aware}.{json,md}
 # Usage, from the repository root on a GPU host where `pip install '.[vllm]'` is done:
 #   bash benchmarks/proofs/shape_profile.sh OUT END_EPOCH
 # Every step gets a share of the time left before END_EPOCH and is stopped at its end; a step
@@ -22,6 +22,8 @@ killgpu() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r
 { date -u; hostname; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$py" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"; } 2>&1
 table="$out/tables/shapes.parquet"
+# the shipped table (profiled on another H200 of the pool): this host is held out from it
+shipped=profiles/h200/qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet
 if [ "$(left)" -ge 300 ]; then
   share=480; [ "$share" -gt "$(( $(left) - 5 ))" ] && share=$(( $(left) - 5 ))
   echo "== profile shapes $(date -u +%T), at most $share s"
@@ -53,6 +55,7 @@ for a in stock:stock aware-tail20-chunks:aware; do
     --json "$out/shapes-$short.json" --md "$out/shapes-$short.md"
   echo "shape_pricing $name rc=$?"
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$py" benchmarks/serving/judge_tables.py "$out/arms" "$name" \
-    --table "shapes=$table" --decide ctx3k --json "$out/judge-$short.json" --md "$out/judge-$short.md" > /dev/null
+    --table "shapes=$table" --table "shipped=$shipped" --decide ctx3k --json "$out/judge-$short.json" \
+    --md "$out/judge-$short.md" > /dev/null
   echo "judge $name rc=$?"
 done
