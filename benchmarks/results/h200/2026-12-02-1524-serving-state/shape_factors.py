@@ -37,7 +37,8 @@ MIN_STEPS = 20
 
 
 def decode_verifies(results: str, arm: str, table: str, workloads: set[str] | None) -> dict[str, np.ndarray]:
-    """The arm's decode verifies of these workloads (None: all): measured, priced, shape and context."""
+    """The arm's decode verifies of these workloads (None: all): measured, priced, shape, context,
+    whether the step replayed a full CUDA graph, and its tokens."""
     with open(os.path.join(results, f"context-{arm}.json")) as fh:
         names = list(json.load(fh)["workloads"])
     obs = read_observed([os.path.join(results, f"context-{arm}-observed.parquet")])
@@ -51,7 +52,8 @@ def decode_verifies(results: str, arm: str, table: str, workloads: set[str] | No
     c, keep = sub.columns, np.asarray(p.steps["verify"])
     return {"measured": c["forward_ms"][keep], "priced": np.asarray(p.predicted["verify"][AWARE])[keep],
             "shape": fill_buckets(c["num_reqs"], c["num_target_tokens"], p.costs.profile_num_reqs)[keep],
-            "context": pow2_bucket(c["context_mean"].astype(np.int64), 1024)[keep]}
+            "context": pow2_bucket(c["context_mean"].astype(np.int64), 1024)[keep],
+            "full_graph": np.asarray(c["full_cudagraph"]).astype(bool)[keep], "tokens": c["num_target_tokens"][keep]}
 
 
 def report(name: str, steps: dict[str, np.ndarray], factors: dict[int, float]) -> list[str]:
