@@ -42,6 +42,7 @@ class Speculator:
     drafter: str  # what --draft names, for people
     architectures: tuple[str, ...] = ()  # the drafter's config.json must name one ('' = vLLM judges)
     own_drafter: bool = True  # False: the target's own layers draft (MTP); --draft may be left out
+    one_pass: bool = False  # True: one drafter pass proposes all K drafts (DSpark's block, DFlash's masks)
 
     def check_drafter(self, config: Mapping[str, Any], where: str) -> int | None:
         """The number of drafts the drafter was trained for, when its config says (DSpark's
@@ -72,12 +73,12 @@ class Speculator:
 DSPARK_ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel")
 
 SPECULATORS: dict[str, Speculator] = {s.method: s for s in (
-    Speculator(DSPARK, "DSpark drafter", DSPARK_ARCHITECTURES),
+    Speculator(DSPARK, "DSpark drafter", DSPARK_ARCHITECTURES, one_pass=True),
     Speculator(DRAFT_MODEL, "draft model"),
     Speculator("eagle", "EAGLE head"),
     Speculator("eagle3", "EAGLE-3 head"),
     Speculator("mtp", "MTP module", own_drafter=False),
-    Speculator("dflash", "DFlash drafter"),
+    Speculator("dflash", "DFlash drafter", one_pass=True),
 )}
 # vLLM's other methods, and why they are refused.
 REFUSED = {

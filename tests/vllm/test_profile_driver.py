@@ -59,6 +59,7 @@ def test_max_model_len_left_to_vllm_unless_given():
 
 
 SMALL_DRAFT = str(REPO / "profiles" / "configs" / "qwen3-0.6b")
+DFLASH_DRAFT = str(REPO / "profiles" / "configs" / "dflash-qwen3-8b-b16")
 
 
 def test_a_draft_model_speculator_is_what_vllm_builds():
@@ -598,6 +599,18 @@ def test_the_estimate_says_it_models_dspark_for_other_methods():
                                           num_speculative_tokens=7)), tc.SIZES).line(20)
     assert "one-pass drafter" not in dspark
     assert draft.startswith(dspark) and "a draft_model drafter runs K passes a step" in draft
+
+
+def test_the_estimate_says_no_k_passes_for_a_one_pass_drafter():
+    """DFlash proposes its K drafts in one pass over K masked positions, as DSpark does: the line
+    claims no K passes for it."""
+    import tests.vllm.test_capture as tc
+
+    from dspark_calib.vllm.profile.plan import expected
+
+    dflash = expected(resolve_options(opts(context_lens=(1024,), method="dflash", draft=DFLASH_DRAFT,
+                                           num_speculative_tokens=15)), tc.SIZES).line(20)
+    assert dflash.startswith("profile plan: ") and "passes a step" not in dflash and "one-pass" not in dflash
 
 
 def test_estimate_includes_the_cooldown(tmp_path):

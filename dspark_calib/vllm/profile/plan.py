@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from dspark_calib.speculators import DSPARK
+from dspark_calib.speculators import DSPARK, SPECULATORS
 from dspark_calib.vllm.capture import Plan, Schedule
 from dspark_calib.telemetry import SERVING, STARTUP
 from dspark_calib.vllm.gpu_state import DEFAULT_COOLDOWN_S, DEFAULT_SETTLE_S
@@ -140,7 +140,7 @@ class Expected:
                 f"size{rounded}; {s.warmup_blocks} warm-up){shapes} = ~{len(s.tags)} steps; expected ~{_human(self.seconds)} "
                 f"of profiling once the engine is up (an estimate: ~{STEP_MS:g} ms a step + a cost growing with "
                 f"tokens and context; measured on one H200 with Qwen3-8B{self._between_blocks_note()})"
-                + ("" if self.method == DSPARK else
+                + ("" if SPECULATORS[self.method].one_pass else
                    f"; the step model is DSpark's one-pass drafter: a {self.method} drafter runs K passes a step, "
                    "each reading its own KV, and can cost several times more (docs/results)"))
 
