@@ -37,9 +37,10 @@ import numpy as np
 
 from dspark_calib import __version__
 from dspark_calib.errors import CalibError, display_path
+from dspark_calib.fileformat.version import utc_now
 from dspark_calib.observe.file import ObservedSteps, read_observed
 from dspark_calib.table.calibration import ABOVE, REGIONS, WITHIN, Calibration
-from dspark_calib.table.model import SCHEMA_VERSION, CostTable, utc_now
+from dspark_calib.table.model import SCHEMA_VERSION, CostTable
 from dspark_calib.validate import AWARE, ErrorStats, price_steps
 
 MIN_STEPS = 20  # fewer steps than this say nothing of a median (validate's MIN_TAIL_STEPS, the docs' buckets)

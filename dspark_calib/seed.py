@@ -28,7 +28,6 @@ vllm; numpy only when a seed is made from observe files.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import math
 import os
@@ -39,7 +38,7 @@ from typing import Any, Iterable, Mapping
 from dspark_calib import __version__
 from dspark_calib.atomic import atomic_write
 from dspark_calib.errors import CalibError, display_path, escape
-from dspark_calib.fileformat.version import parse_version
+from dspark_calib.fileformat.version import parse_version, utc_now
 
 SEED_SCHEMA_VERSION = "1.0"
 FORMAT = "dspark-calib estimator seed"
@@ -78,10 +77,6 @@ SEED_KEYS: tuple[SeedKey, ...] = (
 KEY_NAMES = tuple(k.name for k in SEED_KEYS)
 
 
-def _utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
 @dataclass(frozen=True)
 class EstimatorSeed:
     """Coefficients for vLLM's OnlineAcceptanceEstimator and the engine they fit (``keys``)."""
@@ -93,7 +88,7 @@ class EstimatorSeed:
     steps: int  # its step() calls since its engine started
     source: dict[str, Any] = field(default_factory=dict)  # provenance: files, the file and host read
     # set once, when the seed is made: what `seed --json` prints and the file it writes say the same
-    created_at: str = field(default_factory=lambda: _utc_now())
+    created_at: str = field(default_factory=lambda: utc_now())
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "schema_version": SEED_SCHEMA_VERSION, "tool_version": __version__,

@@ -1,4 +1,5 @@
-"""Schema versions ("major.minor") and the append-only migration lists of both file formats.
+"""Schema versions ("major.minor"), the append-only migration lists of both file formats, and
+the creation time every file of the project records beside its version.
 
 A reader accepts every minor of its major: an older minor is brought up to date by
 its format's ``Migrations`` (llm's ``migrations.py`` style: ``@migrations.add(from,
@@ -9,11 +10,17 @@ pyarrow is imported.
 
 from __future__ import annotations
 
+import datetime as _dt
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from dspark_calib.errors import CalibError
+
+
+def utc_now() -> str:
+    """Now in UTC to the second, as a file's ``created_at`` records it (2026-12-03T09:26:15Z)."""
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def parse_version(text: Any, path: str | None = None, what: str = "schema_version") -> tuple[int, int]:

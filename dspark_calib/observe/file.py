@@ -70,7 +70,6 @@ What a row is, and the checks on rows and columns, live in step.py.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import time
@@ -85,7 +84,7 @@ from dspark_calib.atomic import atomic_write
 from dspark_calib.errors import CalibError, display_path, first_line
 from dspark_calib.fileformat.arrow import column, list_column, list_lengths
 from dspark_calib.fileformat.limits import ReadLimits, load_json
-from dspark_calib.fileformat.version import Migrations, parse_version
+from dspark_calib.fileformat.version import Migrations, parse_version, utc_now
 from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COEFFICIENTS, COLUMNS, ESTIMATOR, FLOAT, GPU, HOST,
                                        INT, NULLABLE, POSITIONS, PREFILL, ObservedStep, ObserveMeta, column_problem,
                                        meta_problem)
@@ -108,10 +107,6 @@ READ_LIMITS = ReadLimits(max_file_bytes=256 << 20, max_metadata_bytes=1 << 20, m
 # positions: an engine drafts a handful a step); the estimator's intercepts (float64, one per
 # position) are bounded alike and add at most half of that again.
 MAX_DRAFT_POSITIONS = READ_LIMITS.max_decoded_bytes // (2 * 8 * MAX_OBSERVED_STEPS)
-
-
-def _utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def _arrow_types() -> dict[str, Any]:
@@ -195,7 +190,7 @@ def _write(path: str, rows: Sequence[ObservedStep], metadata: dict[str, Any]) ->
     types = _arrow_types()
     arrays = [pa.array([getattr(r, name) for r in rows], type=types[typ]) for name, typ in COLUMNS.items()]
     meta = {**metadata, "schema_version": OBSERVED_SCHEMA_VERSION, "tool_version": __version__,
-            "created_at": _utc_now()}
+            "created_at": utc_now()}
     schema = pa.schema([pa.field(n, types[t], nullable=n in NULLABLE) for n, t in COLUMNS.items()],
                        metadata={METADATA_KEY: json.dumps(meta).encode()})
     table = pa.Table.from_arrays(arrays, schema=schema)

@@ -7,7 +7,6 @@ on, one curve pair per profiled context length, and the raw samples behind them
 
 from __future__ import annotations
 
-import datetime as _dt
 import itertools
 import os
 import re
@@ -18,7 +17,7 @@ import numpy as np
 
 from dspark_calib import __version__
 from dspark_calib.errors import CalibError
-from dspark_calib.fileformat.version import parse_version
+from dspark_calib.fileformat.version import parse_version, utc_now
 from dspark_calib.fingerprint import Fingerprint, merge_mismatches
 from dspark_calib.fit import CURVE_KINDS, DRAFT, VERIFY, Curve, CurvePair, fit_curves
 from dspark_calib.samples import SAMPLE_COLUMNS, Sample, Samples
@@ -50,10 +49,6 @@ SPREAD_FLOOR_MS = 0.05  # below this an IQR is timer noise whatever the median (
 def nearest(context_lens: Iterable[int], wanted: int) -> int:
     """The context length closest to `wanted`; a tie goes to the longer one (the safer, higher cost)."""
     return min(context_lens, key=lambda c: (abs(c - wanted), -c))
-
-
-def utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 @dataclass(frozen=True, eq=False)

@@ -228,7 +228,7 @@ def test_compaction_round_trips_through_validate(sc, tmp_path, monkeypatch):
 
     # each file a different second, as on a real engine: still one engine's metadata
     tick = itertools.count()
-    monkeypatch.setattr(observe, "_utc_now", lambda: f"2026-12-01T00:00:{next(tick) % 60:02d}Z")
+    monkeypatch.setattr(observe, "utc_now", lambda: f"2026-12-01T00:00:{next(tick) % 60:02d}Z")
     src = tmp_path / "obs"
     rows = _stream([(40, 64, 8300), (25, 32, 16500)])
     _write(src, rows, per_file=9)

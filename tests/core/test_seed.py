@@ -51,7 +51,7 @@ def written_at(monkeypatch, when):
     """Observe files written from now on record created_at `when` (UTC)."""
     from dspark_calib.observe import file as observe_file
 
-    monkeypatch.setattr(observe_file, "_utc_now", lambda: when)
+    monkeypatch.setattr(observe_file, "utc_now", lambda: when)
 
 
 def test_across_engine_starts_the_newest_reading_after_a_refit_is_the_seed(tmp_path, monkeypatch):
@@ -92,7 +92,7 @@ def test_a_seed_keeps_the_time_it_was_made(monkeypatch, tmp_path):
     import dspark_calib.seed as seed_module
 
     ticks = iter(f"2026-12-03T07:27:3{i}Z" for i in range(9))
-    monkeypatch.setattr(seed_module, "_utc_now", lambda: next(ticks))
+    monkeypatch.setattr(seed_module, "utc_now", lambda: next(ticks))
     seed = EstimatorSeed(keys=KEYS, slope=0.5, intercepts=(0.0,) * 7, refits=1, steps=100)
     assert seed.to_dict()["created_at"] == seed.to_dict()["created_at"] == "2026-12-03T07:27:30Z"
     assert read_seed(write_seed(seed, str(tmp_path / "s.json"))).created_at == "2026-12-03T07:27:30Z"
