@@ -112,17 +112,25 @@ def step_vs_model(table: Any, acceptance: Acceptance, steps: list[tuple[int, int
     return {"median": round(float(np.median(ratios)), 4), "total": round(served / model, 4)}
 
 
+def arm_files(results: str, arm: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An arm's harness summary and its per-step file (serve_context.py's context-ARM.json and
+    context-ARM-steps.json)."""
+    with open(os.path.join(results, f"context-{arm}.json")) as fh:
+        summary = json.load(fh)
+    with open(os.path.join(results, f"context-{arm}-steps.json")) as fh:
+        return summary, json.load(fh)
+
+
 def fixed_arm(results: str, arm: str, rates: list[float]) -> dict[str, dict[str, float | None]]:
     """Per workload of a fixed-K arm: its tok/s and measured decode goodput (all-decode steps, each
     request verifying every draft)."""
-    summary = json.load(open(os.path.join(results, f"context-{arm}.json")))
+    summary, steps = arm_files(results, arm)
     spec = (summary.get("engine") or {}).get("speculative_config") or {}
     served = (spec.get("enable_adaptive_verification"), spec.get("num_speculative_tokens"),
               spec.get("synthetic_acceptance_rates"))
     if served != (False, len(rates), rates):
         sys.exit(f"{results}: arm {arm} is not fixed K={len(rates)} at rates {rates}: its engine served adaptive "
                  f"verification {served[0]}, K {served[1]}, rates {served[2]}")
-    steps = json.load(open(os.path.join(results, f"context-{arm}-steps.json")))
     return {name: {"output_tok_s": w["output_tok_s"],
                    "decode_goodput": decode_work(steps[name], rates)[3] if name in steps else None}
             for name, w in summary["workloads"].items()}
@@ -137,8 +145,7 @@ def whole_ratio(turns: list[dict[str, Any]], decode_ratio: float) -> float:
 
 def analyse(results: str, arm: str, table_path: str, rates: list[float],
             fixed: dict[str, dict[str, float | None]] | None = None) -> list[dict[str, Any]]:
-    summary = json.load(open(os.path.join(results, f"context-{arm}.json")))
-    steps = json.load(open(os.path.join(results, f"context-{arm}-steps.json")))
+    summary, steps = arm_files(results, arm)
     table = read_table(table_path, samples=False)
     k = len(rates)
     acceptance = Acceptance(tuple(rates), "given")
