@@ -16,7 +16,9 @@ well the choice prices steps it was not chosen on (a choice judged on its own st
 than it is). The goal line reads the held-out part: every bucket with at least MIN_STEPS steps
 within GOAL_MEDIAN_PCT median and GOAL_BIAS_PCT bias. The held-out steps are also shown by the SM
 clock sampled with each step and, for decode verifies, by shape (validate's ShapeErrors): whether
-the residuals follow the GPU's clock or the step's requests against the profile's.
+the residuals follow the GPU's clock or the step's requests against the profile's; and the
+prefill-carrying ones by their chunks' query-context pairs (the attention work the chunk rule
+prices per pair): whether they follow the chunk's attention.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ GOAL_MEDIAN_PCT = 2.0
 GOAL_BIAS_PCT = 1.0
 MIN_STEPS = 20
 PARTS = ("decide", "held_out")
+PAIR_EDGES_M = (16, 32, 64)  # millions of query-context pairs a prefill-carrying step's chunks hold
+PAIR_LABELS = ("<16M", "16M-32M", "32M-64M", ">=64M")
 
 
 def split_rows(arm_json: dict[str, Any], cols: dict[str, Any], decide: set[str]) -> dict[str, Any]:
@@ -79,7 +83,7 @@ def judge(tables: dict[str, str], results: str, arm: str, decide: set[str]) -> d
     out: dict[str, Any] = {"arm": arm, "results": results, "host": arm_json.get("host"),
                            "workloads": {"decide": [w for w in workloads if w in decide],
                                          "held_out": [w for w in workloads if w not in decide]},
-                           "tables": {}, "rows": [], "by_clock": [], "by_shape": [], "goal": {}}
+                           "tables": {}, "rows": [], "by_clock": [], "by_shape": [], "by_pairs": [], "goal": {}}
     for name, path in tables.items():
         try:  # one table that cannot price these steps costs its own rows, not the others'
             table = read_table(path)
@@ -101,6 +105,7 @@ def judge(tables: dict[str, str], results: str, arm: str, decide: set[str]) -> d
                 out["by_shape"] += [{"table": name, "part": part, "kind": g.kind, "context_bucket": g.context_bucket,
                                      "fill_bucket": g.fill_bucket, "steps": g.errors[AWARE].n,
                                      "context_aware": g.errors[AWARE].to_dict()} for g in result.by_shape]
+                out["by_pairs"] += [{"table": name, "part": part, **g} for g in pair_errors(table, sub)]
         except CalibError as exc:
             out["tables"][name] = {"path": path, "error": str(exc)}
             continue
@@ -109,6 +114,23 @@ def judge(tables: dict[str, str], results: str, arm: str, decide: set[str]) -> d
         out["rows"] += rows
         out["goal"][name] = goal(out["rows"], name)
     return out
+
+
+def pair_errors(table: Any, observed: Any) -> list[dict[str, Any]]:
+    """The prefill-carrying steps' context-aware errors per PAIR_LABELS bucket of their chunks'
+    query-context pairs (observe's prefill_pairs); steps that recorded none are left out."""
+    import numpy as np
+
+    from dspark_calib.validate import AWARE, ErrorStats, price_steps
+
+    p = price_steps(table, observed)
+    keep = np.asarray(p.steps["verify_prefill"]) & (observed.columns["prefill_pairs"] > 0)
+    bucket = np.searchsorted(np.asarray(PAIR_EDGES_M) * 1e6, observed.columns["prefill_pairs"], side="right")
+    predicted = np.asarray(p.predicted["verify_prefill"][AWARE], dtype=float)
+    measured = np.asarray(observed.columns["forward_ms"], dtype=float)
+    return [{"pairs": label, "steps": int((keep & (bucket == b)).sum()),
+             "context_aware": ErrorStats.of(predicted[keep & (bucket == b)], measured[keep & (bucket == b)]).to_dict()}
+            for b, label in enumerate(PAIR_LABELS) if (keep & (bucket == b)).any()]
 
 
 def speculator_mismatch(fp: dict[str, Any], arm_json: dict[str, Any]) -> str | None:
@@ -180,6 +202,15 @@ def markdown(doc: dict[str, Any]) -> str:
             got = {g["table"]: g for g in shaped if (g["context_bucket"], g["fill_bucket"]) == (bucket, fill)}
             steps = next(iter(got.values()))["steps"]
             lines.append(f"| {bucket} | {fill} | {steps} | "
+                         + " | ".join(_cell(got[n]["context_aware"]) if n in got else "-" for n in names) + " |")
+    paired = [g for g in doc.get("by_pairs", []) if g["part"] == "held_out" and g["table"] in names]
+    if paired:
+        lines += ["", "Held out, prefill-carrying steps by their chunks' query-context pairs (the attention work the "
+                      "chunk rule prices per pair):", "",
+                  "| pairs | steps | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+        for bucket in dict.fromkeys(g["pairs"] for g in paired):
+            got = {g["table"]: g for g in paired if g["pairs"] == bucket}
+            lines.append(f"| {bucket} | {next(iter(got.values()))['steps']} | "
                          + " | ".join(_cell(got[n]["context_aware"]) if n in got else "-" for n in names) + " |")
     lines += ["", f"Goal on the held-out part (every bucket of >= {MIN_STEPS} steps within {GOAL_MEDIAN_PCT:g} % median "
                   f"and {GOAL_BIAS_PCT:g} % bias):", ""]

@@ -134,3 +134,25 @@ def test_held_out_decode_verifies_by_shape_match_validate_on_the_held_out_rows(j
         r["steps"] for r in json.loads(out.read_text())["rows"]
         if r["part"] == "held_out" and r["kind"] == "verify" and r["context_bucket"] == "all")
     assert "Held out, decode verifies by shape" in md.read_text()
+
+
+def test_prefill_carrying_steps_split_by_their_chunk_pairs_cover_every_such_step(jt, tmp_path):
+    """The by-pairs split holds each held-out prefill-carrying step that recorded its pairs once, and
+    on this run the chunks of 64M pairs or more are priced high (the chunk rule's price a pair)."""
+    import numpy as np
+
+    out = tmp_path / "j.json"
+    assert jt.main([str(RUN), "stock", "--table", f"shipped={SHIPPED}", "--decide", "ctx1k,ctx8k",
+                    "--json", str(out), "--md", str(tmp_path / "j.md")]) == 0
+    doc = json.loads(out.read_text())
+    held = [g for g in doc["by_pairs"] if g["part"] == "held_out"]
+    assert [g["pairs"] for g in held] == [p for p in jt.PAIR_LABELS if p in {g["pairs"] for g in held}]
+    rows = {(r["part"], r["kind"], r["context_bucket"]): r for r in doc["rows"]}
+    from dspark_calib.observe.file import read_observed
+
+    cols = read_observed([str(RUN / "context-stock-observed.parquet")]).columns
+    assert np.all(cols["prefill_pairs"][cols["prefill_tokens"] > 0] > 0)  # every chunk step recorded its pairs
+    assert sum(g["steps"] for g in held) == rows[("held_out", "verify_prefill", "all")]["steps"]
+    top = next(g for g in held if g["pairs"] == ">=64M")
+    assert top["steps"] >= 20 and top["context_aware"]["median_signed_pct"] > 1.0
+    assert "chunks' query-context pairs" in (tmp_path / "j.md").read_text()
