@@ -248,17 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--table {t}: the name {name} is given twice", file=sys.stderr)
             return 2
         tables[name] = path
-    if missing_output_dir(args):
-        return 2
-    from dspark_calib.errors import CalibError
-
-    try:
-        doc = judge(tables, args.results, args.arm, set(args.decide.split(",")))
-    except (OSError, ValueError, CalibError) as exc:  # one line: a file or an option, named
-        print(f"judge_tables: {exc}", file=sys.stderr)
-        return 2
-    emit(doc, markdown(doc), args)
-    return 0
+    return run("judge_tables", args, lambda: judge(tables, args.results, args.arm, set(args.decide.split(","))),
+               markdown)
 
 
 def missing_output_dir(args: argparse.Namespace) -> bool:
@@ -268,6 +259,22 @@ def missing_output_dir(args: argparse.Namespace) -> bool:
             print(f"{option} {target}: no such directory", file=sys.stderr)
             return True
     return False
+
+
+def run(script: str, args: argparse.Namespace, build: Any, render: Any) -> int:
+    """The analysis scripts' common end: --json / --md checked, the document built, a bad file or
+    option said in one line on stderr (exit 2), else the document emitted (exit 0)."""
+    if missing_output_dir(args):
+        return 2
+    from dspark_calib.errors import CalibError
+
+    try:
+        doc = build()
+    except (OSError, ValueError, KeyError, CalibError) as exc:  # one line: a file or an option, named
+        print(f"{script}: {exc}", file=sys.stderr)
+        return 2
+    emit(doc, render(doc), args)
+    return 0
 
 
 def emit(doc: dict[str, Any], md: str, args: argparse.Namespace) -> None:

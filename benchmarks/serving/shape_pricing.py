@@ -147,19 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     p.add_argument("--md")
     args = p.parse_args(argv)
-    if jt.missing_output_dir(args):
-        return 2
-    from dspark_calib.errors import CalibError
-
-    try:
+    def build() -> dict[str, Any]:
         with open(args.capture) as fh:
             capture = json.load(fh)
-        doc = compare(capture, args.table, args.results, args.arm, set(args.decide.split(",")))
-    except (OSError, ValueError, KeyError, CalibError) as exc:  # one line: a file or an option, named
-        print(f"shape_pricing: {exc}", file=sys.stderr)
-        return 2
-    jt.emit(doc, markdown(doc), args)
-    return 0
+        return compare(capture, args.table, args.results, args.arm, set(args.decide.split(",")))
+
+    return jt.run("shape_pricing", args, build, markdown)
 
 
 if __name__ == "__main__":

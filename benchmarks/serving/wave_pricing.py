@@ -195,17 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if not colon or not workloads or min(hw.values()) < 1:
         print("--decide NAME:WORKLOAD[,...] and positive hardware numbers expected", file=sys.stderr)
         return 2
-    if jt.missing_output_dir(args):
-        return 2
-    from dspark_calib.errors import CalibError
-
-    try:
-        doc = analyse(arms, decide_arm, set(workloads.split(",")), **hw)
-    except (OSError, ValueError, KeyError, CalibError) as exc:  # one line: a file or an option, named
-        print(f"wave_pricing: {exc}", file=sys.stderr)
-        return 2
-    jt.emit(doc, markdown(doc), args)
-    return 0
+    return jt.run("wave_pricing", args, lambda: analyse(arms, decide_arm, set(workloads.split(",")), **hw), markdown)
 
 
 if __name__ == "__main__":

@@ -17,3 +17,15 @@ def sc():
     sys.modules["serve_context"] = mod  # dataclasses resolve their module
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_scripts(*names: str):
+    """Sibling scripts of benchmarks/serving imported by path, in order (each may import the ones
+    before it by name); the last one returned."""
+    mod = None
+    for name in names:
+        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / "serving" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return mod

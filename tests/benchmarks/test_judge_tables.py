@@ -1,13 +1,11 @@
 """benchmarks/serving/judge_tables.py: tables judged on an arm's steps split into decide and held-out
 workloads, on a committed H200 run (the shipped tp 1 table's own serving run)."""
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from tests.benchmarks.conftest import REPO
+from tests.benchmarks.conftest import REPO, load_scripts
 
 RUN = REPO / "benchmarks" / "results" / "h200" / "2026-12-01-0742-context"
 SHIPPED = REPO / "profiles" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet"
@@ -16,11 +14,7 @@ DRAFT_TABLE = REPO / "profiles" / "h200" / "qwen3-8b__qwen3-0.6b__tp1__nvidia-h2
 
 @pytest.fixture(scope="module")
 def jt(sc):  # noqa: ARG001 - serve_context imported first, as the script imports it
-    spec = importlib.util.spec_from_file_location("judge_tables", REPO / "benchmarks" / "serving" / "judge_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["judge_tables"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_scripts("judge_tables")
 
 
 def test_the_held_out_part_is_the_other_workloads_and_validate_prices_each_part(jt, tmp_path):

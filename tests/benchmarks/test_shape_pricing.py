@@ -1,14 +1,12 @@
 """benchmarks/serving/shape_pricing.py: served decode verifies priced with a second, uniform-decode
 shape beside the profile's, on a committed H200 run, against shape samples made by hand."""
 
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
 
-from tests.benchmarks.conftest import REPO
+from tests.benchmarks.conftest import REPO, load_scripts
 
 RUN = REPO / "benchmarks" / "results" / "h200" / "2026-12-02-1524-serving-state"
 TABLE = RUN / "tables" / "startup.parquet"
@@ -17,12 +15,7 @@ SIZES = [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 
 @pytest.fixture(scope="module")
 def sp(sc):  # noqa: ARG001 - serve_context imported first, as the scripts import it
-    for name in ("judge_tables", "shape_pricing"):
-        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / "serving" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return mod
+    return load_scripts("judge_tables", "shape_pricing")
 
 
 def capture_of(scale=1.0, q=8):

@@ -1,14 +1,12 @@
 """benchmarks/serving/wave_pricing.py: FA3's tile rounds, by hand, and the wave-aware price of served
 decode verifies on committed H200 runs (f chosen on one arm's workload, the rest held out)."""
 
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
 
-from tests.benchmarks.conftest import REPO
+from tests.benchmarks.conftest import REPO, load_scripts
 
 RESULTS = REPO / "benchmarks" / "results" / "h200"
 SHIPPED = REPO / "profiles" / "h200" / "qwen3-8b__dspark-qwen3-8b-block7__tp1__nvidia-h200__15b5101f9d84.parquet"
@@ -17,12 +15,7 @@ HW = {"kv_heads": 8, "sms": 132, "block_n": 128, "max_splits": 32}
 
 @pytest.fixture(scope="module")
 def wp(sc):  # noqa: ARG001 - serve_context imported first, as the scripts import it
-    for name in ("judge_tables", "wave_pricing"):
-        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / "serving" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return mod
+    return load_scripts("judge_tables", "wave_pricing")
 
 
 def test_the_rounds_follow_fa3s_split_rule_by_hand(wp):
