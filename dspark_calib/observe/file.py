@@ -50,6 +50,10 @@ Format history (OBSERVED_SCHEMA_VERSION, "major.minor"):
   issuing the step, which with async scheduling runs ahead of the GPU). ``validate`` sets the
   interval beside the GPU-timed forward + drafter (the time no event prices) and counts stalls
   (intervals over a second). Migration: a 1.5 file reads with both null (NaN).
+* 1.7 (dspark-calib 0.1.0): one nullable list<int64> column at the end, ``context_quantiles``: the
+  scheduled requests' computed tokens at 9 evenly spaced order statistics (the shortest, ...,
+  the longest; ``step.context_quantiles``), so a step's make-up (how its KV divides over its
+  requests) is known beside its mean and maximum. Migration: a 1.6 file reads it null (ABSENT).
 
 Compatibility rules, as for tables: a reader accepts every minor of its major
 (columns and metadata keys a newer minor adds are ignored; a minor may only add
@@ -85,13 +89,13 @@ from dspark_calib.errors import CalibError, display_path, first_line
 from dspark_calib.fileformat.arrow import column, list_column, list_lengths
 from dspark_calib.fileformat.limits import ReadLimits, load_json
 from dspark_calib.fileformat.version import Migrations, parse_version, utc_now
-from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COEFFICIENTS, COLUMNS, ESTIMATOR, FLOAT, GPU, HOST,
-                                       INT, NULLABLE, POSITIONS, PREFILL, ObservedStep, ObserveMeta, column_problem,
-                                       meta_problem)
+from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, BOOL, COEFFICIENTS, COLUMNS, CONTEXT_QUANTILES, ESTIMATOR,
+                                       FLOAT, GPU, HOST, INT, NULLABLE, POSITIONS, PREFILL, ObservedStep, ObserveMeta,
+                                       column_problem, meta_problem)
 from dspark_calib.pricing.policy import UNRECORDED_TAIL_RULE
 from dspark_calib.safe_open import open_local
 
-OBSERVED_SCHEMA_VERSION = "1.6"
+OBSERVED_SCHEMA_VERSION = "1.7"
 METADATA_KEY = b"dspark_calib_observed"
 FILE_PREFIX = "observed-"
 # Reading, as tables are read (fileformat.limits): a writer's file is rows_per_file rows (4096 by
@@ -304,6 +308,14 @@ def _m_1_5_to_1_6(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np
     return _null_floats(cols, HOST), {**meta, "schema_version": "1.6"}
 
 
+@migration("1.6", "1.7")
+def _m_1_6_to_1_7(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """1.7 added the requests' context order statistics per step: a 1.6 engine recorded none."""
+    rows = len(cols["step"])
+    return {**cols, "context_quantiles": np.full((rows, CONTEXT_QUANTILES), ABSENT, dtype=np.int64)}, \
+        {**meta, "schema_version": "1.7"}
+
+
 def _null_floats(cols: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
     """cols with float columns `names` added, null at every row (NaN in memory)."""
     rows = len(next(iter(cols.values()))) if cols else 0
@@ -356,6 +368,9 @@ def _read_one(path: str, rows_left: int) -> tuple[dict[str, np.ndarray], dict[st
         # nullable budgets, prefill, acceptance and estimator columns: ABSENT where null (NaN for floats)
         values[~valid] = np.nan if values.dtype == np.float64 else ABSENT
         cols[name] = values
+    quantiles = cols.get("context_quantiles")
+    if quantiles is not None and quantiles.shape[1] != CONTEXT_QUANTILES and (quantiles[:, 0] == ABSENT).all():
+        cols["context_quantiles"] = np.full((len(quantiles), CONTEXT_QUANTILES), ABSENT, dtype=np.int64)  # none recorded
     cols, meta, _ = MIGRATIONS.apply(cols, meta, shown)
     missing = [name for name in COLUMNS if name not in cols]
     if missing:
@@ -375,6 +390,10 @@ def _lists_problem(arrow: Any) -> str | None:
         widest = int(length.max(initial=0))
         if widest > MAX_DRAFT_POSITIONS:
             return f"column {name} has a list of {widest} positions, over the {MAX_DRAFT_POSITIONS} read"
+    if "context_quantiles" in arrow.column_names:
+        widest = int(list_lengths(arrow, "context_quantiles").max(initial=0))
+        if widest > CONTEXT_QUANTILES:
+            return f"column context_quantiles has a list of {widest} values, over the {CONTEXT_QUANTILES} a step holds"
     lengths.pop(ESTIMATOR[-1], None)
     if len(lengths) == 2:
         differ = np.flatnonzero(np.not_equal(*lengths.values()))

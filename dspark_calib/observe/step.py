@@ -20,6 +20,12 @@ from dspark_calib.pricing.policy import STOCK, PricingPolicy
 INT, FLOAT, BOOL = "int64", "float64", "bool"
 POSITIONS = "int64[]"  # one int64 per draft position (a list column; in memory a (rows, positions) array)
 COEFFICIENTS = "float64[]"  # one float64 per draft position (a list column; in memory a (rows, positions) array)
+# The scheduled requests' computed tokens at CONTEXT_QUANTILES evenly spaced order statistics (the
+# shortest, ..., the longest; context_quantiles): how the KV divides over a step's requests, which
+# its mean and maximum do not say (an attention kernel's work tiles follow each request's length).
+# A list column of a fixed length; in memory a (rows, CONTEXT_QUANTILES) array.
+QUANTILES = "int64[]"
+CONTEXT_QUANTILES = 9
 # Column -> type, in file order. Every step the engine observed:
 COLUMNS: dict[str, str] = {
     "step": INT,  # the engine's step counter (increasing per writer)
@@ -65,6 +71,8 @@ COLUMNS: dict[str, str] = {
     # from this step's execute_model start to its return (the host issuing the step; the GPU may run behind)
     "step_interval_ms": FLOAT,
     "host_ms": FLOAT,
+    # 1.7: the scheduled requests' computed tokens at CONTEXT_QUANTILES order statistics (null: not recorded)
+    "context_quantiles": QUANTILES,
 }
 BUDGETS = ("budget_static", "budget_context_aware")
 PREFILL = ("prefill_tokens", "prefill_context_sum", "prefill_pairs")
@@ -76,7 +84,7 @@ HOST = ("step_interval_ms", "host_ms")
 # the observer says each one before a priced step, validate counts them.
 STALL_MS = 1000.0
 MAX_GPU_READING = 100_000.0  # MHz or W: far above any GPU; a larger value is damage, not a reading
-NULLABLE = frozenset(BUDGETS + PREFILL + ACCEPTANCE + ESTIMATOR + GPU + HOST)
+NULLABLE = frozenset(BUDGETS + PREFILL + ACCEPTANCE + ESTIMATOR + GPU + HOST + ("context_quantiles",))
 ABSENT = -1  # in memory, a null budget; a null acceptance row is ABSENT at every position
 # in memory, a null float (estimator_slope) is NaN, and a null estimator_intercepts row NaN at every position
 
@@ -114,6 +122,7 @@ class ObservedStep:
     gpu_power_w: float | None = None
     step_interval_ms: float | None = None
     host_ms: float | None = None
+    context_quantiles: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         problem = row_problem({f.name: getattr(self, f.name) for f in fields(self)})
@@ -171,7 +180,45 @@ def row_problem(r: dict[str, Any]) -> str | None:
         v = r[name]
         if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0):
             return f"{name} must be a finite number >= 0 or None, got {v!r}"
+    q = r["context_quantiles"]
+    if q is not None:
+        if not isinstance(q, (tuple, list)) or len(q) != CONTEXT_QUANTILES or not all(
+                isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in q):
+            return f"context_quantiles must be {CONTEXT_QUANTILES} integers or None, got {q!r}"
+        bad = quantiles_problem(np.array([q]), np.array([n]), np.array([total]), np.array([r["context_max"]]))
+        if bad is not None:
+            return f"{bad[1]} (context_quantiles {list(q)})"
     return estimator_problem(*(r[name] for name in ESTIMATOR))
+
+
+def context_quantiles(computed: np.ndarray) -> tuple[int, ...]:
+    """The CONTEXT_QUANTILES order statistics of a step's per-request computed tokens (at least
+    one request): sorted, the ones at ranks round(i (n - 1) / (CONTEXT_QUANTILES - 1))."""
+    ordered = np.sort(np.asarray(computed, dtype=np.int64))
+    ranks = np.rint(np.arange(CONTEXT_QUANTILES) * (len(ordered) - 1) / (CONTEXT_QUANTILES - 1)).astype(np.intp)
+    return tuple(int(v) for v in ordered[ranks])
+
+
+def quantiles_problem(q: np.ndarray, num_reqs: np.ndarray, context_sum: np.ndarray,
+                      context_max: np.ndarray) -> tuple[np.ndarray, str] | None:
+    """(bad rows, what) of the first rule recorded context_quantiles rows break, or None. Rows whose
+    first entry is ABSENT are not recorded. Order statistics of the requests whose sum and maximum
+    the step records: non-decreasing from >= 0, the last the maximum, the shortest no longer
+    than the mean."""
+    known = q[:, 0] != ABSENT
+    damaged = ~known & (q != ABSENT).any(axis=1)  # a null row is ABSENT throughout
+    if not known.any() and not damaged.any():
+        return None
+    if q.shape[1] != CONTEXT_QUANTILES:
+        return known | damaged, f"context_quantiles must hold {CONTEXT_QUANTILES} values a step"
+    for bad, what in ((damaged | (known & ((q < 0).any(axis=1) | (np.diff(q, axis=1) < 0).any(axis=1))),
+                       "context_quantiles must be non-decreasing and >= 0"),
+                      (known & (q[:, -1] != context_max), "context_quantiles must end at context_max"),
+                      (known & (q[:, 0] * np.maximum(num_reqs, 1) > context_sum),
+                       "context_quantiles' shortest request above the mean")):
+        if bad.any():
+            return bad, what
+    return None
 
 
 def estimator_problem(refits: Any, steps: Any, slope: Any, intercepts: Any) -> str | None:
@@ -326,6 +373,9 @@ def column_problem(c: dict[str, np.ndarray]) -> str | None:
     for name in HOST:  # null: NaN
         v = c[name]
         checks.append((~np.isnan(v) & ~(np.isfinite(v) & (v >= 0)), f"{name} must be finite and >= 0"))
+    quantiles = quantiles_problem(c["context_quantiles"], c["num_reqs"], c["context_sum"], c["context_max"])
+    if quantiles is not None:
+        checks.append(quantiles)
     for bad, what in checks:
         if bad.any():
             row = int(np.flatnonzero(bad)[0])

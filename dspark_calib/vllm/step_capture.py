@@ -2,8 +2,8 @@
 
 Right after vLLM's get_num_tokens chose a budget, ``capture_step`` reads from the
 manager what the observed-step record needs besides the timings: the batch's
-context (mean/max/sum of num_computed_tokens over the scheduled requests), the
-drafts scheduled and the budget chosen (``manager._batch_budget``), the costs
+context (mean/max/sum of num_computed_tokens over the scheduled requests, and their
+order statistics), the drafts scheduled and the budget chosen (``manager._batch_budget``), the costs
 the engine's tables predicted for that step, and, when given the other
 pricing's tables, the budget vLLM's rule would have chosen with them
 (fit.choose_draft_budget: the same rule, tested equal to vLLM's). The timings
@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from dspark_calib.fit import choose_draft_budget
-from dspark_calib.observe.step import ESTIMATOR, ObservedStep
+from dspark_calib.observe.step import ESTIMATOR, ObservedStep, context_quantiles
 from dspark_calib.pricing.policy import STOCK, TABLE, PricingPolicy
 
 
@@ -42,6 +42,7 @@ class StepCapture:
     prefill_tokens: int = 0
     prefill_context_sum: int = 0
     prefill_pairs: int = 0
+    context_quantiles: tuple[int, ...] | None = None  # observe.step.context_quantiles of the requests
 
     @property
     def context_mean(self) -> float:
@@ -80,7 +81,8 @@ def capture_step(manager: Any, num_tokens_per_req: Mapping[str, int], draft_toke
         scheduled_drafts=int(drafts.sum()), non_draft_tokens=non_draft_total, draft_budget=int(budget),
         priced_context=int(priced_context), predicted_draft_ms=float(draft_table[n]),
         predicted_verify_ms=float(verify_table[non_draft_total + budget]), alt_budget=alt,
-        prefill_tokens=int(q.sum()), prefill_context_sum=int(c.sum()), prefill_pairs=int((q * (c + q)).sum()))
+        prefill_tokens=int(q.sum()), prefill_context_sum=int(c.sum()), prefill_pairs=int((q * (c + q)).sum()),
+        context_quantiles=context_quantiles(computed) if n else None)
 
 
 def acceptance_counts(num_sampled: Any, num_rejected: Any, positions: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -125,7 +127,7 @@ def to_observed(capture: StepCapture, *, step: int, forward_ms: float, drafter_m
         prefill_pairs=capture.prefill_pairs, position_graded=None if acceptance is None else acceptance[0],
         position_accepted=None if acceptance is None else acceptance[1],
         **dict(zip(ESTIMATOR, estimator or (None,) * len(ESTIMATOR))), gpu_sm_mhz=gpu[0], gpu_power_w=gpu[1],
-        step_interval_ms=host[0], host_ms=host[1])
+        step_interval_ms=host[0], host_ms=host[1], context_quantiles=capture.context_quantiles)
 
 
 # -- how the engine prices its steps (read once, at the first sampled step) ----------------------

@@ -14,8 +14,8 @@ from dspark_calib.observe import file as observe
 from dspark_calib.errors import CalibError
 import math
 
-from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, COLUMNS, ESTIMATOR, GPU, HOST, PREFILL, ObservedStep,
-                                       PendingSteps)
+from dspark_calib.observe.step import (ABSENT, ACCEPTANCE, COLUMNS, CONTEXT_QUANTILES, ESTIMATOR, GPU, HOST, PREFILL,
+                                       ObservedStep, PendingSteps, context_quantiles)
 from dspark_calib.observe.file import ObservedWriter, read_observed
 
 
@@ -35,6 +35,19 @@ ESTIMATED = dict(estimator_refits=3, estimator_steps=312, estimator_slope=0.75,
                  estimator_intercepts=(2.5, 1.25, 0.5, -0.25, -1.0, -1.5, -2.0))
 
 
+# the 8 requests of step(): contexts summing to 12004 (mean 1500.5), the longest 2000
+CONTEXTS = (1000, 1200, 1300, 1500, 1502, 1502, 2000, 2000)
+QUANTILES = context_quantiles(CONTEXTS)
+
+
+def test_context_quantiles_are_order_statistics_by_hand():
+    assert sum(CONTEXTS) == 12004
+    # 8 requests: ranks round(i x 7 / 8) = 0, 1, 2, 3, 4, 4, 5, 6, 7 of the sorted contexts
+    assert QUANTILES == (1000, 1200, 1300, 1500, 1502, 1502, 1502, 2000, 2000)
+    assert context_quantiles([7]) == (7,) * CONTEXT_QUANTILES
+    assert context_quantiles(list(range(17, 0, -1))) == (1, 3, 5, 7, 9, 11, 13, 15, 17)  # any order in
+
+
 def test_round_trip_keeps_every_value(tmp_path):
     steps = [step(i, budget_static=i % 3 if i % 2 else None, full_cudagraph=bool(i % 2),
                   **(dict(prefill_tokens=3 * i, prefill_context_sum=100 * i, prefill_pairs=3 * i * (100 + 3 * i))
@@ -42,7 +55,8 @@ def test_round_trip_keeps_every_value(tmp_path):
                   **(dict(position_graded=GRADED, position_accepted=ACCEPTED) if i % 2 == 0 else {}),
                   **(ESTIMATED if i % 3 == 1 else {}),
                   **(dict(gpu_sm_mhz=1515.0 + 15 * i, gpu_power_w=699.5) if i % 4 else {}),
-                  **(dict(step_interval_ms=188.5 + i, host_ms=0.25 * i) if i % 5 else {}))
+                  **(dict(step_interval_ms=188.5 + i, host_ms=0.25 * i) if i % 5 else {}),
+                  **(dict(context_quantiles=QUANTILES) if i % 2 else {}))
              for i in range(7)]
     with ObservedWriter(tmp_path, metadata={"mode": "context_aware", "table_hash": "ab" * 32, "tp_rank": 1}) as w:
         for s in steps:
@@ -53,7 +67,8 @@ def test_round_trip_keeps_every_value(tmp_path):
     assert os.path.basename(got.files[0]).startswith("observed-r1-")
     for name in COLUMNS:
         want = [getattr(s, name) for s in steps]
-        absent = [ABSENT] * len(GRADED) if name in ACCEPTANCE else ABSENT
+        absent = ([ABSENT] * len(GRADED) if name in ACCEPTANCE else [ABSENT] * CONTEXT_QUANTILES
+                  if name == "context_quantiles" else ABSENT)
         if name in ("estimator_slope", "estimator_intercepts", *GPU, *HOST):  # null floats read as NaN
             absent = [math.nan] * len(GRADED) if name == "estimator_intercepts" else math.nan
         want = [absent if v is None else list(v) if isinstance(v, tuple) else v for v in want]
@@ -112,13 +127,13 @@ def test_an_older_file_reads_with_the_later_floats_null(tmp_path, older, dropped
     (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
     t = pq.read_table(path)
     meta = json.loads(t.schema.metadata[observe.METADATA_KEY])
-    assert meta["schema_version"] == "1.6" and {k: read_observed([path])[k].tolist() for k in recorded} == {
+    assert meta["schema_version"] == "1.7" and {k: read_observed([path])[k].tolist() for k in recorded} == {
         k: [v] for k, v in recorded.items()}
     t = t.drop_columns(list(dropped)).replace_schema_metadata(
         {observe.METADATA_KEY: json.dumps({**meta, "schema_version": older}).encode()})
     pq.write_table(t, path)
     got = read_observed([path])
-    assert got.metadata[0].schema_version == "1.6"
+    assert got.metadata[0].schema_version == "1.7"
     assert {k: math.isnan(got[k][0]) for k in recorded} == {k: k in dropped for k in recorded}
     assert got["forward_ms"].tolist() == [10.0]
 
@@ -216,6 +231,55 @@ def test_bad_steps_are_refused(bad):
     with pytest.raises(CalibError) as err:
         step(**bad)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("bad,says", [
+    (QUANTILES[:-1], "must be 9 integers"), ((1000.0,) * 9, "must be 9 integers"),
+    ((1200, 1000) + QUANTILES[2:], "non-decreasing"), ((-1,) + QUANTILES[1:], "non-decreasing"),
+    (QUANTILES[:-1] + (2001,), "end at context_max"), ((1600,) * 8 + (2000,), "shortest request above the mean")])
+def test_impossible_context_quantiles_are_refused_in_a_row_and_in_a_file(tmp_path, bad, says):
+    with pytest.raises(CalibError, match=f"bad observed step: .*{says}"):
+        step(context_quantiles=bad)
+    with ObservedWriter(tmp_path) as w:
+        w.append(step(0, context_quantiles=QUANTILES))
+    (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
+    t = pq.read_table(path)
+    t = t.set_column(t.schema.get_field_index("context_quantiles"), "context_quantiles",
+                     pa.array([list(bad)], type=pa.list_(pa.float64() if isinstance(bad[0], float) else pa.int64())))
+    pq.write_table(t, path)
+    with pytest.raises(CalibError) as err:
+        read_observed([path])
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_a_list_longer_than_a_steps_quantiles_is_refused_before_it_is_read(tmp_path):
+    with ObservedWriter(tmp_path) as w:
+        w.append(step(0, context_quantiles=QUANTILES))
+    (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
+    t = pq.read_table(path)
+    t = t.set_column(t.schema.get_field_index("context_quantiles"), "context_quantiles",
+                     pa.array([list(QUANTILES) * 1000], type=pa.list_(pa.int64())))
+    pq.write_table(t, path)
+    with pytest.raises(CalibError, match="context_quantiles has a list of 9000 values, over the 9"):
+        read_observed([path])
+
+
+def test_a_16_file_reads_with_no_context_quantiles(tmp_path):
+    """The 1.6 -> 1.7 migration: a 1.6 engine recorded no order statistics; they read ABSENT
+    (rows, 9), what it did record stays."""
+    with ObservedWriter(tmp_path) as w:
+        w.append(step(0, context_quantiles=QUANTILES, **RECORDED))
+    (path,) = [tmp_path / n for n in os.listdir(tmp_path)]
+    assert read_observed([path])["context_quantiles"].tolist() == [list(QUANTILES)]
+    t = pq.read_table(path)
+    meta = json.loads(t.schema.metadata[observe.METADATA_KEY])
+    t = t.drop_columns(["context_quantiles"]).replace_schema_metadata(
+        {observe.METADATA_KEY: json.dumps({**meta, "schema_version": "1.6"}).encode()})
+    pq.write_table(t, path)
+    got = read_observed([path])
+    assert got.metadata[0].schema_version == "1.7"
+    assert got["context_quantiles"].tolist() == [[ABSENT] * CONTEXT_QUANTILES]
+    assert got["host_ms"].tolist() == [3.0]
 
 
 # -- bad files -------------------------------------------------------------------------------

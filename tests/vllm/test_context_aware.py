@@ -331,6 +331,10 @@ def test_capture_step_matches_vllms_choice_and_the_other_pricing(grid_3ctx, refe
                       context_aware=True)
     assert (rec.budget_context_aware, rec.budget_static) == (cap.draft_budget, cap.alt_budget)
     assert rec.context_mean == cap.context_sum / num_reqs
+    # the requests' order statistics, of the same computed tokens vLLM's manager holds
+    ordered = np.sort(contexts.astype(np.int64))
+    assert rec.context_quantiles == tuple(int(ordered[round(i * (num_reqs - 1) / 8)]) for i in range(9))
+    assert rec.context_quantiles[-1] == cap.context_max
     # the prefill chunks, from vLLM's own split into draft and non-draft tokens (chunks of 1 are decode-like)
     q = np.array([m._batch_budget[1][r] for r in num_tokens], dtype=np.int64)
     chunk = q > 1
