@@ -23,6 +23,11 @@ uniform request lengths (observe records the mean, not each request's):
   blocks spread evenly), P the engine's price, a the table's verify at N extrapolated to context 0
   (through its two shortest contexts): the part that does not read the KV.
 
+Where a step recorded its requests' context order statistics (observe's context_quantiles,
+schema 1.7), the served step's requests take those lengths (interpolated between the recorded
+ranks) instead of the mean: each request splits by its own blocks, the tiles run longest first,
+and each round lasts as long as its longest tile (a part-full last round as above).
+
 f is the one number chosen, on the --decide arm's named workloads only (the f in 1.00, 1.05 ...
 4.00 with the smallest median absolute error); every other step is held out from it. The report:
 today's residual by the served step's round fill (f = 1, no choice involved: the telemetry that
@@ -66,6 +71,30 @@ def rounds_over_ideal(num_reqs: np.ndarray, context: np.ndarray, f: float, *, kv
     return rounds * tile / (n * blocks * kv_heads / sms)
 
 
+def rounds_over_ideal_lengths(lengths: np.ndarray, f: float, *, kv_heads: int, sms: int, block_n: int,
+                              max_splits: int) -> float:
+    """rounds_over_ideal of one step whose requests have these lengths: the FA3 split per request,
+    its tiles longest first in rounds of `sms`, each round as long as its longest tile, a partial
+    last round max(k / sms, 1 / f) of that. Equal lengths give rounds_over_ideal's value."""
+    blocks = np.maximum(np.ceil(np.asarray(lengths, dtype=float) / block_n), 1.0)
+    per_sm = np.ceil(blocks.sum() * 1.1 * kv_heads / sms)
+    splits = np.clip(np.ceil(blocks / per_sm), 1, max_splits).astype(np.int64)
+    tiles = np.sort(np.repeat(np.ceil(blocks / splits), splits * kv_heads))[::-1]
+    heads = tiles[::sms]  # each round's longest tile
+    last = len(tiles) - (len(heads) - 1) * sms
+    time = heads[:-1].sum() + heads[-1] * (1.0 if last == sms else max(last / sms, 1.0 / f))
+    return float(time / (blocks.sum() * kv_heads / sms))
+
+
+def request_lengths(quantiles: np.ndarray, num_reqs: int) -> np.ndarray:
+    """num_reqs lengths whose order statistics are the recorded ones (observe.step.context_quantiles'
+    ranks), linear between them."""
+    from dspark_calib.observe.step import CONTEXT_QUANTILES
+
+    ranks = np.rint(np.arange(CONTEXT_QUANTILES) * (num_reqs - 1) / (CONTEXT_QUANTILES - 1))
+    return np.interp(np.arange(num_reqs), ranks, quantiles)
+
+
 def decode_verifies(results: str, arm: str, table_path: str,
                     decide: set[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
     """An arm's decode verifies, split into the decide workloads and the rest
@@ -97,12 +126,24 @@ def decode_verifies(results: str, arm: str, table_path: str,
                      "num_reqs": n[keep], "num_tokens": tokens[keep], "profile_reqs": profile_reqs[keep],
                      "profile_context": (kv / np.maximum(profile_reqs, 1))[keep],
                      "context": c["context_mean"][keep].astype(float),
+                     "quantiles": c["context_quantiles"][keep],
                      "at_zero": (v_lo - (v_hi - v_lo) * lo / (hi - lo))[keep]}
     return out
 
 
-def wave_price(d: dict[str, np.ndarray], f: float, **hw: int) -> np.ndarray:
+def served_rounds(d: dict[str, np.ndarray], f: float, **hw: int) -> np.ndarray:
+    """rounds_over_ideal of each served step: of its requests' recorded lengths where observe
+    recorded their order statistics, else of num_reqs requests at the mean."""
+    from dspark_calib.observe.step import ABSENT
+
     served = rounds_over_ideal(d["num_reqs"], d["context"], f, **hw)
+    for i in np.flatnonzero(d["quantiles"][:, 0] != ABSENT):
+        served[i] = rounds_over_ideal_lengths(request_lengths(d["quantiles"][i], int(d["num_reqs"][i])), f, **hw)
+    return served
+
+
+def wave_price(d: dict[str, np.ndarray], f: float, **hw: int) -> np.ndarray:
+    served = served_rounds(d, f, **hw)
     profiled = rounds_over_ideal(d["profile_reqs"], d["profile_context"], f, **hw)
     return d["at_zero"] + (d["priced"] - d["at_zero"]) * served / profiled
 
@@ -130,7 +171,7 @@ def analyse(arms: dict[str, tuple[str, str, str]], decide_arm: str, decide: set[
         d = {k: np.concatenate([h[k] for h in held.values()]) for k in next(iter(held.values()))}
         wave = wave_price(d, f, **hw)
         ctx = pow2_bucket(d["context"].astype(np.int64), CONTEXT_FLOOR)
-        fill = 1.0 / rounds_over_ideal(d["num_reqs"], d["context"], 1.0, **hw)
+        fill = 1.0 / served_rounds(d, 1.0, **hw)
         fill_bucket = np.searchsorted(np.asarray(FILL_EDGES), fill, side="right")
         fills += [{"arm": name, "context_bucket": bucket_label(int(cb), CONTEXT_FLOOR), "round_fill": label,
                    "steps": int(sel.sum()), "priced": ErrorStats.of(d["priced"][sel], d["measured"][sel]).to_dict()}

@@ -36,6 +36,34 @@ def test_the_rounds_follow_fa3s_split_rule_by_hand(wp):
     assert wp.rounds_over_ideal(reqs[:1], ctx[:1], 1e9, **HW)[0] == pytest.approx((1 + 12 / 132) / (1800 * 8 / 132) * 100)
 
 
+def test_requests_of_their_own_lengths_by_hand_and_equal_ones_as_the_mean(wp):
+    for n in (1, 8, 14, 18, 32, 40, 256):
+        equal = wp.rounds_over_ideal_lengths(np.full(n, 12800.0), 1.8, **HW)
+        assert equal == pytest.approx(wp.rounds_over_ideal(np.array([n]), np.array([12800.0]), 1.8, **HW)[0])
+    # 16 requests of 12800 (100 blocks) and 16 of 1280 (10): 1760 blocks, 118 an SM: no split;
+    # 256 tiles, the 128 long ones first: round 1 (132 tiles) as long as 100 blocks, round 2 (124
+    # tiles, part full: max(124 / 132, 1 / 2)) as long as its longest, 10
+    lengths = np.array([12800.0] * 16 + [1280.0] * 16)
+    assert wp.rounds_over_ideal_lengths(lengths, 2.0, **HW) == pytest.approx((100 + 10 * 124 / 132) / (1760 * 8 / 132))
+    # the recorded order statistics stand for the requests: 9 values for 32 requests, linear between
+    q = np.array([1280, 1280, 1280, 1280, 1280, 12800, 12800, 12800, 12800])
+    got = wp.request_lengths(q, 32)
+    assert len(got) == 32 and got[0] == 1280 and got[-1] == 12800 and got[15] == 1280 and got[20] == 12800
+
+
+def test_a_step_that_recorded_its_lengths_is_priced_by_them(wp):
+    from dspark_calib.observe.step import ABSENT
+
+    d = {"priced": np.array([10.0, 10.0]), "at_zero": np.array([4.0, 4.0]), "num_reqs": np.array([32, 32]),
+         "context": np.array([7040.0, 7040.0]), "profile_reqs": np.array([32, 32]),
+         "profile_context": np.array([7040.0, 7040.0]),
+         "quantiles": np.array([[ABSENT] * 9, [1280] * 5 + [12800] * 4])}
+    priced = wp.wave_price(d, 2.0, **HW)
+    assert priced[0] == pytest.approx(10.0)  # the mean, and the profile's shape at it: as priced
+    # the long requests' tiles set the rounds: dearer than 32 requests at the mean
+    assert priced[1] > 10.5
+
+
 def test_f_is_chosen_on_the_decide_workload_and_the_held_out_shape_residual_falls(wp, tmp_path):
     """The serving-state run's stock arm decides f on ctx3k; its ctx12k / mix steps and the 0742
     run's stock arm are held out: their 8192-16383 decode verifies of 0.5-0.9 of R(N) requests,
