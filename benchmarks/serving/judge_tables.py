@@ -128,9 +128,9 @@ def pair_errors(table: Any, observed: Any) -> list[dict[str, Any]]:
     bucket = np.searchsorted(np.asarray(PAIR_EDGES_M) * 1e6, observed.columns["prefill_pairs"], side="right")
     predicted = np.asarray(p.predicted["verify_prefill"][AWARE], dtype=float)
     measured = np.asarray(observed.columns["forward_ms"], dtype=float)
-    return [{"pairs": label, "steps": int((keep & (bucket == b)).sum()),
-             "context_aware": ErrorStats.of(predicted[keep & (bucket == b)], measured[keep & (bucket == b)]).to_dict()}
-            for b, label in enumerate(PAIR_LABELS) if (keep & (bucket == b)).any()]
+    return [{"pairs": label, "steps": int(sel.sum()),
+             "context_aware": ErrorStats.of(predicted[sel], measured[sel]).to_dict()}
+            for b, label in enumerate(PAIR_LABELS) for sel in [keep & (bucket == b)] if sel.any()]
 
 
 def speculator_mismatch(fp: dict[str, Any], arm_json: dict[str, Any]) -> str | None:

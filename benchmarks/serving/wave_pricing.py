@@ -14,7 +14,7 @@ splits into ceil(blocks / blocks_per_sm) pieces, blocks_per_sm = ceil(1.1 x tota
 request x KV-head x split tiles run in rounds over the SMs. A step with a few more tiles than SMs
 (18 requests x 8 KV heads = 144 on 132 SMs, no split) needs a second round for 12 tiles; the
 profile's R(N) requests at the same KV read fill their rounds. The model, per step, with
-uniform request lengths (observe records the mean, not each request's):
+uniform request lengths where the step recorded only their mean:
 
 * tiles, tile length and rounds as above; a last round of k < SMs tiles takes max(k / SMs, 1 / f)
   of a full one: a lone SM streams at most f times its fair share of HBM (f = 1: a whole round,
@@ -87,12 +87,11 @@ def rounds_over_ideal_lengths(lengths: np.ndarray, f: float, *, kv_heads: int, s
 
 
 def request_lengths(quantiles: np.ndarray, num_reqs: int) -> np.ndarray:
-    """num_reqs lengths whose order statistics are the recorded ones (observe.step.context_quantiles'
-    ranks), linear between them."""
-    from dspark_calib.observe.step import CONTEXT_QUANTILES
+    """num_reqs lengths whose order statistics are the recorded ones (at observe.step.quantile_ranks),
+    linear between them."""
+    from dspark_calib.observe.step import quantile_ranks
 
-    ranks = np.rint(np.arange(CONTEXT_QUANTILES) * (num_reqs - 1) / (CONTEXT_QUANTILES - 1))
-    return np.interp(np.arange(num_reqs), ranks, quantiles)
+    return np.interp(np.arange(num_reqs), quantile_ranks(num_reqs), quantiles)
 
 
 def decode_verifies(results: str, arm: str, table_path: str,

@@ -311,9 +311,13 @@ def _m_1_5_to_1_6(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np
 @migration("1.6", "1.7")
 def _m_1_6_to_1_7(cols: dict[str, np.ndarray], meta: dict) -> tuple[dict[str, np.ndarray], dict]:
     """1.7 added the requests' context order statistics per step: a 1.6 engine recorded none."""
-    rows = len(cols["step"])
-    return {**cols, "context_quantiles": np.full((rows, CONTEXT_QUANTILES), ABSENT, dtype=np.int64)}, \
-        {**meta, "schema_version": "1.7"}
+    return {**cols, "context_quantiles": _unrecorded_quantiles(len(cols["step"]))}, {**meta, "schema_version": "1.7"}
+
+
+def _unrecorded_quantiles(rows: int) -> np.ndarray:
+    """A context_quantiles column of rows none of which recorded them: ABSENT, CONTEXT_QUANTILES wide
+    (a list column of nulls alone reads one wide)."""
+    return np.full((rows, CONTEXT_QUANTILES), ABSENT, dtype=np.int64)
 
 
 def _null_floats(cols: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -370,7 +374,7 @@ def _read_one(path: str, rows_left: int) -> tuple[dict[str, np.ndarray], dict[st
         cols[name] = values
     quantiles = cols.get("context_quantiles")
     if quantiles is not None and quantiles.shape[1] != CONTEXT_QUANTILES and (quantiles[:, 0] == ABSENT).all():
-        cols["context_quantiles"] = np.full((len(quantiles), CONTEXT_QUANTILES), ABSENT, dtype=np.int64)  # none recorded
+        cols["context_quantiles"] = _unrecorded_quantiles(len(quantiles))
     cols, meta, _ = MIGRATIONS.apply(cols, meta, shown)
     missing = [name for name in COLUMNS if name not in cols]
     if missing:

@@ -191,12 +191,17 @@ def row_problem(r: dict[str, Any]) -> str | None:
     return estimator_problem(*(r[name] for name in ESTIMATOR))
 
 
+def quantile_ranks(num_reqs: int) -> np.ndarray:
+    """The ranks (0-based, in sorted order) of a step's num_reqs requests that context_quantiles
+    records: round(i (n - 1) / (CONTEXT_QUANTILES - 1)) for i = 0 .. CONTEXT_QUANTILES - 1."""
+    return np.rint(np.arange(CONTEXT_QUANTILES) * (num_reqs - 1) / (CONTEXT_QUANTILES - 1)).astype(np.intp)
+
+
 def context_quantiles(computed: np.ndarray) -> tuple[int, ...]:
     """The CONTEXT_QUANTILES order statistics of a step's per-request computed tokens (at least
-    one request): sorted, the ones at ranks round(i (n - 1) / (CONTEXT_QUANTILES - 1))."""
+    one request): sorted, the ones at quantile_ranks."""
     ordered = np.sort(np.asarray(computed, dtype=np.int64))
-    ranks = np.rint(np.arange(CONTEXT_QUANTILES) * (len(ordered) - 1) / (CONTEXT_QUANTILES - 1)).astype(np.intp)
-    return tuple(int(v) for v in ordered[ranks])
+    return tuple(int(v) for v in ordered[quantile_ranks(len(ordered))])
 
 
 def quantiles_problem(q: np.ndarray, num_reqs: np.ndarray, context_sum: np.ndarray,
